@@ -1,0 +1,172 @@
+"""Client library of the router, used by the rollout ranks (async) and by ``launch`` (status).
+
+Each client owns one DEALER socket. Results are matched to requests by id. If the router's address
+file changes (the router restarted), the client reconnects and resends every outstanding request;
+the router answers duplicates once, so callers see exactly one Result per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from toolkit import protocol as P
+from toolkit.errors import RouterUnavailable
+from toolkit.rundir import RunDir, read_json
+
+logger = logging.getLogger(__name__)
+
+_T_RESULT = P.TYPE_OF[P.Result]
+_T_ROUTE = P.TYPE_OF[P.Route]
+_T_STEP = P.TYPE_OF[P.StepBegin]
+_T_STATUS = P.TYPE_OF[P.Status]
+
+
+def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.connect(address)
+    return s
+
+
+class RouterClient:
+    def __init__(self, run_dir: RunDir, watch_interval_s: float = 0.5) -> None:
+        self.run_dir = run_dir
+        self.watch_interval_s = watch_interval_s
+        self.ctx = zmq.asyncio.Context()
+        self.sock: zmq.asyncio.Socket | None = None
+        self.address = ""
+        self.pending: dict[str, tuple[P.Generate, asyncio.Future[tuple[P.Result, P.Route | None]]]] = {}
+        self.step_acks: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self.status_waiters: list[asyncio.Future[P.Status]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.reconnects = 0
+
+    async def connect(self, timeout_s: float = 60.0) -> None:
+        info = await asyncio.to_thread(self.run_dir.wait_router_address, timeout_s)
+        self._connect(info["frontend"])
+        self._tasks = [asyncio.create_task(self._receive(), name="client-recv"),
+                       asyncio.create_task(self._watch(), name="client-watch")]
+
+    def _connect(self, address: str) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = _dealer(self.ctx, address)  # type: ignore[arg-type]
+        self.address = address
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.sock is not None:
+            self.sock.close(0)
+        self.ctx.term()
+
+    async def _send(self, msg: P.Message) -> None:
+        assert self.sock is not None, "connect() first"
+        await self.sock.send_multipart(P.encode(msg))
+
+    async def generate(self, msg: P.Generate) -> tuple[P.Result, P.Route | None]:
+        """Submit one request; returns its Result and the router's Route facts (None for cached)."""
+        fut: asyncio.Future[tuple[P.Result, P.Route | None]] = asyncio.get_running_loop().create_future()
+        self.pending[msg.request_id] = (msg, fut)
+        try:
+            await self._send(msg)
+            return await fut
+        finally:
+            self.pending.pop(msg.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        await self._send(P.Abort(request_id))
+
+    async def step_begin(self, job: str, step: int, n_sessions: int, timeout_s: float = 30.0) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.step_acks[(job, step)] = fut
+        msg = P.StepBegin(job, step, n_sessions)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                await self._send(msg)
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), 1.0)
+                    return
+                except asyncio.TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RouterUnavailable(f"router did not acknowledge step {step} of {job}") from None
+        finally:
+            self.step_acks.pop((job, step), None)
+
+    async def session_done(self, job: str, step: int, session_id: str) -> None:
+        await self._send(P.SessionDone(job, step, session_id))
+
+    async def _receive(self) -> None:
+        while True:
+            sock = self.sock
+            assert sock is not None
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                if sock is not self.sock:
+                    continue  # replaced by a reconnect
+                raise
+            except asyncio.CancelledError:
+                raise
+            mtype = frames[0]
+            try:
+                if mtype == _T_RESULT:
+                    res = P.decode_as(P.Result, frames[1])
+                    route = P.decode_as(P.Route, frames[3]) if len(frames) >= 4 and frames[2] == _T_ROUTE else None
+                    entry = self.pending.get(res.request_id)
+                    if entry is not None and not entry[1].done():
+                        entry[1].set_result((res, route))
+                elif mtype == _T_STEP:
+                    ack = P.decode_as(P.StepBegin, frames[1])
+                    waiter = self.step_acks.get((ack.job, ack.step))
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(None)
+                elif mtype == _T_STATUS:
+                    st = P.decode_as(P.Status, frames[1])
+                    for w in self.status_waiters:
+                        if not w.done():
+                            w.set_result(st)
+                    self.status_waiters.clear()
+            except P.ProtocolError as exc:
+                logger.warning("dropped a bad message from the router: %s", exc)
+
+    async def _watch(self) -> None:
+        """Follow the router to a new address and resend what it has not answered."""
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            info = await asyncio.to_thread(read_json, self.run_dir.router_address)
+            if info and info["frontend"] != self.address:
+                self.reconnects += 1
+                logger.warning("router moved to %s; resending %d outstanding request(s)",
+                               info["frontend"], len(self.pending))
+                self._connect(info["frontend"])
+                for msg, fut in list(self.pending.values()):
+                    if not fut.done():
+                        await self._send(msg)
+
+
+def router_status(address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None) -> P.Status | None:
+    """Blocking status query (used by ``launch`` while it waits for readiness)."""
+    ctx = ctx or zmq.Context.instance()
+    s = _dealer(ctx, address)
+    try:
+        s.send_multipart(P.encode(P.StatusRequest()))
+        if s.poll(int(timeout_s * 1000)):
+            frames = s.recv_multipart()
+            if frames[0] == _T_STATUS:
+                return P.decode_as(P.Status, frames[1])
+        return None
+    finally:
+        s.close(0)

@@ -1,0 +1,77 @@
+"""The interface every cluster backend implements, and the components it hands back."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+from toolkit.config import Config
+from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes
+from toolkit.rundir import RunDir
+
+logger = logging.getLogger(__name__)
+
+
+class Component(ABC):
+    """One started thing (a job, a process group) that the run owns and must stop."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @abstractmethod
+    def state(self) -> str:
+        """A short human-readable state (RUNNING, FINISHED, exit code...)."""
+
+    @abstractmethod
+    def exit_code(self) -> int | None:
+        """None while running."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Ask it to stop (returns at once)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop it now."""
+
+    @abstractmethod
+    def refs(self) -> list[ProcessRef]:
+        """The processes this component started directly (for the by-pid teardown)."""
+
+
+class Cluster(ABC):
+    def __init__(self, cfg: Config, run_dir: RunDir, owner: ProcessRef) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.owner = owner
+        self.components: list[Component] = []
+
+    @abstractmethod
+    def start_router(self) -> Component: ...
+
+    @abstractmethod
+    def start_replica(self, group: str, index: int) -> Component: ...
+
+    @abstractmethod
+    def start_ranks(self, n: int) -> Component: ...
+
+    def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:
+        """Cancel every component, then stop by pid whatever is left; returns survivors (none)."""
+        import time
+
+        for c in self.components:
+            if c.alive():
+                c.cancel()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(c.alive() for c in self.components):
+            time.sleep(0.05)
+        for c in self.components:
+            if c.alive():
+                logger.warning("%s did not stop in %.0fs; killing it", c.name, grace_s)
+                c.kill()
+        refs = [r for c in self.components for r in c.refs()] + read_pidfiles(self.run_dir.pids)
+        refs = [r for r in refs if r.pid != self.owner.pid]
+        return stop_processes(refs, grace_s=2.0)

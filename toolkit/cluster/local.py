@@ -1,0 +1,133 @@
+"""``cluster=local``: the router and replicas as submitit LocalExecutor jobs, ranks under mpiexec."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from toolkit import router
+from toolkit.cluster.base import Cluster, Component
+from toolkit.engine import replica
+from toolkit.errors import ComponentFailed
+from toolkit.lifecycle import ProcessRef
+
+
+class SubmititComponent(Component):
+    def __init__(self, name: str, job: Any) -> None:
+        super().__init__(name)
+        self.job = job
+        proc = getattr(job, "_process", None)
+        self._ref = ProcessRef.of(proc.pid, name) if proc is not None else None
+
+    def alive(self) -> bool:
+        return self.job.state == "RUNNING"
+
+    def state(self) -> str:
+        return f"{self.job.state} (job {self.job.job_id})"
+
+    def exit_code(self) -> int | None:
+        proc = getattr(self.job, "_process", None)
+        return None if proc is None else proc.poll()
+
+    def cancel(self) -> None:
+        # submitit's local controller forwards SIGTERM to its task and exits when the task has;
+        # its own cancel() sends SIGINT, which prints a KeyboardInterrupt trace from the controller.
+        proc = getattr(self.job, "_process", None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        proc = getattr(self.job, "_process", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def refs(self) -> list[ProcessRef]:
+        return [self._ref] if self._ref is not None else []
+
+
+class ProcessGroupComponent(Component):
+    """A process started in its own session (mpiexec and its ranks); stopped as a group by its pid."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        super().__init__(name)
+        self.proc = proc
+        self._ref = ProcessRef.of(proc.pid, name)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def state(self) -> str:
+        code = self.proc.poll()
+        return "RUNNING" if code is None else f"exited {code}"
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the group we created with start_new_session
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def cancel(self) -> None:
+        self._signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(timeout=5)
+
+    def refs(self) -> list[ProcessRef]:
+        return [self._ref]
+
+
+def find_mpiexec(configured: str | None) -> str:
+    if configured:
+        return configured
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise ComponentFailed("no mpiexec found beside Python or on PATH; `pip install mpich` or set cluster.mpiexec")
+    return found
+
+
+class LocalCluster(Cluster):
+    def _executor(self, name: str) -> submitit.LocalExecutor:
+        ex = submitit.LocalExecutor(folder=self.run_dir.logs / "submitit" / name)
+        ex.update_parameters(timeout_min=self.cfg.cluster.job_timeout_min)
+        return ex
+
+    def _submit(self, name: str, fn: Any, *args: Any) -> Component:
+        job = self._executor(name).submit(fn, *args)
+        comp = SubmititComponent(name, job)
+        self.components.append(comp)
+        return comp
+
+    def start_router(self) -> Component:
+        return self._submit("router", router.serve, str(self.run_dir.root), self.owner)
+
+    def start_replica(self, group: str, index: int) -> Component:
+        return self._submit(f"replica-{group}-{index}", replica.serve, str(self.run_dir.root), group, index,
+                            self.owner)
+
+    def start_ranks(self, n: int) -> Component:
+        cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",
+               "toolkit.rollout.worker", str(self.run_dir.root),
+               "--owner", f"{self.owner.pid}:{self.owner.start}"]
+        log = open(self.run_dir.logs / "ranks.out", "ab")  # noqa: SIM115 - owned by the child
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            log.close()
+        comp = ProcessGroupComponent("ranks", proc)
+        self.components.append(comp)
+        return comp

@@ -1,0 +1,227 @@
+"""``sim``: a simulator of a continuous-batching LLM engine, for CPU runs, tests and policy sweeps.
+
+It is a named simulator, not a model: tokens are pseudo-random ids, seeded by the prompt (or the
+request's sampling seed), so the same request always gets the same tokens and logprobs.
+
+Time model (one decode step emits one token for every running sequence). Decoding is memory-bound:
+a step reads all weights plus every running sequence's KV cache from device memory::
+
+    step = overhead + (weight_bytes + sum(context_len) * kv_bytes_per_token) / (bandwidth * tp_speedup)
+    tp_speedup = 1 + (tensor_parallel_size - 1) * tp_efficiency
+
+With the defaults (8B bf16 = 16 GB of weights, 128 KiB of KV per token, 4.3 TB/s as an H200
+measures for device copies) that is about 3.7 ms plus about 0.06 ms per running sequence at 2k
+context. Newly admitted sequences add ``uncached_prompt_tokens / prefill_tokens_per_s`` to the step
+(prefill is compute-bound: ~16 GFLOP per token for 8B at ~50% of ~1 PFLOP/s gives ~30k tokens/s).
+An LRU cache over ``block_size``-token blocks (chained hashes, as vLLM's prefix caching) decides
+how many prompt tokens are cached. Output lengths are lognormal (median ``output_len_median``,
+sigma ``output_len_sigma``) cut at ``max_tokens`` and ``max_model_len``: the heavy tail of RL
+rollouts. ``time_scale`` multiplies every duration (tests run at 0.05-0.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from toolkit.config import SimEngineConfig
+from toolkit.engine.base import Engine, EngineInfo, EngineStats
+from toolkit.protocol import Generate, Result
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixCache:
+    """LRU over prompt blocks; a block counts as cached only if every block before it is."""
+
+    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+        self.block_size = block_size
+        self.capacity = max(1, capacity_tokens // block_size)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        bs = self.block_size
+        out, h = [], 0
+        for i in range(0, len(tokens) - bs + 1, bs):
+            h = hash((h, tuple(tokens[i : i + bs])))
+            out.append(h)
+        return out
+
+    def match(self, tokens: list[int]) -> int:
+        """Tokens at the start of ``tokens`` already cached (at least one token is always computed)."""
+        n = 0
+        for h in self._hashes(tokens[:-1]):
+            if h not in self.blocks:
+                break
+            self.blocks.move_to_end(h)
+            n += 1
+        return n * self.block_size
+
+    def insert(self, tokens: list[int]) -> None:
+        for h in self._hashes(tokens):
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
+class _Seq:
+    __slots__ = ("req", "future", "tokens", "logprobs", "finish", "produced", "cached")
+
+    def __init__(self, req: Generate, future: asyncio.Future[Result], tokens: list[int],
+                 logprobs: list[float], finish: str) -> None:
+        self.req = req
+        self.future = future
+        self.tokens = tokens
+        self.logprobs = logprobs
+        self.finish = finish
+        self.produced = 0
+        self.cached = 0
+
+
+def plan_output(cfg: SimEngineConfig, req: Generate) -> tuple[list[int], list[float], str]:
+    """The tokens, logprobs and finish reason this request will get: a pure function of the request."""
+    prompt = req.prompt_token_ids
+    seed_material = np.asarray(prompt, dtype=np.int64).tobytes() + str(req.sampling.seed).encode()
+    seed = int.from_bytes(hashlib.blake2b(seed_material, digest_size=8).digest(), "little")
+    rng = np.random.default_rng(seed)
+    natural = max(1, math.ceil(rng.lognormal(math.log(cfg.output_len_median), cfg.output_len_sigma)))
+    budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
+    n = min(natural, budget)
+    finish = "stop" if natural <= budget else "length"
+    tokens = rng.integers(1, cfg.vocab_size, size=n).tolist()
+    logprobs = (-rng.exponential(0.7, size=n)).astype(np.float32).tolist()
+    return tokens, logprobs, finish
+
+
+class SimEngine(Engine):
+    def __init__(self, cfg: SimEngineConfig) -> None:
+        self.cfg = cfg
+        self.cache = PrefixCache(cfg.block_size, cfg.kv_cache_tokens)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.by_id: dict[str, _Seq] = {}
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        tp = cfg.tensor_parallel_size
+        self._speedup = 1 + (tp - 1) * cfg.tp_efficiency
+        self.steps = 0
+
+    def step_time(self, context_tokens: int, prefill_tokens: int = 0) -> float:
+        """Modelled seconds of one step (before ``time_scale``)."""
+        c = self.cfg
+        read = c.weight_bytes + context_tokens * c.kv_bytes_per_token
+        return c.step_overhead_s + read / (c.hbm_bandwidth * self._speedup) + prefill_tokens / (
+            c.prefill_tokens_per_s * self._speedup
+        )
+
+    async def start(self) -> EngineInfo:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+        return EngineInfo(self.cfg.model, self.cfg.max_model_len, self.cfg.vocab_size)
+
+    async def generate(self, req: Generate) -> Result:
+        prompt = req.prompt_token_ids
+        if not prompt or len(prompt) > self.cfg.max_model_len or min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
+            return Result(request_id=req.request_id, status="client_error",
+                          error=f"prompt of {len(prompt)} tokens outside limits (max_model_len "
+                                f"{self.cfg.max_model_len}, vocab {self.cfg.vocab_size})")
+        tokens, logprobs, finish = plan_output(self.cfg, req)
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        seq = _Seq(req, future, tokens, logprobs, finish)
+        self.by_id[req.request_id] = seq
+        self.waiting.append(seq)
+        self._wake.set()
+        try:
+            return await future
+        finally:
+            self.by_id.pop(req.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self.by_id.get(request_id)
+        if seq is None or seq.future.done():
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, "cancelled", "abort")
+
+    def stats(self) -> EngineStats:
+        ctx = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
+        return EngineStats(
+            running=len(self.running),
+            waiting=sum(1 for s in self.waiting if not s.future.done()),
+            kv_usage=min(1.0, ctx / self.cfg.kv_cache_tokens),
+            prefix_hits=self.prefix_hits,
+            prefix_queries=self.prefix_queries,
+        )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for seq in list(self.running) + list(self.waiting):
+            if not seq.future.done():
+                seq.future.set_result(Result(request_id=seq.req.request_id, status="engine_dead",
+                                             error="engine closed"))
+
+    def _finish(self, seq: _Seq, status: str, finish: str) -> None:
+        n = seq.produced
+        self.cache.insert(seq.req.prompt_token_ids + seq.tokens[:n])
+        if not seq.future.done():
+            seq.future.set_result(Result(
+                request_id=seq.req.request_id, status=status, output_token_ids=seq.tokens[:n],
+                logprobs=seq.logprobs[:n] if seq.req.sampling.logprobs else [], finish_reason=finish,
+                cached_tokens=seq.cached,
+            ))
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scale = self.cfg.time_scale
+        next_t = loop.time()
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                next_t = loop.time()
+            prefill = 0
+            while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+                seq = self.waiting.popleft()
+                if seq.future.done():
+                    continue
+                prompt = seq.req.prompt_token_ids
+                seq.cached = self.cache.match(prompt)
+                self.prefix_queries += len(prompt)
+                self.prefix_hits += seq.cached
+                prefill += len(prompt) - seq.cached
+                self.running.append(seq)
+            context = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
+            next_t += self.step_time(context, prefill) * scale
+            delay = next_t - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                # Behind schedule (a busy CPU): yield, and forgive debt beyond 50 ms so the model
+                # does not burst to catch up.
+                await asyncio.sleep(0)
+                next_t = max(next_t, loop.time() - 0.05)
+            self.steps += 1
+            still = []
+            for seq in self.running:
+                if seq.future.done():
+                    continue
+                if seq.produced < len(seq.tokens):
+                    seq.produced += 1
+                if seq.produced >= len(seq.tokens):
+                    self._finish(seq, "ok", seq.finish)
+                else:
+                    still.append(seq)
+            self.running = still

@@ -1,0 +1,138 @@
+"""Process lifecycles: pid files, an owner watchdog, logging setup, and stopping by pid.
+
+Every component writes ``pids/<name>.pid`` (pid and kernel start time, so a recycled pid is never
+signalled). Teardown and tests stop exactly those processes; nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel start time of a process (clock ticks since boot), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22, counted after the parenthesised command name, which may itself contain spaces.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+@dataclass(frozen=True)
+class ProcessRef:
+    pid: int
+    start: int | None
+    name: str = ""
+
+    @classmethod
+    def of(cls, pid: int, name: str = "") -> ProcessRef:
+        return cls(pid, start_time(pid), name)
+
+    @classmethod
+    def self(cls, name: str = "") -> ProcessRef:
+        return cls.of(os.getpid(), name)
+
+    def alive(self) -> bool:
+        now = start_time(self.pid)
+        return now is not None and (self.start is None or now == self.start)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def encode(self) -> str:
+        return json.dumps({"pid": self.pid, "start": self.start, "name": self.name})
+
+    @classmethod
+    def decode(cls, text: str) -> ProcessRef:
+        d = json.loads(text)
+        return cls(int(d["pid"]), d.get("start"), d.get("name", ""))
+
+
+def write_pidfile(pid_dir: Path, name: str) -> ProcessRef:
+    ref = ProcessRef.self(name)
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"{name}.{ref.pid}.pid").write_text(ref.encode())
+    return ref
+
+
+def read_pidfiles(pid_dir: Path) -> list[ProcessRef]:
+    refs = []
+    for p in sorted(pid_dir.glob("*.pid")):
+        try:
+            refs.append(ProcessRef.decode(p.read_text()))
+        except (OSError, ValueError, KeyError):
+            logger.warning("unreadable pid file %s", p)
+    return refs
+
+
+def stop_processes(refs: list[ProcessRef], grace_s: float = 5.0) -> list[ProcessRef]:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns those still alive at the end (should be none)."""
+    live = [r for r in refs if r.alive()]
+    for r in live:
+        r.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        time.sleep(0.05)
+        live = [r for r in live if r.alive()]
+    for r in live:
+        logger.warning("process %s (%s) ignored SIGTERM; killing it", r.pid, r.name)
+        r.signal(signal.SIGKILL)
+    deadline = time.monotonic() + 2.0
+    while live and time.monotonic() < deadline:
+        time.sleep(0.02)
+        live = [r for r in live if r.alive()]
+    return live
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so ``finally`` blocks close sockets and engines."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def watch_owner(owner: ProcessRef | None, interval_s: float = 1.0) -> None:
+    """Exit this process (via SIGTERM to itself) once ``owner`` is gone: no orphan outlives a run."""
+    if owner is None:
+        return
+
+    def loop() -> None:
+        while owner.alive():
+            time.sleep(interval_s)
+        logger.warning("owner process %s is gone; exiting", owner.pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=loop, name="owner-watchdog", daemon=True).start()
+
+
+def setup_logging(log_file: Path | None = None, level: int = logging.INFO) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+        handlers=handlers,
+        force=True,
+    )

@@ -1,0 +1,170 @@
+"""Wire protocol: msgspec Structs in two frames, ``[type byte, msgpack payload]``; no pickle.
+
+Clients (rollout ranks, launch) talk to the router's frontend ROUTER socket through a DEALER; replicas
+talk to its backend ROUTER socket through a DEALER whose routing id is the replica id. A Result the
+router forwards to a client carries a third frame, a :class:`Route` with the router's timings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from toolkit.errors import ToolkitError
+
+STATUSES: Final = ("ok", "client_error", "engine_dead", "timeout", "cancelled", "adapter_missing")
+
+
+class Message(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Base of every wire message."""
+
+
+class Sampling(Message, frozen=True):
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: bool = True
+
+
+class Register(Message):
+    replica_id: str
+    group: str
+    labels: dict[str, str] = {}
+    model: str = ""
+    max_inflight: int = 64
+    max_model_len: int = 8192
+    vocab_size: int = 32000
+
+
+class Heartbeat(Message):
+    replica_id: str
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+    weight_version: int = 0
+
+
+class Generate(Message):
+    request_id: str
+    job: str = ""
+    session_id: str = ""
+    step: int = -1
+    prompt_token_ids: list[int] = []
+    sampling: Sampling = Sampling()
+    group: str | None = None
+    lora: str | None = None
+    deadline: float = 0.0
+    """Absolute time.time() after which the request fails as ``timeout``; 0 = none."""
+    model: str = ""
+
+
+class Result(Message):
+    request_id: str
+    status: str = "ok"
+    output_token_ids: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: str = ""
+    replica_id: str = ""
+    group: str = ""
+    cached_tokens: int = 0
+    weight_version: int = 0
+    error: str = ""
+
+
+class Route(Message):
+    """Router-side facts about one request, sent beside its Result."""
+
+    queue_s: float = 0.0
+    dispatched_at: float = 0.0
+    dispatches: int = 0
+
+
+class Abort(Message):
+    request_id: str
+
+
+class StepBegin(Message):
+    job: str
+    step: int
+    n_sessions: int
+
+
+class SessionDone(Message):
+    job: str
+    step: int
+    session_id: str
+
+
+class Reregister(Message):
+    """Router to replica: I do not know you (e.g. I restarted); send Register again."""
+
+    reason: str = ""
+
+
+class StatusRequest(Message):
+    pass
+
+
+class GroupStatus(Message):
+    registered: int = 0
+    ready: int = 0
+    inflight: int = 0
+
+
+class Status(Message):
+    groups: dict[str, GroupStatus] = {}
+    queued: int = 0
+    inflight: int = 0
+    completed: int = 0
+
+
+# One-byte type frames. Values are part of the wire protocol: never renumber.
+TYPE_OF: Final[dict[type[Message], bytes]] = {
+    Register: b"\x01",
+    Heartbeat: b"\x02",
+    Generate: b"\x03",
+    Result: b"\x04",
+    Abort: b"\x05",
+    StepBegin: b"\x06",
+    SessionDone: b"\x07",
+    Reregister: b"\x08",
+    StatusRequest: b"\x09",
+    Status: b"\x0a",
+    Route: b"\x0b",
+}
+CLASS_OF: Final[dict[bytes, type[Message]]] = {v: k for k, v in TYPE_OF.items()}
+DECODERS: Final[dict[bytes, msgspec.msgpack.Decoder[Any]]] = {
+    t: msgspec.msgpack.Decoder(cls) for t, cls in CLASS_OF.items()
+}
+_encoder = msgspec.msgpack.Encoder()
+
+M = TypeVar("M", bound=Message)
+
+
+class ProtocolError(ToolkitError):
+    """A frame that is not a valid message of the protocol."""
+
+
+def encode(msg: Message) -> list[bytes]:
+    """The frames of one message: ``[type, payload]``."""
+    return [TYPE_OF[type(msg)], _encoder.encode(msg)]
+
+
+def decode(type_frame: bytes, payload: bytes) -> Message:
+    decoder = DECODERS.get(bytes(type_frame))
+    if decoder is None:
+        raise ProtocolError(f"unknown message type {bytes(type_frame)!r}; known: {sorted(CLASS_OF)}")
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad {CLASS_OF[bytes(type_frame)].__name__} payload: {exc}") from exc
+
+
+def decode_as(cls: type[M], payload: bytes) -> M:
+    msg = decode(TYPE_OF[cls], payload)
+    assert isinstance(msg, cls)
+    return msg

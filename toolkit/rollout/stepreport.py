@@ -1,0 +1,116 @@
+"""Per-request facts collected on each rank, and the step report rank 0 writes from them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toolkit.config import Config
+from toolkit.protocol import STATUSES, Result, Route
+from toolkit.rollout.columns import Columns
+from toolkit.rollout.sample import SAMPLE_STATUSES
+from toolkit.router.tail import flip_count
+from toolkit.rundir import atomic_write
+
+
+class RequestLog:
+    """One row per generation request of this rank's sessions (gathered as flat arrays)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, float, float, str, int, int, int, int]] = []
+
+    def add(self, res: Result, route: Route | None, prompt_len: int, latency_s: float) -> None:
+        self.rows.append((
+            latency_s,
+            route.queue_s if route else 0.0,
+            route.dispatched_at if route else 0.0,
+            res.group,
+            STATUSES.index(res.status) if res.status in STATUSES else len(STATUSES),
+            prompt_len,
+            res.cached_tokens,
+            len(res.output_token_ids),
+        ))
+
+    def columns(self, group_names: list[str]) -> Columns:
+        rows = self.rows
+        code = {g: i for i, g in enumerate(group_names)}
+        return {
+            "latency_s": np.array([r[0] for r in rows], dtype=np.float64),
+            "queue_s": np.array([r[1] for r in rows], dtype=np.float64),
+            "dispatched_at": np.array([r[2] for r in rows], dtype=np.float64),
+            "group": np.array([code.get(r[3], -1) for r in rows], dtype=np.int16),
+            "status": np.array([r[4] for r in rows], dtype=np.int8),
+            "prompt_tokens": np.array([r[5] for r in rows], dtype=np.int64),
+            "cached_tokens": np.array([r[6] for r in rows], dtype=np.int64),
+            "output_tokens": np.array([r[7] for r in rows], dtype=np.int64),
+        }
+
+
+def _pct(a: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(a, q)) if a.size else None
+
+
+def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns, group_names: list[str],
+                cfg: Config, flip: dict[str, Any] | None) -> dict[str, Any]:
+    gen = int(cols["generated_tokens"].sum())
+    by_group: dict[str, Any] = {}
+    for i, g in enumerate(group_names):
+        sel = req["group"] == i
+        prompt = int(req["prompt_tokens"][sel].sum())
+        by_group[g] = {
+            "requests": int(sel.sum()),
+            "prefix_hit_rate": (int(req["cached_tokens"][sel].sum()) / prompt) if prompt else None,
+        }
+    statuses = Counter(SAMPLE_STATUSES[c] for c in cols["status"].tolist())
+    req_status = Counter(STATUSES[c] if c < len(STATUSES) else "unknown" for c in req["status"].tolist())
+    prompt_all = int(req["prompt_tokens"].sum())
+    report: dict[str, Any] = {
+        "step": step,
+        "wall_s": wall_s,
+        "sessions": int(cols["index"].size),
+        "sessions_by_status": dict(statuses),
+        "requests": int(req["latency_s"].size),
+        "requests_by_status": dict(req_status),
+        "generated_tokens": gen,
+        "tokens_per_s": gen / wall_s if wall_s > 0 else None,
+        "reward_mean": float(cols["reward"].mean()) if cols["reward"].size else None,
+        "latency_s": {"p50": _pct(req["latency_s"], 50), "p99": _pct(req["latency_s"], 99)},
+        "queue_wait_s": {cfg.job: {"p50": _pct(req["queue_s"], 50), "p99": _pct(req["queue_s"], 99)}},
+        "prefix_hit_rate": (int(req["cached_tokens"].sum()) / prompt_all) if prompt_all else None,
+        "groups": by_group,
+        "flip": None,
+    }
+    if cfg.tail.threshold is not None:
+        expected = flip_count(cfg.tail.threshold, report["sessions"])
+        report["flip"] = {"expected_count": expected, "count": None, "time_s": None, "spillover": None}
+        if flip is not None:
+            t_flip = float(flip["time"])
+            after = req["dispatched_at"] >= t_flip
+            tail_code = group_names.index(cfg.tail.group)
+            n_after = int(after.sum())
+            report["flip"].update({
+                "count": int(flip["count"]),
+                "time_s": t_flip - t0,
+                "requests_before_by_group": {g: int(((req["group"] == i) & ~after).sum())
+                                             for i, g in enumerate(group_names)},
+                "requests_after_by_group": {g: int(((req["group"] == i) & after).sum())
+                                            for i, g in enumerate(group_names)},
+                "spillover": (int((after & (req["group"] != tail_code)).sum()) / n_after) if n_after else 0.0,
+            })
+    return report
+
+
+def write_step_report(path: Path, report: dict[str, Any]) -> None:
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return x
+
+    atomic_write(path, json.dumps(clean(report), indent=1))

@@ -1,0 +1,165 @@
+"""Replica choice within one group. Chosen by ``router.policy``; each policy is one class.
+
+Every policy sees only replicas with a free slot (``inflight < max_inflight``) and returns one, or
+None when the group is full. They keep O(replicas) work per decision at most.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from toolkit.config import POLICIES
+from toolkit.errors import ConfigError, FieldError
+
+
+@dataclass(eq=False)
+class Replica:
+    replica_id: str
+    identity: bytes
+    group: str
+    max_inflight: int
+    max_model_len: int
+    vocab_size: int
+    model: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    ready: bool = False
+    last_seen: float = 0.0
+    probe_sent_at: float = 0.0
+    inflight: dict[str, object] = field(default_factory=dict)
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+    weight_version: int = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.inflight)
+
+    @property
+    def free(self) -> bool:
+        return len(self.inflight) < self.max_inflight
+
+
+def _hash64(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class Policy(ABC):
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+
+    def update(self, replicas: list[Replica]) -> None:
+        """The group's ready replicas changed."""
+        self.replicas = replicas
+
+    @abstractmethod
+    def choose(self, session_id: str, group_load: int) -> Replica | None:
+        """Pick a replica with a free slot; ``group_load`` is the group's total in-flight count."""
+
+
+class LeastLoaded(Policy):
+    def choose(self, session_id: str, group_load: int) -> Replica | None:
+        best = None
+        best_load = 1 << 62
+        for r in self.replicas:
+            load = len(r.inflight)
+            if load < best_load and load < r.max_inflight:
+                best, best_load = r, load
+        return best
+
+
+class RoundRobin(Policy):
+    def __init__(self, replicas: list[Replica]) -> None:
+        super().__init__(replicas)
+        self._next = 0
+
+    def choose(self, session_id: str, group_load: int) -> Replica | None:
+        n = len(self.replicas)
+        for i in range(n):
+            r = self.replicas[(self._next + i) % n]
+            if r.free:
+                self._next = (self._next + i + 1) % n
+                return r
+        return None
+
+
+class PowerOfTwo(Policy):
+    def __init__(self, replicas: list[Replica], seed: int = 0) -> None:
+        super().__init__(replicas)
+        self._rng = random.Random(seed)
+
+    def choose(self, session_id: str, group_load: int) -> Replica | None:
+        free = self.replicas if len(self.replicas) <= 2 else self._rng.sample(self.replicas, 2)
+        cands = [r for r in free if r.free]
+        if not cands:
+            # The two samples were full; fall back to a scan so a free slot is never missed.
+            cands = [r for r in self.replicas if r.free]
+            if not cands:
+                return None
+        return min(cands, key=lambda r: len(r.inflight))
+
+
+class ConsistentHash(Policy):
+    """Consistent hashing on the session id with bounded loads (Mirrokni et al., 2018).
+
+    A session maps to the first replica clockwise on a ring of virtual nodes whose load is below
+    ``ceil(load_factor * (group_load + 1) / n)``: sessions stay on one replica (prefix cache) unless
+    that replica is overloaded, which plain consistent hashing lets happen.
+    """
+
+    VNODES = 64
+
+    def __init__(self, replicas: list[Replica], load_factor: float = 1.25) -> None:
+        self.load_factor = load_factor
+        self._ring: list[int] = []
+        self._owners: list[Replica] = []
+        super().__init__(replicas)
+        self.update(replicas)
+
+    def update(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+        points = sorted(
+            (_hash64(f"{r.replica_id}#{v}"), i) for i, r in enumerate(replicas) for v in range(self.VNODES)
+        )
+        self._ring = [p for p, _ in points]
+        self._owners = [replicas[i] for _, i in points]
+
+    def choose(self, session_id: str, group_load: int) -> Replica | None:
+        n = len(self.replicas)
+        if n == 0:
+            return None
+        bound = math.ceil(self.load_factor * (group_load + 1) / n)
+        start = bisect.bisect(self._ring, _hash64(session_id))
+        size = len(self._ring)
+        # Walking the whole ring when most replicas are full costs VNODES x n; after a few laps'
+        # worth of points, take the least-loaded free replica instead (same bound, O(n)).
+        for k in range(min(size, 4 * n)):
+            r = self._owners[(start + k) % size]
+            load = len(r.inflight)
+            if load < bound and load < r.max_inflight:
+                return r
+        best = None
+        for r in self.replicas:
+            load = len(r.inflight)
+            if load < bound and load < r.max_inflight and (best is None or load < len(best.inflight)):
+                best = r
+        return best
+
+
+def make_policy(name: str, replicas: list[Replica], load_factor: float = 1.25, seed: int = 0) -> Policy:
+    if name == "consistent_hash":
+        return ConsistentHash(replicas, load_factor)
+    if name == "least_loaded":
+        return LeastLoaded(replicas)
+    if name == "power_of_two":
+        return PowerOfTwo(replicas, seed)
+    if name == "round_robin":
+        return RoundRobin(replicas)
+    raise ConfigError([FieldError("router.policy", name, f"one of {list(POLICIES)}")])

@@ -1,0 +1,128 @@
+"""Requests waiting in the router, served fairly between jobs.
+
+Dispatch order: one request from each job in turn, starting with the job served longest ago; oldest
+first within a job. A request put back after its replica died goes to the front of its job's queue.
+Requests are bucketed by the group they explicitly ask for (None = the job's current group), so a
+full group never blocks a job's requests for another group.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+
+from toolkit.protocol import Generate
+
+
+class Request:
+    __slots__ = (
+        "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
+        "t_submit", "t_dispatch", "done", "dispatches",
+    )
+
+    def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
+        self.request_id = msg.request_id
+        self.msg = msg
+        self.payload = payload
+        self.client = client
+        self.job = job
+        self.seq = seq
+        self.deaths = 0
+        self.replica: str | None = None
+        self.t_submit = now
+        self.t_dispatch = 0.0
+        self.done = False
+        self.dispatches = 0
+
+
+class JobQueue:
+    __slots__ = ("name", "buckets", "size")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.buckets: dict[str | None, deque[Request]] = {}
+        self.size = 0
+
+    def push(self, req: Request, front: bool = False) -> None:
+        bucket = self.buckets.setdefault(req.msg.group, deque())
+        if front:
+            bucket.appendleft(req)
+        else:
+            bucket.append(req)
+        self.size += 1
+
+    def _clean_head(self, bucket: deque[Request]) -> Request | None:
+        while bucket and bucket[0].done:
+            bucket.popleft()
+            self.size -= 1
+        return bucket[0] if bucket else None
+
+    def pop_dispatchable(self, can_take: Callable[[Request], bool]) -> Request | None:
+        """Remove and return the oldest head request (over buckets) that ``can_take`` accepts."""
+        best: Request | None = None
+        best_bucket: deque[Request] | None = None
+        for bucket in self.buckets.values():
+            head = self._clean_head(bucket)
+            if head is None:
+                continue
+            # Put-back requests carry their original seq, so "oldest" stays the submission order.
+            if (best is None or head.seq < best.seq) and can_take(head):
+                best, best_bucket = head, bucket
+        if best is None or best_bucket is None:
+            return None
+        best_bucket.popleft()
+        self.size -= 1
+        return best
+
+    def __iter__(self) -> Iterator[Request]:
+        for bucket in self.buckets.values():
+            yield from (r for r in bucket if not r.done)
+
+
+class FairQueue:
+    def __init__(self) -> None:
+        # Ordered by last service: the first job is the one served longest ago.
+        self.jobs: OrderedDict[str, JobQueue] = OrderedDict()
+        self.size = 0
+
+    def push(self, req: Request, front: bool = False) -> None:
+        q = self.jobs.get(req.job)
+        if q is None:
+            q = self.jobs[req.job] = JobQueue(req.job)
+            # A new job has never been served: it goes first.
+            self.jobs.move_to_end(req.job, last=False)
+        q.push(req, front)
+        self.size += 1
+
+    def requeue_front(self, reqs: list[Request]) -> None:
+        """Put back requests in their original order at the front of their jobs' queues."""
+        for req in sorted(reqs, key=lambda r: r.seq, reverse=True):
+            self.push(req, front=True)
+
+    def discard(self, req: Request) -> None:
+        """Mark a queued request as gone; it is dropped lazily when it reaches a head."""
+        if not req.done:
+            req.done = True
+            self.size -= 1
+
+    def pop_round(self, can_take: Callable[[Request], bool]) -> Iterator[Request]:
+        """One pass over the jobs, longest-unserved first, yielding at most one request per job."""
+        for name in list(self.jobs):
+            q = self.jobs[name]
+            if q.size == 0:
+                continue
+            req = q.pop_dispatchable(can_take)
+            if req is None:
+                continue
+            self.size -= 1
+            # Served now: to the back of the line. Empty jobs keep their place in the order, so a
+            # job that submits one turn at a time is not treated as never served.
+            self.jobs.move_to_end(name)
+            yield req
+        if len(self.jobs) > 1024:
+            for name in [n for n, q in self.jobs.items() if q.size == 0]:
+                del self.jobs[name]
+
+    def __iter__(self) -> Iterator[Request]:
+        for q in list(self.jobs.values()):
+            yield from q

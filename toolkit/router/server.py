@@ -1,0 +1,423 @@
+"""The router process: a ZMQ ROUTER for clients (frontend) and one for replicas (backend).
+
+Requests wait here, not in engines: a replica holds at most ``max_inflight`` of them, so the tail
+flip still reaches every request that is not running yet. Exactly one Result goes back per request
+id: dead replicas put their requests back in the queue, a request in flight at ``max_engine_deaths``
+deaths fails as ``engine_dead``, client errors fail at once, duplicates get the cached Result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+import zmq
+
+from toolkit import protocol as P
+from toolkit.config import Config
+from toolkit.router.policy import Policy, Replica, make_policy
+from toolkit.router.queue import FairQueue, Request
+from toolkit.router.tail import TailTracker
+from toolkit.rundir import RunDir, atomic_write
+
+logger = logging.getLogger(__name__)
+
+PROBE_PREFIX = "__probe__:"
+_DRAIN = 4096
+_T_GENERATE = P.TYPE_OF[P.Generate]
+_T_RESULT = P.TYPE_OF[P.Result]
+_T_ROUTE = P.TYPE_OF[P.Route]
+_dec_generate = P.DECODERS[_T_GENERATE]
+_dec_result = P.DECODERS[_T_RESULT]
+_enc = P._encoder
+
+
+class Router:
+    def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self.rcfg = cfg.router
+        self.run_dir = run_dir
+        self.ctx = ctx or zmq.Context.instance()
+        self.frontend = self._socket()
+        self.backend = self._socket()
+        self.queue = FairQueue()
+        self.live: dict[str, Request] = {}
+        self.results: OrderedDict[str, bytes] = OrderedDict()
+        self.replicas: dict[bytes, Replica] = {}
+        self.by_id: dict[str, bytes] = {}
+        self.groups: dict[str | None, list[Replica]] = {None: []}
+        self.policies: dict[str | None, Policy] = {}
+        self.free: Counter[str | None] = Counter()
+        self.tail = TailTracker(run_dir, cfg.tail.threshold, cfg.tail.group)
+        self.known_groups = set(cfg.groups)
+        self.stats: Counter[str] = Counter()
+        self._seq = 0
+        self._probe_n = 0
+        self._pick: Replica | None = None
+        self._deadlines = 0
+        self.frontend_addr = ""
+        self.backend_addr = ""
+
+    def _socket(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        # The router queues requests itself; ZMQ must never drop a frame at a high-water mark.
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        return s
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def bind(self, host: str) -> dict[str, str]:
+        self.frontend.bind(f"tcp://{host}:*")
+        self.backend.bind(f"tcp://{host}:*")
+        self.frontend_addr = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backend_addr = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.tail.adopt_sentinels()
+        info = {"frontend": self.frontend_addr, "backend": self.backend_addr, "pid": str(os.getpid())}
+        atomic_write(self.run_dir.router_address, json.dumps(info))
+        logger.info("router listening: frontend %s backend %s", self.frontend_addr, self.backend_addr)
+        return info
+
+    def close(self) -> None:
+        self.frontend.close(0)
+        self.backend.close(0)
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        sweep_every = min(self.rcfg.heartbeat_s / 2, 0.25)
+        next_sweep = time.monotonic() + sweep_every
+        while not should_stop():
+            timeout_ms = max(0.0, (next_sweep - time.monotonic()) * 1000)
+            events = dict(poller.poll(timeout_ms))
+            if self.backend in events:
+                self._drain(self.backend, self._on_backend)
+            if self.frontend in events:
+                self._drain(self.frontend, self._on_frontend)
+            if time.monotonic() >= next_sweep:
+                self.sweep()
+                next_sweep = time.monotonic() + sweep_every
+            self.dispatch()
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes, bytes], None]) -> None:
+        for _ in range(_DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 3:
+                logger.warning("dropped a malformed message of %d frame(s)", len(frames))
+                self.stats["malformed"] += 1
+                continue
+            try:
+                handle(frames[0], frames[1], frames[2])
+            except P.ProtocolError as exc:
+                logger.warning("dropped a malformed message: %s", exc)
+                self.stats["malformed"] += 1
+
+    # ---- frontend --------------------------------------------------------------------------
+    def _on_frontend(self, client: bytes, mtype: bytes, payload: bytes) -> None:
+        if mtype == _T_GENERATE:
+            try:
+                msg = _dec_generate.decode(payload)
+            except Exception as exc:  # msgspec raises DecodeError or ValidationError
+                raise P.ProtocolError(f"bad Generate: {exc}") from exc
+            self.submit(client, msg, payload)
+            return
+        msg = P.decode(mtype, payload)
+        if isinstance(msg, P.Abort):
+            self.abort(msg.request_id)
+        elif isinstance(msg, P.StepBegin):
+            self.tail.step_begin(msg.job, msg.step, msg.n_sessions)
+            self.frontend.send_multipart([client, *P.encode(msg)])
+        elif isinstance(msg, P.SessionDone):
+            self.tail.session_done(msg.job, msg.step, msg.session_id)
+        elif isinstance(msg, P.StatusRequest):
+            self.frontend.send_multipart([client, *P.encode(self.status())])
+        else:
+            raise P.ProtocolError(f"{type(msg).__name__} is not a frontend message")
+
+    def submit(self, client: bytes, msg: P.Generate, payload: bytes) -> None:
+        rid = msg.request_id
+        cached = self.results.get(rid)
+        if cached is not None:
+            self.stats["duplicates"] += 1
+            self.frontend.send_multipart([client, _T_RESULT, cached])
+            return
+        existing = self.live.get(rid)
+        if existing is not None:
+            # A resend (e.g. after a reconnect): answer whichever client asked last, once.
+            existing.client = client
+            self.stats["duplicates"] += 1
+            return
+        job = msg.job or f"model:{msg.model}"
+        self._seq += 1
+        req = Request(msg, payload, client, job, self._seq, time.time())
+        error = self._check(msg)
+        if error:
+            self._fail(req, "client_error", error)
+            return
+        self.live[rid] = req
+        if msg.deadline:
+            self._deadlines += 1
+        self.queue.push(req)
+        self.stats["submitted"] += 1
+
+    def _check(self, msg: P.Generate) -> str:
+        """Client errors that need no engine: unknown group, empty prompt, limits of the group."""
+        if msg.group is not None and msg.group not in self.known_groups:
+            return f"unknown group {msg.group!r}; groups: {sorted(self.known_groups)}"
+        if not msg.prompt_token_ids:
+            return "empty prompt"
+        members = self.groups.get(msg.group, [])
+        if members:
+            return _limit_error(msg, min(r.max_model_len for r in members), min(r.vocab_size for r in members))
+        return ""
+
+    def abort(self, rid: str) -> None:
+        req = self.live.get(rid)
+        if req is None:
+            return
+        if req.replica is None:
+            self.queue.discard(req)
+            self._fail(req, "cancelled", "aborted before dispatch")
+        else:
+            ident = self.by_id.get(req.replica)
+            if ident is not None:
+                self.backend.send_multipart([ident, *P.encode(P.Abort(rid))])
+
+    def status(self) -> P.Status:
+        groups = {}
+        for name in sorted(self.known_groups | {r.group for r in self.replicas.values()}):
+            members = [r for r in self.replicas.values() if r.group == name]
+            groups[name] = P.GroupStatus(
+                registered=len(members),
+                ready=sum(r.ready for r in members),
+                inflight=sum(r.load for r in members),
+            )
+        return P.Status(groups=groups, queued=self.queue.size,
+                        inflight=sum(r.load for r in self.replicas.values()),
+                        completed=self.stats["completed"])
+
+    # ---- dispatch --------------------------------------------------------------------------
+    def target_group(self, req: Request) -> str | None:
+        g = req.msg.group
+        if g is not None:
+            return g
+        if self.tail.threshold is not None and self.tail.flipped(req.msg.job, req.msg.step):
+            return self.tail.group
+        return None
+
+    def _can_take(self, req: Request) -> bool:
+        g = self.target_group(req)
+        if self.free[g] <= 0:
+            return False
+        policy = self.policies.get(g)
+        if policy is None:
+            return False
+        pick = policy.choose(req.msg.session_id or req.request_id, self._group_load(g))
+        self._pick = pick
+        return pick is not None
+
+    def _group_load(self, g: str | None) -> int:
+        members = self.groups.get(g, [])
+        return sum(r.max_inflight for r in members) - self.free[g]
+
+    def dispatch(self) -> None:
+        while self.queue.size and self.free[None] > 0:
+            sent = 0
+            for req in self.queue.pop_round(self._can_take):
+                replica = self._pick
+                assert replica is not None
+                self._pick = None
+                error = _limit_error(req.msg, replica.max_model_len, replica.vocab_size)
+                if error:
+                    self._fail(req, "client_error", error)
+                    continue
+                self._send(req, replica)
+                sent += 1
+            if not sent:
+                return
+
+    def _send(self, req: Request, r: Replica) -> None:
+        self.backend.send_multipart([r.identity, _T_GENERATE, req.payload], copy=False)
+        r.inflight[req.request_id] = req
+        self._take_slot(r, -1)
+        req.replica = r.replica_id
+        req.t_dispatch = time.time()
+        req.dispatches += 1
+        self.stats[f"dispatched:{r.group}"] += 1
+
+    def _take_slot(self, r: Replica, delta: int) -> None:
+        self.free[r.group] += delta
+        self.free[None] += delta
+
+    # ---- backend ---------------------------------------------------------------------------
+    def _on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
+        if mtype == _T_RESULT:
+            try:
+                res = _dec_result.decode(payload)
+            except Exception as exc:
+                raise P.ProtocolError(f"bad Result: {exc}") from exc
+            self._on_result(ident, res, payload)
+            return
+        msg = P.decode(mtype, payload)
+        if isinstance(msg, P.Heartbeat):
+            r = self.replicas.get(ident)
+            if r is None:
+                self.backend.send_multipart([ident, *P.encode(P.Reregister("unknown replica"))])
+                return
+            r.last_seen = time.monotonic()
+            r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
+            r.prefix_hits, r.prefix_queries = msg.prefix_hits, msg.prefix_queries
+            r.weight_version = msg.weight_version
+        elif isinstance(msg, P.Register):
+            self.register(ident, msg)
+        else:
+            raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
+
+    def register(self, ident: bytes, msg: P.Register) -> None:
+        old_ident = self.by_id.get(msg.replica_id)
+        if old_ident is not None:
+            self.drop(self.replicas[old_ident], "re-registered")
+        if ident in self.replicas:
+            self.drop(self.replicas[ident], "re-registered")
+        r = Replica(msg.replica_id, ident, msg.group, msg.max_inflight, msg.max_model_len, msg.vocab_size,
+                    msg.model, dict(msg.labels), last_seen=time.monotonic())
+        self.replicas[ident] = r
+        self.by_id[r.replica_id] = ident
+        logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
+        self._probe(r)
+
+    def _probe(self, r: Replica) -> None:
+        """Readiness is a real generation, not a health flag: send one token's worth of work."""
+        self._probe_n += 1
+        probe = P.Generate(request_id=f"{PROBE_PREFIX}{r.replica_id}:{self._probe_n}", job="__probe__",
+                           prompt_token_ids=[1, 2, 3], sampling=P.Sampling(max_tokens=1))
+        r.probe_sent_at = time.monotonic()
+        self.backend.send_multipart([r.identity, *P.encode(probe)])
+
+    def _on_result(self, ident: bytes, res: P.Result, payload: bytes) -> None:
+        r = self.replicas.get(ident)
+        if res.request_id.startswith(PROBE_PREFIX):
+            if r is not None and not r.ready:
+                if res.status == "ok" and res.output_token_ids:
+                    self._set_ready(r)
+                else:
+                    logger.warning("probe of %s failed: %s %s", r.replica_id, res.status, res.error)
+            return
+        req = self.live.get(res.request_id)
+        if req is None or r is None or req.replica != r.replica_id:
+            # A late answer from a replica the request was taken away from: the request already
+            # has (or will get) its one Result elsewhere.
+            self.stats["stale_results"] += 1
+            return
+        del r.inflight[req.request_id]
+        self._take_slot(r, +1)
+        if res.status == "engine_dead":
+            self._engine_died_under(req, r.replica_id, res.error)
+            return
+        self._complete(req, payload)
+
+    def _set_ready(self, r: Replica) -> None:
+        r.ready = True
+        for g in (r.group, None):
+            members = self.groups.setdefault(g, [])
+            members.append(r)
+            if g in self.policies:
+                self.policies[g].update(members)
+            else:
+                self.policies[g] = make_policy(self.rcfg.policy, members, self.rcfg.load_factor, self.cfg.seed)
+        self._take_slot(r, r.max_inflight - r.load)
+        logger.info("replica %s is ready", r.replica_id)
+
+    def drop(self, r: Replica, why: str) -> None:
+        """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
+        logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
+        self.replicas.pop(r.identity, None)
+        if self.by_id.get(r.replica_id) == r.identity:
+            del self.by_id[r.replica_id]
+        if r.ready:
+            self._take_slot(r, -(r.max_inflight - r.load))
+            for g in (r.group, None):
+                members = self.groups[g]
+                members.remove(r)
+                self.policies[g].update(members)
+        orphans = list(r.inflight.values())
+        r.inflight.clear()
+        for req in orphans:
+            assert isinstance(req, Request)
+            self._engine_died_under(req, r.replica_id, why)
+
+    def _engine_died_under(self, req: Request, replica_id: str, why: str) -> None:
+        req.deaths += 1
+        req.replica = None
+        if req.deaths >= self.rcfg.max_engine_deaths:
+            # Poison: this request was in flight at every one of these deaths; stop it killing more.
+            self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
+        else:
+            self.queue.requeue_front([req])
+            self.stats["requeued"] += 1
+
+    # ---- completion ------------------------------------------------------------------------
+    def _complete(self, req: Request, payload: bytes) -> None:
+        if self.live.pop(req.request_id, None) is not None and req.msg.deadline:
+            self._deadlines -= 1
+        route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
+                        dispatches=req.dispatches)
+        self.frontend.send_multipart([req.client, _T_RESULT, payload, _T_ROUTE, _enc.encode(route)])
+        self.results[req.request_id] = payload
+        if len(self.results) > self.rcfg.result_cache:
+            self.results.popitem(last=False)
+        self.stats["completed"] += 1
+
+    def _fail(self, req: Request, status: str, error: str) -> None:
+        res = P.Result(request_id=req.request_id, status=status, error=error)
+        self.stats[f"failed:{status}"] += 1
+        self._complete(req, _enc.encode(res))
+
+    # ---- timers ----------------------------------------------------------------------------
+    def sweep(self) -> None:
+        now = time.monotonic()
+        silent_after = self.rcfg.heartbeat_s * self.rcfg.missed_heartbeats
+        for r in list(self.replicas.values()):
+            if now - r.last_seen > silent_after:
+                self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
+            elif not r.ready and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
+                logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
+                               self.rcfg.probe_timeout_s)
+                self._probe(r)
+        if self._deadlines > 0:
+            self._expire(time.time())
+
+    def _expire(self, wall: float) -> None:
+        for req in [q for q in self.live.values() if q.msg.deadline and q.msg.deadline < wall]:
+            if req.replica is None:
+                self.queue.discard(req)
+            else:
+                ident = self.by_id.get(req.replica)
+                r = self.replicas.get(ident) if ident is not None else None
+                if r is not None:
+                    r.inflight.pop(req.request_id, None)
+                    self._take_slot(r, +1)
+                    self.backend.send_multipart([r.identity, *P.encode(P.Abort(req.request_id))])
+            self._fail(req, "timeout", "deadline passed")
+
+    def write_stats(self) -> None:
+        atomic_write(self.run_dir.root / "router_stats.json", json.dumps(dict(self.stats), indent=1))
+
+
+def _limit_error(msg: P.Generate, max_model_len: int, vocab_size: int) -> str:
+    ids = msg.prompt_token_ids
+    if len(ids) > max_model_len:
+        return f"prompt of {len(ids)} tokens is longer than max_model_len {max_model_len}"
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        return f"token id {bad} outside the vocabulary [0, {vocab_size})"
+    return ""

@@ -1,0 +1,81 @@
+"""Tail routing: once a fraction of a step's sessions are done, the rest of the step goes to the tail group.
+
+The router counts ``SessionDone`` per (job, step). At exactly ``ceil(threshold * n_sessions)`` it
+writes the job's sentinel file into the run dir (temp file + rename) and from then on every request
+of that step, queued ones included, is dispatched to the tail group only. Ranks (and any other
+router) read the same sentinel, so they agree on the flip without talking to this router.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from toolkit.rundir import RunDir, atomic_write, read_json
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepState:
+    step: int
+    n_sessions: int
+    done: set[str] = field(default_factory=set)
+    flipped_at: float | None = None
+    flip_count: int = 0
+
+
+def flip_count(threshold: float, n_sessions: int) -> int:
+    # Round away float noise first: 0.95 * 100 is 94.99999999999999 in binary.
+    return max(1, math.ceil(round(threshold * n_sessions, 9)))
+
+
+class TailTracker:
+    def __init__(self, run_dir: RunDir, threshold: float | None, group: str) -> None:
+        self.run_dir = run_dir
+        self.threshold = threshold
+        self.group = group
+        self.steps: dict[str, StepState] = {}
+
+    def step_begin(self, job: str, step: int, n_sessions: int) -> None:
+        self.run_dir.sentinel(job).unlink(missing_ok=True)
+        self.steps[job] = StepState(step, n_sessions)
+        logger.info("job %s step %d begins with %d sessions", job, step, n_sessions)
+
+    def session_done(self, job: str, step: int, session_id: str) -> bool:
+        """Count one finished session; True when this call flipped the step."""
+        st = self.steps.get(job)
+        if st is None or st.step != step or self.threshold is None:
+            return False
+        st.done.add(session_id)
+        if st.flipped_at is None and len(st.done) >= flip_count(self.threshold, st.n_sessions):
+            st.flipped_at = time.time()
+            st.flip_count = len(st.done)
+            atomic_write(
+                self.run_dir.sentinel(job),
+                json.dumps({"job": job, "step": step, "time": st.flipped_at, "count": st.flip_count,
+                            "n_sessions": st.n_sessions, "group": self.group}),
+            )
+            logger.info("job %s step %d flipped to group %s at %d/%d sessions",
+                        job, step, self.group, st.flip_count, st.n_sessions)
+            return True
+        return False
+
+    def flipped(self, job: str, step: int) -> bool:
+        st = self.steps.get(job)
+        if st is not None and st.step == step:
+            return st.flipped_at is not None
+        return False
+
+    def adopt_sentinels(self) -> None:
+        """After a restart: take over flips another router instance already wrote."""
+        for path in self.run_dir.sentinels.glob("*.flip.json"):
+            info = read_json(path)
+            if info:
+                st = StepState(int(info["step"]), int(info.get("n_sessions", 0)))
+                st.flipped_at = float(info["time"])
+                st.flip_count = int(info["count"])
+                self.steps[str(info["job"])] = st

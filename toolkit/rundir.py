@@ -1,0 +1,104 @@
+"""The run directory's layout: one place that names every file the processes share."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write via a temp file in the same directory and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path, retries: int = 5, delay_s: float = 0.05) -> Any | None:
+    """Read a JSON file another process writes; None if absent. Retries a partial or stale read."""
+    for attempt in range(retries):
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, OSError):
+            # A shared file system can serve a stale handle or a torn read: list the dir and retry.
+            if attempt == retries - 1:
+                raise
+            try:
+                os.listdir(path.parent)
+            except OSError:
+                pass
+            time.sleep(delay_s)
+    return None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def router_address(self) -> Path:
+        return self.root / "router.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def steps(self) -> Path:
+        return self.root / "steps"
+
+    @property
+    def sentinels(self) -> Path:
+        return self.root / "sentinels"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.json"
+
+    def step_parquet(self, step: int) -> Path:
+        return self.steps / f"step_{step:05d}.parquet"
+
+    def step_report(self, step: int) -> Path:
+        return self.steps / f"step_{step:05d}.json"
+
+    def sentinel(self, job: str) -> Path:
+        """The tail-flip sentinel of a job: present once the job's current step has flipped."""
+        return self.sentinels / f"{job}.flip.json"
+
+    def make(self) -> None:
+        for d in (self.root, self.logs, self.pids, self.steps, self.sentinels):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def wait_router_address(self, timeout_s: float) -> dict[str, str]:
+        from toolkit.errors import RouterUnavailable
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = read_json(self.router_address)
+            if info:
+                return info
+            time.sleep(0.05)
+        raise RouterUnavailable(f"no router address in {self.router_address} after {timeout_s:.0f}s")
