@@ -49,6 +49,14 @@ class Cluster(ABC):
         self.owner = owner
         self.components: list[Component] = []
 
+    def track(self, comp: Component) -> Component:
+        """Own ``comp``: it is stopped by ``stop_all``, and its pids are recorded in the run dir."""
+        self.components.append(comp)
+        self.run_dir.pids.mkdir(parents=True, exist_ok=True)
+        for ref in comp.refs():
+            (self.run_dir.pids / f"{comp.name}.launcher.{ref.pid}.pid").write_text(ref.encode())
+        return comp
+
     @abstractmethod
     def start_router(self) -> Component: ...
 

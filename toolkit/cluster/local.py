@@ -107,9 +107,7 @@ class LocalCluster(Cluster):
 
     def _submit(self, name: str, fn: Any, *args: Any) -> Component:
         job = self._executor(name).submit(fn, *args)
-        comp = SubmititComponent(name, job)
-        self.components.append(comp)
-        return comp
+        return self.track(SubmititComponent(name, job))
 
     def start_router(self) -> Component:
         return self._submit("router", router.serve, str(self.run_dir.root), self.owner)
@@ -128,6 +126,4 @@ class LocalCluster(Cluster):
                                     start_new_session=True)
         finally:
             log.close()
-        comp = ProcessGroupComponent("ranks", proc)
-        self.components.append(comp)
-        return comp
+        return self.track(ProcessGroupComponent("ranks", proc))

@@ -157,3 +157,9 @@ def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None)
         asyncio.run(ReplicaServer(cfg, rd, group, index, engine).run())
     except (KeyboardInterrupt, SystemExit):
         logger.info("replica %s stopping", name)
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))

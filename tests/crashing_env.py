@@ -1,0 +1,22 @@
+"""An environment that raises on a chosen session: for the "a rank crashes" teardown test."""
+
+from __future__ import annotations
+
+from toolkit.rollout.envs import EnvStep, SingleTurnEnv
+from toolkit.rollout.prompts import Prompt
+
+
+class CrashOnSession(SingleTurnEnv):
+    def __init__(self, crash_index: int = 3) -> None:
+        super().__init__()
+        self.crash_index = crash_index
+        self.index = -1
+
+    def reset(self, prompt: Prompt) -> list[int]:
+        self.index = int(prompt.metadata["index"])
+        return super().reset(prompt)
+
+    def step(self, generated: list[int], finish_reason: str) -> EnvStep:
+        if self.index == self.crash_index:
+            raise RuntimeError(f"environment crashed on session {self.index}")
+        return super().step(generated, finish_reason)

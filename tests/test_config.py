@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import MissingConfigException
+
+from tests.conftest import CONF, compose_config, launch
+from toolkit.config import ConfigError, validate
+
+
+def all_group_options() -> list[str]:
+    opts = []
+    for group_dir in sorted(p for p in CONF.iterdir() if p.is_dir()):
+        for yml in sorted(group_dir.glob("*.yaml")):
+            opts.append(f"{group_dir.name}={yml.stem}")
+    return opts
+
+
+@pytest.mark.parametrize("override", all_group_options())
+def test_every_yaml_composes_and_validates(override: str) -> None:
+    cfg = compose_config([override])
+    validate(cfg)
+
+
+def test_default_config_shape() -> None:
+    cfg = compose_config()
+    assert cfg.groups["throughput"].replicas == 2
+    assert cfg.groups["tail"].replicas == 1
+    assert cfg.engine.type == "sim"
+    assert cfg.ranks == 2
+    assert cfg.workload.env["_target_"] == "toolkit.rollout.envs.ToolCallEnv"
+    # Interpolations are resolved once at the entry point.
+    assert cfg.workload.prompts["vocab_size"] == cfg.engine.vocab_size
+
+
+def test_all_errors_reported_at_once() -> None:
+    cfg = compose_config([
+        "tail.threshold=1.5", "groups.throughput.replicas=0", "router.policy=random", "steps=0",
+        "rollout.max_concurrent_rollouts=0", "+groups.throughput.engine.not_a_field=3",
+    ])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    text = str(info.value)
+    fields = {e.field for e in info.value.errors}
+    assert {"tail.threshold", "groups.throughput.replicas", "router.policy", "steps",
+            "rollout.max_concurrent_rollouts", "groups.throughput.engine.not_a_field"} <= fields
+    assert "tail.threshold = 1.5" in text and "(0, 1]" in text
+    assert "'random'" in text and "least_loaded" in text
+
+
+def test_tail_group_missing_and_without_other_group() -> None:
+    cfg = compose_config(["tail.threshold=0.9", "tail.group=fast"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert any(e.field == "tail.group" and e.value == "fast" for e in info.value.errors)
+
+    cfg = compose_config(["groups=single", "tail.threshold=0.9", "tail.group=throughput"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert any(e.field == "groups" and "besides the tail group" in e.allowed for e in info.value.errors)
+
+
+def test_bad_env_target() -> None:
+    cfg = compose_config(["workload.env._target_=toolkit.rollout.envs.NoSuchEnv"])
+    with pytest.raises(ConfigError, match="workload.env._target_"):
+        validate(cfg)
+
+
+def test_unknown_group_option_names_the_options() -> None:
+    with pytest.raises(MissingConfigException) as info:
+        compose_config(["groups=nonexistent"])
+    assert "default" in str(info.value) and "single" in str(info.value)
+
+
+def test_cli_rejects_bad_config_before_starting_anything(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "tail.threshold=1.5", "groups.tail.replicas=0"], timeout_s=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "tail.threshold = 1.5" in text
+    assert "groups.tail.replicas = 0" in text
+    assert not (run / "pids").exists() and not (run / "logs").exists()
+
+
+def test_cli_rejects_unknown_key(tmp_path: Path) -> None:
+    out = launch([f"hydra.run.dir={tmp_path / 'run'}", "not_a_field=3"], timeout_s=60)
+    assert out.returncode != 0
+    assert "not_a_field" in out.stdout + out.stderr

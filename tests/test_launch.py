@@ -1,0 +1,145 @@
+"""``python -m toolkit.launch`` end to end: real router, sim replicas, MPI ranks, Parquet out."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import launch, wait_for
+from toolkit.lifecycle import read_pidfiles
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+FAST = ["engine.time_scale=0.2"]
+
+
+def assert_no_process_left(run: Path) -> None:
+    refs = read_pidfiles(run / "pids")
+    names = {r.name for r in refs}
+    assert "router" in names and any(n.startswith("rank-") for n in names), names
+    alive = [(r.pid, r.name) for r in refs if r.alive()]
+    assert not alive, f"still running after the run: {alive}"
+
+
+def check_outputs(run: Path, steps: int, sessions: int) -> list[dict]:
+    for s in range(steps):
+        table = pq.read_table(run / "steps" / f"step_{s:05d}.parquet")
+        assert table.num_rows == sessions
+        rows = table.to_pylist()
+        assert [r["index"] for r in rows] == list(range(sessions))  # every session exactly once
+        assert len({r["session_id"] for r in rows}) == sessions
+        for r in rows:
+            assert r["status"] == "completed", r["status"]
+            assert len(r["tokens"]) == len(r["loss_mask"]) == len(r["rollout_logprobs"])
+            assert sum(r["loss_mask"]) == r["generated_tokens"] > 0
+            assert r["response_length"] == len(r["tokens"]) - r["prompt_length"]
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "ok"
+    assert [s["step"] for s in report["steps"]] == list(range(steps))
+    assert report["summary"]["sessions"] == steps * sessions
+    return report["steps"]
+
+
+def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST])
+    assert out.returncode == 0, out.stdout + out.stderr
+    check_outputs(run, steps=2, sessions=32)
+    assert "step 1/2" in out.stdout and "step 2/2" in out.stdout and "rollout summary" in out.stdout
+    assert (run / "config.yaml").exists() and (run / ".hydra" / "config.yaml").exists()
+    logs = {p.name for p in (run / "logs").iterdir()}
+    assert {"router.log", "replica-throughput-0.log", "replica-throughput-1.log", "replica-tail-0.log",
+            "rank-0.log", "rank-1.log"} <= logs
+    assert_no_process_left(run)
+
+
+def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=3", "groups.throughput.replicas=3",
+                  "tail.threshold=0.9", "sessions_per_step=20"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    reports = check_outputs(run, steps=3, sessions=20)
+    assert (run / "logs" / "replica-throughput-2.log").exists()
+    for rep in reports:
+        flip = rep["flip"]
+        assert flip["expected_count"] == math.ceil(0.9 * 20) == 18
+        assert flip["count"] == 18
+        assert flip["spillover"] is not None
+    assert_no_process_left(run)
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for(lambda: any((run / "pids").glob("rank-*.pid")) if (run / "pids").exists() else False,
+                 90, "ranks to start")
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    assert json.loads((run / "report.json").read_text())["status"] == "failed"
+    assert_no_process_left(run)
+
+
+def test_a_crashing_rank_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "workload.env._target_=tests.crashing_env.CrashOnSession",
+                  "+workload.env.crash_index=3", "~workload.env.max_turns", "~workload.env.observation_tokens",
+                  "~workload.env.vocab_size"], cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "environment crashed on session 3" in out.stdout + out.stderr
+    assert_no_process_left(run)
+
+
+def test_killed_router_fails_the_run_cleanly(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for(lambda: (run / "steps" / "step_00000.json").exists(), 120, "the first step")
+        router = next(r for r in read_pidfiles(run / "pids") if r.name == "router")
+        os.kill(router.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, output
+    assert "router exited" in output
+    assert_no_process_left(run)
+
+
+def test_a_killed_replica_is_replaced_and_no_session_is_lost(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=3",
+                             "router.heartbeat_s=0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for(lambda: any((run / "pids").glob("rank-*.pid")) if (run / "pids").exists() else False,
+                 90, "ranks to start")
+        victim = next(r for r in read_pidfiles(run / "pids") if r.name == "replica-throughput-0")
+        os.kill(victim.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    check_outputs(run, steps=3, sessions=32)
+    report = json.loads((run / "report.json").read_text())
+    assert report["summary"]["replica_restarts"] >= 1
+    assert_no_process_left(run)

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from toolkit import protocol as P
+
+EXAMPLES = [
+    P.Register("r1", "throughput", {"group": "throughput"}, "m", 8, 4096, 32000),
+    P.Heartbeat("r1", 3, 1, 0.5, 100, 200, 2),
+    P.Generate("req", "job", "s1", 4, [1, 2, 3], P.Sampling(16, 0.7, 0.9, 5), "tail", None, 12.5),
+    P.Result("req", "ok", [4, 5], [-0.1, -0.2], "stop", "r1", "tail", 16, 2, ""),
+    P.Route(0.1, 1234.5, 1),
+    P.Abort("req"),
+    P.StepBegin("job", 3, 128),
+    P.SessionDone("job", 3, "s1"),
+    P.Reregister("restart"),
+    P.StatusRequest(),
+    P.Status({"tail": P.GroupStatus(1, 1, 0)}, 3, 4, 5),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: P.Message) -> None:
+    frames = P.encode(msg)
+    assert len(frames[0]) == 1
+    assert P.decode(*frames) == msg
+
+
+def test_type_bytes_are_unique_and_stable() -> None:
+    assert len(set(P.TYPE_OF.values())) == len(P.TYPE_OF)
+    assert P.TYPE_OF[P.Generate] == b"\x03" and P.TYPE_OF[P.Result] == b"\x04"
+
+
+def test_array_like_missing_trailing_fields_take_defaults() -> None:
+    # Older peers that send fewer trailing fields still decode (fields are only ever appended).
+    payload = msgspec.msgpack.encode(["x"])
+    assert P.decode(P.TYPE_OF[P.Result], payload) == P.Result("x")
+    assert msgspec.msgpack.decode(P.encode(P.Abort("x"))[1]) == ["x"]
+
+
+def test_bad_frames_raise_protocol_error() -> None:
+    with pytest.raises(P.ProtocolError, match="unknown message type"):
+        P.decode(b"\xff", b"")
+    with pytest.raises(P.ProtocolError, match="bad Generate"):
+        P.decode(P.TYPE_OF[P.Generate], b"\x93garbage")
+    with pytest.raises(P.ProtocolError):
+        P.decode(P.TYPE_OF[P.Generate], msgspec.msgpack.encode(["id", "job", "s", "not-an-int"]))

@@ -1,0 +1,153 @@
+"""The router as a real process with real sim replica processes, over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+from tests.conftest import wait_for
+from toolkit.client import RouterClient, router_status
+from toolkit.protocol import Generate, Sampling
+
+FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2", "router.missed_heartbeats=5"]
+
+
+def start_cluster(make_run, overrides=(), replicas=None):  # type: ignore[no-untyped-def]
+    cfg, rd, procs = make_run([*FAST, *overrides])
+    procs.router()
+    reps = {}
+    for g, gc in cfg.groups.items():
+        for i in range(gc.replicas):
+            reps[(g, i)] = procs.replica(g, i)
+    address = json.loads(rd.router_address.read_text())["frontend"]
+
+    def ready() -> bool:
+        st = router_status(address, 1.0)
+        return st is not None and all(st.groups.get(g) and st.groups[g].ready >= c.replicas
+                                      for g, c in cfg.groups.items())
+
+    wait_for(ready, 30, "replicas ready")
+    return cfg, rd, procs, reps, address
+
+
+async def with_client(rd, fn):  # type: ignore[no-untyped-def]
+    c = RouterClient(rd)
+    await c.connect(10)
+    try:
+        return await asyncio.wait_for(fn(c), 60)
+    finally:
+        await c.close()
+
+
+def g(rid: str, prompt: list[int], session: str = "", group: str | None = None, job: str = "j",
+      max_tokens: int = 32, deadline: float = 0.0) -> Generate:
+    return Generate(rid, job=job, session_id=session or rid, step=0, prompt_token_ids=prompt,
+                    sampling=Sampling(max_tokens=max_tokens), group=group, deadline=deadline)
+
+
+def test_results_route_back_with_groups_and_affinity(make_run) -> None:  # type: ignore[no-untyped-def]
+    # A loose load bound: this test is about affinity (the bound is tested in test_policy).
+    cfg, rd, procs, reps, address = start_cluster(make_run, ["router.load_factor=4"])
+
+    async def session(c: RouterClient, s: int) -> list:  # type: ignore[type-arg]
+        # Turns of one session go one after another, as in a multi-turn rollout.
+        return [await c.generate(g(f"r{s}.{t}", [1, 2, s + 3, t], session=f"s{s}")) for t in range(10)]
+
+    async def body(c: RouterClient) -> None:
+        per_session = await asyncio.gather(*(session(c, s) for s in range(6)))
+        outs = [o for turns in per_session for o in turns]
+        assert all(res.status == "ok" and res.output_token_ids for res, _ in outs)
+        assert len({res.request_id for res, _ in outs}) == 60
+        assert all(route is not None and route.dispatches == 1 for _, route in outs)
+        # Consistent hashing keeps each session on one replica, and spreads sessions.
+        replicas = [{res.replica_id for res, _ in turns} for turns in per_session]
+        assert all(len(r) == 1 for r in replicas), replicas
+        assert len(set.union(*replicas)) >= 2
+        tail, _ = await c.generate(g("t1", [1, 2, 3], group="tail"))
+        assert tail.status == "ok" and tail.group == "tail"
+
+    asyncio.run(with_client(rd, body))
+
+
+def test_client_errors_fail_at_once_without_an_engine(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(make_run, ["engine.max_model_len=64", "engine.vocab_size=1000"])
+
+    async def body(c: RouterClient) -> None:
+        long, _ = await c.generate(g("long", list(range(1, 80))))
+        assert long.status == "client_error" and "max_model_len 64" in long.error
+        oov, _ = await c.generate(g("oov", [1, 5000]))
+        assert oov.status == "client_error" and "5000" in oov.error
+        grp, _ = await c.generate(g("grp", [1, 2], group="nope"))
+        assert grp.status == "client_error" and "throughput" in grp.error
+        empty, _ = await c.generate(g("empty", []))
+        assert empty.status == "client_error"
+        ok, _ = await c.generate(g("fine", [1, 2, 3]))
+        assert ok.status == "ok"
+
+    asyncio.run(with_client(rd, body))
+    status = router_status(address)
+    assert status is not None and status.completed == 5
+
+
+def test_duplicate_submission_gets_the_same_result(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(make_run)
+
+    async def body(c: RouterClient) -> None:
+        first, _ = await c.generate(g("dup", [4, 5, 6]))
+        second, route = await c.generate(g("dup", [4, 5, 6]))
+        assert first == second and route is None
+
+    asyncio.run(with_client(rd, body))
+
+
+def test_malformed_messages_are_dropped_and_router_keeps_serving(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(make_run)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    for frames in ([b"\x03", b"not msgpack"], [b"\xee", b"x"], [b"only-one-frame"], [b"\x01", b"\x90"]):
+        s.send_multipart(frames)
+    s.close()
+    ctx.term()
+
+    async def body(c: RouterClient) -> None:
+        res, _ = await c.generate(g("after", [1, 2, 3]))
+        assert res.status == "ok"
+
+    asyncio.run(with_client(rd, body))
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_replica_loses_no_request(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(
+        make_run, ["engine.time_scale=0.3", "groups=single", "groups.throughput.replicas=2"])
+    victim = reps[("throughput", 0)]
+
+    async def body(c: RouterClient) -> None:
+        tasks = [asyncio.create_task(c.generate(g(f"k{i}", [1, 2, i + 3], max_tokens=200))) for i in range(40)]
+
+        async def kill_when_busy() -> None:
+            while True:
+                st = router_status(address, 1.0)
+                if st is not None and st.groups["throughput"].inflight >= 20:
+                    break
+                await asyncio.sleep(0.02)
+            os.kill(victim.pid, signal.SIGKILL)
+
+        await kill_when_busy()
+        outs = await asyncio.gather(*tasks)
+        assert all(res.status == "ok" for res, _ in outs), [res.status for res, _ in outs]
+        moved = [route for _, route in outs if route is not None and route.dispatches > 1]
+        assert moved, "some requests were in flight on the killed replica and must have been re-dispatched"
+        assert all(res.replica_id.startswith("throughput-1@") for (res, route) in outs if route.dispatches > 1)
+
+    t0 = time.monotonic()
+    asyncio.run(with_client(rd, body))
+    assert time.monotonic() - t0 < 60

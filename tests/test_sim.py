@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from toolkit.config import SimEngineConfig
+from toolkit.engine.sim import PrefixCache, SimEngine, plan_output
+from toolkit.protocol import Generate, Sampling
+
+
+def gen(rid: str, prompt: list[int], max_tokens: int = 64, seed: int | None = None) -> Generate:
+    return Generate(rid, prompt_token_ids=prompt, sampling=Sampling(max_tokens=max_tokens, seed=seed))
+
+
+def test_step_time_matches_the_documented_model() -> None:
+    eng = SimEngine(SimEngineConfig(step_overhead_s=0.0))
+    # 16 GB / 4.3 TB/s = 3.72 ms; 2k context x 128 KiB / 4.3 TB/s = 0.062 ms per sequence.
+    assert eng.step_time(0) == pytest.approx(3.72e-3, rel=0.01)
+    per_seq = eng.step_time(2048) - eng.step_time(0)
+    assert per_seq == pytest.approx(6.24e-5, rel=0.01)
+    tp2 = SimEngine(SimEngineConfig(step_overhead_s=0.0, tensor_parallel_size=2, tp_efficiency=0.85))
+    assert eng.step_time(0) / tp2.step_time(0) == pytest.approx(1.85)
+
+
+def test_outputs_are_deterministic_and_seeded_per_request() -> None:
+    cfg = SimEngineConfig()
+    a = plan_output(cfg, gen("a", [5, 6, 7], 512))
+    b = plan_output(cfg, gen("b", [5, 6, 7], 512))
+    c = plan_output(cfg, gen("c", [5, 6, 8], 512))
+    assert a == b
+    assert a != c
+    assert plan_output(cfg, gen("d", [5, 6, 7], 512, seed=1)) != a
+    tokens, logprobs, _ = a
+    assert len(tokens) == len(logprobs) and all(0 < t < cfg.vocab_size for t in tokens)
+    assert all(lp <= 0 for lp in logprobs)
+
+
+def test_output_lengths_are_heavy_tailed_and_capped() -> None:
+    cfg = SimEngineConfig(output_len_median=100, output_len_sigma=1.0)
+    lens = sorted(len(plan_output(cfg, gen(str(i), [i + 1, 2, 3], 4000))[0]) for i in range(2000))
+    median, p99 = lens[1000], lens[1980]
+    assert 80 < median < 125
+    assert p99 > 6 * median  # lognormal sigma 1: p99 / median = e^2.33 = 10.2
+    capped = [plan_output(cfg, gen(str(i), [i + 1], 50)) for i in range(300)]
+    assert max(len(t) for t, _, _ in capped) == 50
+    assert {f for t, _, f in capped if len(t) == 50} == {"length"}
+
+
+def test_prefix_cache_matches_block_prefixes_and_evicts_lru() -> None:
+    cache = PrefixCache(block_size=4, capacity_tokens=16)
+    a = list(range(1, 14))
+    assert cache.match(a) == 0
+    cache.insert(a)
+    assert cache.match(a) == 12
+    assert cache.match(a[:8] + [99] * 8) == 8
+    cache.insert(list(range(100, 120)))  # 5 new blocks push a's blocks out
+    assert cache.match(a) == 0
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_engine_generates_batches_and_counts_prefix_hits() -> None:
+    async def main() -> None:
+        eng = SimEngine(SimEngineConfig(time_scale=0.01))
+        await eng.start()
+        prompt = list(range(1, 100))
+        results = await asyncio.gather(*(eng.generate(gen(f"r{i}", prompt + [i + 200], 32)) for i in range(8)))
+        assert all(r.status == "ok" and 1 <= len(r.output_token_ids) <= 32 for r in results)
+        assert eng.prefix_queries == 8 * 100
+        again = await eng.generate(gen("again", prompt + [200], 8))
+        assert again.cached_tokens >= 96
+        await eng.close()
+
+    run(main())
+
+
+def test_abort_returns_partial_output_and_client_errors_are_immediate() -> None:
+    async def main() -> None:
+        eng = SimEngine(SimEngineConfig(time_scale=1.0, output_len_median=10000, max_model_len=100000))
+        await eng.start()
+        task = asyncio.create_task(eng.generate(gen("long", [1, 2, 3], 50000)))
+        await asyncio.sleep(0.1)
+        await eng.abort("long")
+        res = await task
+        assert res.status == "cancelled" and res.finish_reason == "abort"
+        assert 0 < len(res.output_token_ids) < 1000
+        bad = await eng.generate(gen("bad", [1, 999999]))
+        assert bad.status == "client_error"
+        await eng.close()
+
+    run(main())
