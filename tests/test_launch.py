@@ -105,20 +105,37 @@ def test_a_crashing_rank_fails_the_run_and_leaves_nothing(tmp_path: Path) -> Non
     assert_no_process_left(run)
 
 
-def test_killed_router_fails_the_run_cleanly(tmp_path: Path) -> None:
-    run = tmp_path / "run"
+def _kill_router_after_first_step(run: Path, extra: list[str]) -> tuple[int, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         wait_for(lambda: (run / "steps" / "step_00000.json").exists(), 120, "the first step")
         router = next(r for r in read_pidfiles(run / "pids") if r.name == "router")
-        os.kill(router.pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=60)
+        os.kill(router.pid, signal.SIGKILL)  # mid-step: step 1 has just begun
+        output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1, output
+    return proc.returncode, output
+
+
+def test_router_restart_mid_step_loses_no_session_and_duplicates_none(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code, output = _kill_router_after_first_step(run, ["steps=3", "tail.threshold=0.9"])
+    assert code == 0, output
+    assert "restarting it" in output
+    reports = check_outputs(run, steps=3, sessions=32)  # every session exactly once, all completed
+    assert json.loads((run / "report.json").read_text())["summary"]["router_restarts"] == 1
+    # The restarted router got the step's counts replayed and still flipped at the exact count.
+    assert all(r["flip"]["count"] == 29 for r in reports)
+    assert_no_process_left(run)
+
+
+def test_lost_router_without_restart_fails_the_run_cleanly(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code, output = _kill_router_after_first_step(run, ["steps=50", "cluster.restart_router=false"])
+    assert code == 1, output
     assert "router exited" in output
     assert_no_process_left(run)
 

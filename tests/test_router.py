@@ -151,3 +151,136 @@ def test_kill_9_of_a_replica_loses_no_request(make_run) -> None:  # type: ignore
     t0 = time.monotonic()
     asyncio.run(with_client(rd, body))
     assert time.monotonic() - t0 < 60
+
+
+def test_a_replica_whose_generation_hangs_never_becomes_ready(make_run) -> None:  # type: ignore[no-untyped-def]
+    # The readiness probe's prompt is [1, 2, 3]: this engine hangs on it while its heartbeats go on.
+    cfg, rd, procs = make_run([*FAST, "groups=single", "engine.fault_hang_token=2"])
+    procs.router()
+    procs.replica("throughput", 0)
+    address = json.loads(rd.router_address.read_text())["frontend"]
+
+    def registered() -> bool:
+        st = router_status(address, 1.0)
+        return st is not None and "throughput" in st.groups and st.groups["throughput"].registered == 1
+
+    wait_for(registered, 30, "registration")
+    time.sleep(1.0)  # several heartbeats: they alone must not make it ready
+    st = router_status(address, 1.0)
+    assert st is not None and st.groups["throughput"].ready == 0
+
+
+def test_abort_reaches_the_engine_and_frees_the_slot(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(
+        make_run, ["groups=single", "engine.time_scale=1.0", "engine.output_len_median=100000",
+                   "engine.max_model_len=200000"])
+
+    async def body(c: RouterClient) -> None:
+        task = asyncio.create_task(c.generate(g("long", [1, 2, 3], max_tokens=100000)))
+        await asyncio.sleep(0.3)
+        st = router_status(address)
+        assert st is not None and st.inflight == 1
+        await c.abort("long")
+        res, _ = await task
+        assert res.status == "cancelled" and res.finish_reason == "abort"
+        assert len(res.output_token_ids) > 0  # the engine stopped it mid-way and says how far it got
+        st = router_status(address)
+        assert st is not None and st.inflight == 0 and st.queued == 0
+        # Aborting a request still queued answers at once, without an engine.
+        st_before = router_status(address)
+        assert st_before is not None
+        q = [asyncio.create_task(c.generate(g(f"q{i}", [1, 2, i + 3], max_tokens=100000))) for i in range(65)]
+        wait = 0
+        while (router_status(address) or st_before).queued < 1 and wait < 100:
+            await asyncio.sleep(0.05)
+            wait += 1
+        await c.abort("q64")
+        res, _ = await q[64]
+        assert res.status == "cancelled" and "before dispatch" in res.error
+        for i in range(64):
+            await c.abort(f"q{i}")
+        outs = await asyncio.gather(*q[:64])
+        assert {res.status for res, _ in outs} == {"cancelled"}
+
+    asyncio.run(with_client(rd, body))
+
+
+def test_deadline_gives_timeout(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(
+        make_run, ["groups=single", "engine.time_scale=1.0", "engine.output_len_median=100000",
+                   "engine.max_model_len=200000"])
+
+    async def body(c: RouterClient) -> None:
+        res, _ = await c.generate(g("slow", [1, 2, 3], max_tokens=100000, deadline=time.time() + 0.5))
+        assert res.status == "timeout"
+        wait_for(lambda: (router_status(address) or P_none).inflight == 0, 5, "the slot to be freed")
+
+    asyncio.run(with_client(rd, body))
+
+
+class _NoStatus:
+    inflight = -1
+
+
+P_none = _NoStatus()
+
+
+@pytest.mark.slow
+def test_poison_request_fails_after_max_engine_deaths_and_the_rest_succeed(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(
+        make_run, ["groups=single", "groups.throughput.replicas=3", "engine.fault_crash_token=7",
+                   "engine.time_scale=0.2", "router.policy=round_robin"])
+
+    async def body(c: RouterClient) -> None:
+        innocent = [asyncio.create_task(c.generate(g(f"ok{i}", [1, 2, 100 + i], max_tokens=64)))
+                    for i in range(30)]
+        await asyncio.sleep(0.05)
+        poison, _ = await c.generate(g("poison", [1, 7, 3]))
+        assert poison.status == "engine_dead"
+        assert "2 engine deaths" in poison.error
+        outs = await asyncio.gather(*innocent)
+        assert [res.status for res, _ in outs] == ["ok"] * 30
+
+    asyncio.run(with_client(rd, body))
+    dead = [p for p in reps.values() if p.poll() is not None]
+    assert len(dead) == 2 and all(p.returncode == 70 for p in dead)
+
+
+@pytest.mark.slow
+def test_hung_engine_is_dropped_and_its_requests_move(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, procs, reps, address = start_cluster(
+        make_run, ["groups=single", "groups.throughput.replicas=3", "engine.fault_hang_token=9",
+                   "router.stall_timeout_s=1.0", "router.policy=round_robin"])
+
+    async def body(c: RouterClient) -> None:
+        others = [asyncio.create_task(c.generate(g(f"ok{i}", [1, 2, 100 + i], max_tokens=64)))
+                  for i in range(12)]
+        await asyncio.sleep(0.05)
+        hang, _ = await c.generate(g("hang", [1, 9, 3]))
+        assert hang.status == "engine_dead"
+        outs = await asyncio.gather(*others)
+        assert [res.status for res, _ in outs] == ["ok"] * 12
+
+    asyncio.run(with_client(rd, body))
+    stats = router_status(address)
+    assert stats is not None and stats.groups["throughput"].ready == 1  # two hung, dropped, not ready again
+
+
+def test_jobs_take_turns_on_a_busy_replica(make_run) -> None:  # type: ignore[no-untyped-def]
+    # One replica, one request at a time: the dispatch order is the queue's order.
+    cfg, rd, procs, reps, address = start_cluster(
+        make_run, ["groups=single", "groups.throughput.max_inflight=1", "engine.time_scale=1.0"])
+
+    async def body(c: RouterClient) -> None:
+        a = [asyncio.create_task(c.generate(g(f"a{i}", [1, 2, i + 3], job="A", max_tokens=16))) for i in range(20)]
+        await asyncio.sleep(0.2)  # A's flood is queued first
+        b = [asyncio.create_task(c.generate(g(f"b{i}", [1, 2, i + 3], job="B", max_tokens=16))) for i in range(3)]
+        outs = {res.request_id: route for res, route in await asyncio.gather(*a, *b)}
+        order = sorted(outs, key=lambda k: outs[k].dispatched_at)
+        positions = [order.index(f"b{i}") for i in range(3)]
+        # B waits for at most one of A's requests per turn, not for A's whole backlog.
+        first_b = positions[0]
+        assert positions == [first_b, first_b + 2, first_b + 4], order
+        assert first_b < 8
+
+    asyncio.run(with_client(rd, body))

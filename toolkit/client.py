@@ -48,12 +48,14 @@ class RouterClient:
         self.status_waiters: list[asyncio.Future[P.Status]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.reconnects = 0
+        # Step messages of the latest step, replayed to a restarted router so its tail counts agree.
+        self.last_step_begin: P.StepBegin | None = None
+        self.dones: list[P.SessionDone] = []
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         info = await asyncio.to_thread(self.run_dir.wait_router_address, timeout_s)
         self._connect(info["frontend"])
-        self._tasks = [asyncio.create_task(self._receive(), name="client-recv"),
-                       asyncio.create_task(self._watch(), name="client-watch")]
+        self._tasks = [asyncio.create_task(self._receive(), name="client-recv")]
 
     def _connect(self, address: str) -> None:
         if self.sock is not None:
@@ -92,6 +94,7 @@ class RouterClient:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.step_acks[(job, step)] = fut
         msg = P.StepBegin(job, step, n_sessions)
+        self.last_step_begin = msg
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -106,55 +109,65 @@ class RouterClient:
             self.step_acks.pop((job, step), None)
 
     async def session_done(self, job: str, step: int, session_id: str) -> None:
-        await self._send(P.SessionDone(job, step, session_id))
+        msg = P.SessionDone(job, step, session_id)
+        if self.dones and self.dones[-1].step != step:
+            self.dones = []
+        self.dones.append(msg)
+        await self._send(msg)
 
     async def _receive(self) -> None:
+        """The one task that reads the socket, and the only one that replaces it (on a move)."""
+        next_check = time.monotonic() + self.watch_interval_s
         while True:
+            if time.monotonic() >= next_check:
+                await self._follow_router()
+                next_check = time.monotonic() + self.watch_interval_s
             sock = self.sock
             assert sock is not None
+            if not await sock.poll(int(self.watch_interval_s * 1000), zmq.POLLIN):
+                continue
+            frames = await sock.recv_multipart()
             try:
-                frames = await sock.recv_multipart()
-            except zmq.ZMQError:
-                if sock is not self.sock:
-                    continue  # replaced by a reconnect
-                raise
-            except asyncio.CancelledError:
-                raise
-            mtype = frames[0]
-            try:
-                if mtype == _T_RESULT:
-                    res = P.decode_as(P.Result, frames[1])
-                    route = P.decode_as(P.Route, frames[3]) if len(frames) >= 4 and frames[2] == _T_ROUTE else None
-                    entry = self.pending.get(res.request_id)
-                    if entry is not None and not entry[1].done():
-                        entry[1].set_result((res, route))
-                elif mtype == _T_STEP:
-                    ack = P.decode_as(P.StepBegin, frames[1])
-                    waiter = self.step_acks.get((ack.job, ack.step))
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(None)
-                elif mtype == _T_STATUS:
-                    st = P.decode_as(P.Status, frames[1])
-                    for w in self.status_waiters:
-                        if not w.done():
-                            w.set_result(st)
-                    self.status_waiters.clear()
+                self._handle(frames)
             except P.ProtocolError as exc:
                 logger.warning("dropped a bad message from the router: %s", exc)
 
-    async def _watch(self) -> None:
+    def _handle(self, frames: list[bytes]) -> None:
+        mtype = frames[0]
+        if mtype == _T_RESULT:
+            res = P.decode_as(P.Result, frames[1])
+            route = P.decode_as(P.Route, frames[3]) if len(frames) >= 4 and frames[2] == _T_ROUTE else None
+            entry = self.pending.get(res.request_id)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result((res, route))
+        elif mtype == _T_STEP:
+            ack = P.decode_as(P.StepBegin, frames[1])
+            waiter = self.step_acks.get((ack.job, ack.step))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        elif mtype == _T_STATUS:
+            st = P.decode_as(P.Status, frames[1])
+            for w in self.status_waiters:
+                if not w.done():
+                    w.set_result(st)
+            self.status_waiters.clear()
+
+    async def _follow_router(self) -> None:
         """Follow the router to a new address and resend what it has not answered."""
-        while True:
-            await asyncio.sleep(self.watch_interval_s)
-            info = await asyncio.to_thread(read_json, self.run_dir.router_address)
-            if info and info["frontend"] != self.address:
-                self.reconnects += 1
-                logger.warning("router moved to %s; resending %d outstanding request(s)",
-                               info["frontend"], len(self.pending))
-                self._connect(info["frontend"])
-                for msg, fut in list(self.pending.values()):
-                    if not fut.done():
-                        await self._send(msg)
+        info = await asyncio.to_thread(read_json, self.run_dir.router_address)
+        if not info or info["frontend"] == self.address:
+            return
+        self.reconnects += 1
+        logger.warning("router moved to %s; resending %d outstanding request(s)", info["frontend"],
+                       len(self.pending))
+        self._connect(info["frontend"])
+        if self.last_step_begin is not None:
+            await self._send(self.last_step_begin)
+        for done in self.dones:
+            await self._send(done)
+        for msg, fut in list(self.pending.values()):
+            if not fut.done():
+                await self._send(msg)
 
 
 def router_status(address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None) -> P.Status | None:

@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from toolkit.errors import ConfigError, FieldError
 
 POLICIES = ("consistent_hash", "least_loaded", "power_of_two", "round_robin")
+QUEUES = ("fair", "fifo")
 CLUSTERS = ("local",)
 OUTPUTS = ("gather",)
 
@@ -37,6 +38,8 @@ class ClusterConfig:
     """``mpiexec`` to start the ranks with; default: the one beside the running Python (mpich wheel)."""
     restart_replicas: bool = True
     """Start a replacement when a replica process dies during the run."""
+    restart_router: bool = True
+    """Start a new router when the router dies; clients and replicas follow it and resend."""
 
 
 @dataclass
@@ -77,6 +80,10 @@ class SimEngineConfig:
     """Median of the lognormal natural output length, in tokens, before ``max_tokens`` cuts it."""
     output_len_sigma: float = 1.0
     """Sigma of that lognormal: 1.0 puts p99 at ~10x the median (a heavy tail)."""
+    fault_crash_token: int | None = None
+    """Test hook: the replica process dies (exit 70) when it schedules a prompt holding this token id."""
+    fault_hang_token: int | None = None
+    """Test hook: the engine stops generating (heartbeats go on) once it schedules a prompt holding it."""
 
 
 ENGINE_TYPES: dict[str, type] = {"sim": SimEngineConfig}
@@ -108,6 +115,13 @@ class RouterConfig:
     """A replica silent for this many intervals is dropped and its requests re-queued."""
     max_engine_deaths: int = 2
     """A request in flight at this many replica deaths fails as ``engine_dead``."""
+    suspects_per_replica: int = 1
+    """Requests that were in flight at a death run at most this many per replica, so the next death
+    points at one of them and innocent co-travellers of a poison request are not failed with it."""
+    stall_timeout_s: float = 60.0
+    """A replica with requests in flight that generates no token for this long is dropped as hung."""
+    queue: str = "fair"
+    """``fair``: one request per job in turn; ``fifo``: plain arrival order (a baseline)."""
     probe_timeout_s: float = 30.0
     """A replica whose readiness probe has not answered by then is probed again."""
     result_cache: int = 200000
@@ -240,6 +254,10 @@ def validate(cfg: Config) -> None:
     need(cfg.router.heartbeat_s > 0, "router.heartbeat_s", cfg.router.heartbeat_s, "> 0")
     need(cfg.router.missed_heartbeats >= 1, "router.missed_heartbeats", cfg.router.missed_heartbeats, ">= 1")
     need(cfg.router.max_engine_deaths >= 1, "router.max_engine_deaths", cfg.router.max_engine_deaths, ">= 1")
+    need(cfg.router.suspects_per_replica >= 1, "router.suspects_per_replica", cfg.router.suspects_per_replica,
+         "an integer >= 1")
+    need(cfg.router.stall_timeout_s > 0, "router.stall_timeout_s", cfg.router.stall_timeout_s, "> 0")
+    need(cfg.router.queue in QUEUES, "router.queue", cfg.router.queue, f"one of {list(QUEUES)}")
 
     need(bool(cfg.groups), "groups", dict(cfg.groups), "at least one engine group")
     engine_fields = {f.name for f in dataclasses.fields(cfg.engine)} - {"type"}

@@ -46,6 +46,8 @@ class Heartbeat(Message):
     prefix_hits: int = 0
     prefix_queries: int = 0
     weight_version: int = 0
+    generated_tokens: int = 0
+    """Tokens generated since the engine started: the router's evidence of progress."""
 
 
 class Generate(Message):

@@ -45,6 +45,7 @@ class Run:
         self.address: dict[str, str] = {}
         self.step_reports: list[dict[str, Any]] = []
         self.restarts = 0
+        self.router_restarts = 0
         self.t_start = time.time()
         self.t_ready = 0.0
 
@@ -116,11 +117,29 @@ class Run:
                 if next_step >= cfg.steps:
                     break
                 continue
-            assert self.router is not None
-            self._check_alive(self.router, self.run_dir.logs / "router.log")
+            self._keep_router()
             self._replace_dead_replicas()
             time.sleep(0.1)
         return self.summary()
+
+    def _keep_router(self) -> None:
+        assert self.router is not None
+        if self.router.alive():
+            return
+        if not self.cfg.cluster.restart_router:
+            self._check_alive(self.router, self.run_dir.logs / "router.log")
+        logger.warning("router exited (%s); starting a new one", self.router.state())
+        self.console.print(f"[yellow]router exited ({self.router.state()}); restarting it[/yellow]")
+        self.router_restarts += 1
+        old = self.address.get("frontend")
+        self.router = self.cluster.start_router()
+        deadline = time.monotonic() + self.cfg.cluster.ready_timeout_s
+        while (info := read_json(self.run_dir.router_address)) is None or info.get("frontend") == old:
+            self._check_alive(self.router, self.run_dir.logs / "router.log")
+            if time.monotonic() > deadline:
+                raise ReadinessTimeout("the restarted router wrote no new address")
+            time.sleep(0.05)
+        self.address = info
 
     def _replace_dead_replicas(self) -> None:
         for key, comp in list(self.replicas.items()):
@@ -150,6 +169,7 @@ class Run:
             "tokens_per_s": tokens / sum(wall) if wall and sum(wall) > 0 else None,
             "failed_requests": failures,
             "replica_restarts": self.restarts,
+            "router_restarts": self.router_restarts,
         }
 
     def write_report(self, summary: dict[str, Any] | None, error: str | None = None) -> None:

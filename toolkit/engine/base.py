@@ -29,6 +29,7 @@ class EngineStats:
     prefix_hits: int = 0
     prefix_queries: int = 0
     weight_version: int = 0
+    generated_tokens: int = 0
 
 
 class Engine(ABC):

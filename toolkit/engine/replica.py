@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 import zmq
@@ -88,27 +89,36 @@ class ReplicaServer:
             await asyncio.sleep(self.cfg.router.heartbeat_s)
             s = self.engine.stats()
             await self._send(P.Heartbeat(self.replica_id, s.running, s.waiting, s.kv_usage,
-                                         s.prefix_hits, s.prefix_queries, s.weight_version))
-            info = read_json(self.run_dir.router_address)
-            if info and info["backend"] != self.address:
-                logger.warning("router moved to %s; reconnecting", info["backend"])
-                self._connect(info["backend"])
-                await self._register()
-                # The restarted router does not know this replica's requests: they are requeued
-                # there by their clients' resends, so drop the local copies.
-                for t in list(self.tasks.values()):
-                    t.cancel()
+                                         s.prefix_hits, s.prefix_queries, s.weight_version,
+                                         s.generated_tokens))
+
+    async def _follow_router(self) -> None:
+        info = await asyncio.to_thread(read_json, self.run_dir.router_address)
+        if not info or info["backend"] == self.address:
+            return
+        logger.warning("router moved to %s; reconnecting", info["backend"])
+        self._connect(info["backend"])
+        await self._register()
+        # The new router does not know this replica's requests: their clients resend them there,
+        # so the local copies are dropped rather than answered to nobody.
+        for t in list(self.tasks.values()):
+            t.cancel()
+        for rid in list(self.tasks):
+            await self.engine.abort(rid)
 
     async def _receive(self) -> None:
+        """The one task that reads the socket, and the only one that replaces it (on a move)."""
+        interval = self.cfg.router.heartbeat_s
+        next_check = time.monotonic() + interval
         while True:
-            assert self.sock is not None
+            if time.monotonic() >= next_check:
+                await self._follow_router()
+                next_check = time.monotonic() + interval
             sock = self.sock
-            try:
-                frames = await sock.recv_multipart()
-            except zmq.ZMQError:
-                if sock is not self.sock:  # closed by a reconnect
-                    continue
-                raise
+            assert sock is not None
+            if not await sock.poll(int(interval * 1000), zmq.POLLIN):
+                continue
+            frames = await sock.recv_multipart()
             if len(frames) != 2:
                 logger.warning("dropped a message of %d frames", len(frames))
                 continue

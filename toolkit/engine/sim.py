@@ -17,6 +17,10 @@ An LRU cache over ``block_size``-token blocks (chained hashes, as vLLM's prefix 
 how many prompt tokens are cached. Output lengths are lognormal (median ``output_len_median``,
 sigma ``output_len_sigma``) cut at ``max_tokens`` and ``max_model_len``: the heavy tail of RL
 rollouts. ``time_scale`` multiplies every duration (tests run at 0.05-0.2).
+
+Fault hooks for tests: ``fault_crash_token`` makes the process exit when a prompt holding that
+token is scheduled (a poison request), ``fault_hang_token`` stops all generation from then on while
+heartbeats continue (a hung engine that looks healthy), and SIGUSR1 makes it crash at once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import asyncio
 import hashlib
 import logging
 import math
+import os
+import signal
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -113,6 +119,8 @@ class SimEngine(Engine):
         tp = cfg.tensor_parallel_size
         self._speedup = 1 + (tp - 1) * cfg.tp_efficiency
         self.steps = 0
+        self.generated_tokens = 0
+        self.hung = False
 
     def step_time(self, context_tokens: int, prefill_tokens: int = 0) -> float:
         """Modelled seconds of one step (before ``time_scale``)."""
@@ -123,6 +131,7 @@ class SimEngine(Engine):
         )
 
     async def start(self) -> EngineInfo:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._crash, "SIGUSR1")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
         return EngineInfo(self.cfg.model, self.cfg.max_model_len, self.cfg.vocab_size)
 
@@ -159,7 +168,20 @@ class SimEngine(Engine):
             kv_usage=min(1.0, ctx / self.cfg.kv_cache_tokens),
             prefix_hits=self.prefix_hits,
             prefix_queries=self.prefix_queries,
+            generated_tokens=self.generated_tokens,
         )
+
+    def _crash(self, why: str) -> None:
+        logger.error("sim fault hook: crashing now (%s)", why)
+        os._exit(70)
+
+    def _faults(self, prompt: list[int]) -> None:
+        c = self.cfg
+        if c.fault_crash_token is not None and c.fault_crash_token in prompt:
+            self._crash(f"scheduled a prompt holding token {c.fault_crash_token}")
+        if c.fault_hang_token is not None and c.fault_hang_token in prompt and not self.hung:
+            logger.error("sim fault hook: hanging (scheduled token %d)", c.fault_hang_token)
+            self.hung = True
 
     async def close(self) -> None:
         if self._task is not None:
@@ -198,6 +220,7 @@ class SimEngine(Engine):
                 if seq.future.done():
                     continue
                 prompt = seq.req.prompt_token_ids
+                self._faults(prompt)
                 seq.cached = self.cache.match(prompt)
                 self.prefix_queries += len(prompt)
                 self.prefix_hits += seq.cached
@@ -213,6 +236,8 @@ class SimEngine(Engine):
                 # does not burst to catch up.
                 await asyncio.sleep(0)
                 next_t = max(next_t, loop.time() - 0.05)
+            if self.hung:
+                continue
             self.steps += 1
             still = []
             for seq in self.running:
@@ -220,6 +245,7 @@ class SimEngine(Engine):
                     continue
                 if seq.produced < len(seq.tokens):
                     seq.produced += 1
+                    self.generated_tokens += 1
                 if seq.produced >= len(seq.tokens):
                     self._finish(seq, "ok", seq.finish)
                 else:

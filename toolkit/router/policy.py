@@ -37,6 +37,9 @@ class Replica:
     prefix_hits: int = 0
     prefix_queries: int = 0
     weight_version: int = 0
+    generated: int = 0
+    progress_at: float = 0.0
+    suspects: int = 0
 
     @property
     def load(self) -> int:

@@ -155,7 +155,8 @@ class Router:
             existing.client = client
             self.stats["duplicates"] += 1
             return
-        job = msg.job or f"model:{msg.model}"
+        # FIFO (a baseline for benchmarks) is the fair queue with every request under one job.
+        job = "*" if self.rcfg.queue == "fifo" else (msg.job or f"model:{msg.model}")
         self._seq += 1
         req = Request(msg, payload, client, job, self._seq, time.time())
         error = self._check(msg)
@@ -217,12 +218,24 @@ class Router:
         g = self.target_group(req)
         if self.free[g] <= 0:
             return False
-        policy = self.policies.get(g)
-        if policy is None:
-            return False
-        pick = policy.choose(req.msg.session_id or req.request_id, self._group_load(g))
+        if req.deaths:
+            pick = self._pick_for_suspect(g)
+        else:
+            policy = self.policies.get(g)
+            if policy is None:
+                return False
+            pick = policy.choose(req.msg.session_id or req.request_id, self._group_load(g))
         self._pick = pick
         return pick is not None
+
+    def _pick_for_suspect(self, g: str | None) -> Replica | None:
+        """A request that was in flight at a death goes where no other suspect runs (least loaded)."""
+        cap = self.rcfg.suspects_per_replica
+        best = None
+        for r in self.groups.get(g, []):
+            if r.suspects < cap and r.free and (best is None or r.load < best.load):
+                best = r
+        return best
 
     def _group_load(self, g: str | None) -> int:
         members = self.groups.get(g, [])
@@ -246,12 +259,23 @@ class Router:
 
     def _send(self, req: Request, r: Replica) -> None:
         self.backend.send_multipart([r.identity, _T_GENERATE, req.payload], copy=False)
+        if not r.inflight:
+            r.progress_at = time.monotonic()  # the stall clock runs only while work is in flight
         r.inflight[req.request_id] = req
+        if req.deaths:
+            r.suspects += 1
         self._take_slot(r, -1)
         req.replica = r.replica_id
         req.t_dispatch = time.time()
         req.dispatches += 1
         self.stats[f"dispatched:{r.group}"] += 1
+
+    def _release(self, r: Replica, req: Request) -> None:
+        """Take a request off a live replica (answered, expired), freeing its slot."""
+        if r.inflight.pop(req.request_id, None) is not None:
+            self._take_slot(r, +1)
+            if req.deaths:
+                r.suspects -= 1
 
     def _take_slot(self, r: Replica, delta: int) -> None:
         self.free[r.group] += delta
@@ -276,6 +300,9 @@ class Router:
             r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
             r.prefix_hits, r.prefix_queries = msg.prefix_hits, msg.prefix_queries
             r.weight_version = msg.weight_version
+            if msg.generated_tokens != r.generated:
+                r.generated = msg.generated_tokens
+                r.progress_at = r.last_seen
         elif isinstance(msg, P.Register):
             self.register(ident, msg)
         else:
@@ -317,8 +344,7 @@ class Router:
             # has (or will get) its one Result elsewhere.
             self.stats["stale_results"] += 1
             return
-        del r.inflight[req.request_id]
-        self._take_slot(r, +1)
+        self._release(r, req)
         if res.status == "engine_dead":
             self._engine_died_under(req, r.replica_id, res.error)
             return
@@ -388,6 +414,9 @@ class Router:
         for r in list(self.replicas.values()):
             if now - r.last_seen > silent_after:
                 self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
+            elif r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s:
+                # Heartbeats alone prove nothing: an engine can beat while generation hangs.
+                self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
             elif not r.ready and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
                 logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
                                self.rcfg.probe_timeout_s)
@@ -403,8 +432,7 @@ class Router:
                 ident = self.by_id.get(req.replica)
                 r = self.replicas.get(ident) if ident is not None else None
                 if r is not None:
-                    r.inflight.pop(req.request_id, None)
-                    self._take_slot(r, +1)
+                    self._release(r, req)
                     self.backend.send_multipart([r.identity, *P.encode(P.Abort(req.request_id))])
             self._fail(req, "timeout", "deadline passed")
 

@@ -39,16 +39,32 @@ class TailTracker:
         self.threshold = threshold
         self.group = group
         self.steps: dict[str, StepState] = {}
+        # SessionDone that arrived before its StepBegin (replayed by clients after a router restart).
+        self.early: dict[tuple[str, int], set[str]] = {}
 
     def step_begin(self, job: str, step: int, n_sessions: int) -> None:
+        st = self.steps.get(job)
+        if st is not None and st.step == step:
+            if not st.n_sessions:
+                st.n_sessions = n_sessions
+            return  # a replay after a restart: keep the counts and any flip
         self.run_dir.sentinel(job).unlink(missing_ok=True)
         self.steps[job] = StepState(step, n_sessions)
         logger.info("job %s step %d begins with %d sessions", job, step, n_sessions)
+        for sid in self.early.pop((job, step), set()):
+            self.session_done(job, step, sid)
+        self.early = {k: v for k, v in self.early.items() if k[0] != job or k[1] > step}
 
     def session_done(self, job: str, step: int, session_id: str) -> bool:
         """Count one finished session; True when this call flipped the step."""
         st = self.steps.get(job)
-        if st is None or st.step != step or self.threshold is None:
+        if self.threshold is None:
+            return False
+        if st is None or st.step < step:
+            if len(self.early) < 1024:
+                self.early.setdefault((job, step), set()).add(session_id)
+            return False
+        if st.step != step:
             return False
         st.done.add(session_id)
         if st.flipped_at is None and len(st.done) >= flip_count(self.threshold, st.n_sessions):
