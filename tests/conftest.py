@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from toolkit.config import Config, from_dictconfig, register_configs, save_run_config, validate
-from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes
+from toolkit.config import Config, from_dictconfig, register_configs, validate
 from toolkit.rundir import RunDir
+from toolkit.stack import LocalStack
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 register_configs()
@@ -25,56 +25,18 @@ def compose_config(overrides: list[str] | None = None) -> Config:
         return from_dictconfig(compose(config_name="config", overrides=overrides or []))
 
 
-class Procs:
-    """Processes a test started; stopped by pid at the end, never by name."""
-
-    def __init__(self, run_dir: RunDir) -> None:
-        self.run_dir = run_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, *args: str, log: str) -> subprocess.Popen[bytes]:
-        out = open(self.run_dir.logs / log, "ab")  # noqa: SIM115
-        try:
-            p = subprocess.Popen([sys.executable, "-u", *args], stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL)
-        finally:
-            out.close()
-        self.procs.append(p)
-        return p
-
-    def router(self) -> subprocess.Popen[bytes]:
-        p = self.start("-m", "toolkit.router", str(self.run_dir.root), log="router.out")
-        self.run_dir.wait_router_address(20)
-        return p
-
-    def replica(self, group: str, index: int) -> subprocess.Popen[bytes]:
-        return self.start("-m", "toolkit.engine.replica", str(self.run_dir.root), group, str(index),
-                          log=f"replica-{group}-{index}.out")
-
-    def stop(self) -> None:
-        refs = [ProcessRef.of(p.pid, "test") for p in self.procs if p.poll() is None]
-        stop_processes(refs + read_pidfiles(self.run_dir.pids), grace_s=3)
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
 @pytest.fixture
 def make_run(tmp_path: Path) -> Iterator:
-    """``make_run(overrides) -> (cfg, run_dir, procs)``: a validated config saved in a fresh run dir."""
-    owned: list[Procs] = []
+    """``make_run(overrides) -> (cfg, run_dir, stack)``: a validated config saved in a fresh run dir;
+    the stack's processes are stopped by pid at the end of the test."""
+    owned: list[LocalStack] = []
 
-    def factory(overrides: list[str] | None = None) -> tuple[Config, RunDir, Procs]:
+    def factory(overrides: list[str] | None = None) -> tuple[Config, RunDir, LocalStack]:
         cfg = compose_config(overrides)
         validate(cfg)
-        rd = RunDir(tmp_path / f"run{len(owned)}")
-        rd.make()
-        save_run_config(cfg, rd.config)
-        procs = Procs(rd)
-        owned.append(procs)
-        return cfg, rd, procs
+        stack = LocalStack(cfg, tmp_path / f"run{len(owned)}")
+        owned.append(stack)
+        return cfg, stack.run_dir, stack
 
     yield factory
     for p in owned:

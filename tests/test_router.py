@@ -19,21 +19,9 @@ FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2", "router.missed_heart
 
 
 def start_cluster(make_run, overrides=(), replicas=None):  # type: ignore[no-untyped-def]
-    cfg, rd, procs = make_run([*FAST, *overrides])
-    procs.router()
-    reps = {}
-    for g, gc in cfg.groups.items():
-        for i in range(gc.replicas):
-            reps[(g, i)] = procs.replica(g, i)
-    address = json.loads(rd.router_address.read_text())["frontend"]
-
-    def ready() -> bool:
-        st = router_status(address, 1.0)
-        return st is not None and all(st.groups.get(g) and st.groups[g].ready >= c.replicas
-                                      for g, c in cfg.groups.items())
-
-    wait_for(ready, 30, "replicas ready")
-    return cfg, rd, procs, reps, address
+    cfg, rd, stack = make_run([*FAST, *overrides])
+    stack.start(timeout_s=30)
+    return cfg, rd, stack, stack.replicas, stack.frontend
 
 
 async def with_client(rd, fn):  # type: ignore[no-untyped-def]
@@ -156,8 +144,8 @@ def test_kill_9_of_a_replica_loses_no_request(make_run) -> None:  # type: ignore
 def test_a_replica_whose_generation_hangs_never_becomes_ready(make_run) -> None:  # type: ignore[no-untyped-def]
     # The readiness probe's prompt is [1, 2, 3]: this engine hangs on it while its heartbeats go on.
     cfg, rd, procs = make_run([*FAST, "groups=single", "engine.fault_hang_token=2"])
-    procs.router()
-    procs.replica("throughput", 0)
+    procs.start_router()
+    procs.start_replica("throughput", 0)
     address = json.loads(rd.router_address.read_text())["frontend"]
 
     def registered() -> bool:

@@ -18,20 +18,17 @@ import zmq.asyncio
 from toolkit import protocol as P
 from toolkit.errors import RouterUnavailable
 from toolkit.rundir import RunDir, read_json
+from toolkit.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
 _T_RESULT = P.TYPE_OF[P.Result]
-_T_ROUTE = P.TYPE_OF[P.Route]
 _T_STEP = P.TYPE_OF[P.StepBegin]
 _T_STATUS = P.TYPE_OF[P.Status]
 
 
 def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 0)
-    s.setsockopt(zmq.RCVHWM, 0)
+    s = make_socket(ctx, zmq.DEALER)
     s.connect(address)
     return s
 
@@ -136,7 +133,7 @@ class RouterClient:
         mtype = frames[0]
         if mtype == _T_RESULT:
             res = P.decode_as(P.Result, frames[1])
-            route = P.decode_as(P.Route, frames[3]) if len(frames) >= 4 and frames[2] == _T_ROUTE else None
+            route = P.decode_as(P.Route, frames[2]) if len(frames) >= 3 else None
             entry = self.pending.get(res.request_id)
             if entry is not None and not entry[1].done():
                 entry[1].set_result((res, route))

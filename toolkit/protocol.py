@@ -2,7 +2,7 @@
 
 Clients (rollout ranks, launch) talk to the router's frontend ROUTER socket through a DEALER; replicas
 talk to its backend ROUTER socket through a DEALER whose routing id is the replica id. A Result the
-router forwards to a client carries a third frame, a :class:`Route` with the router's timings.
+router forwards to a client carries a third frame, a :class:`Route` payload with the router's timings.
 """
 
 from __future__ import annotations

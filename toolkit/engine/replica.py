@@ -23,6 +23,7 @@ from toolkit.config import Config, group_engine, load_run_config
 from toolkit.engine.base import Engine, EngineInfo, make_engine
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
 from toolkit.rundir import RunDir, read_json
+from toolkit.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +45,7 @@ class ReplicaServer:
     def _connect(self, address: str) -> None:
         if self.sock is not None:
             self.sock.close(0)
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.setsockopt(zmq.ROUTING_ID, self.replica_id.encode())
+        s = make_socket(self.ctx, zmq.DEALER, self.replica_id)
         s.connect(address)
         self.sock = s
         self.address = address

@@ -11,6 +11,7 @@ import hashlib
 import math
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from toolkit.config import POLICIES
@@ -63,19 +64,24 @@ class Policy(ABC):
         self.replicas = replicas
 
     @abstractmethod
-    def choose(self, session_id: str, group_load: int) -> Replica | None:
-        """Pick a replica with a free slot; ``group_load`` is the group's total in-flight count."""
+    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
+        """Pick a replica with a free slot. ``group_load`` is the group's total in-flight count;
+        ``free`` holds exactly the group's replicas that have a free slot (kept by the router)."""
+
+
+def least_loaded(free: Iterable[Replica], bound: int = 1 << 62) -> Replica | None:
+    best = None
+    best_load = bound
+    for r in free:
+        load = len(r.inflight)
+        if load < best_load:
+            best, best_load = r, load
+    return best
 
 
 class LeastLoaded(Policy):
-    def choose(self, session_id: str, group_load: int) -> Replica | None:
-        best = None
-        best_load = 1 << 62
-        for r in self.replicas:
-            load = len(r.inflight)
-            if load < best_load and load < r.max_inflight:
-                best, best_load = r, load
-        return best
+    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
+        return least_loaded(free)
 
 
 class RoundRobin(Policy):
@@ -83,7 +89,7 @@ class RoundRobin(Policy):
         super().__init__(replicas)
         self._next = 0
 
-    def choose(self, session_id: str, group_load: int) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
         n = len(self.replicas)
         for i in range(n):
             r = self.replicas[(self._next + i) % n]
@@ -98,14 +104,12 @@ class PowerOfTwo(Policy):
         super().__init__(replicas)
         self._rng = random.Random(seed)
 
-    def choose(self, session_id: str, group_load: int) -> Replica | None:
-        free = self.replicas if len(self.replicas) <= 2 else self._rng.sample(self.replicas, 2)
-        cands = [r for r in free if r.free]
+    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
+        picks = self.replicas if len(self.replicas) <= 2 else self._rng.sample(self.replicas, 2)
+        cands = [r for r in picks if r.free]
         if not cands:
-            # The two samples were full; fall back to a scan so a free slot is never missed.
-            cands = [r for r in self.replicas if r.free]
-            if not cands:
-                return None
+            # Both samples were full: take the least loaded free one so a free slot is never missed.
+            return least_loaded(free)
         return min(cands, key=lambda r: len(r.inflight))
 
 
@@ -134,26 +138,25 @@ class ConsistentHash(Policy):
         self._ring = [p for p, _ in points]
         self._owners = [replicas[i] for _, i in points]
 
-    def choose(self, session_id: str, group_load: int) -> Replica | None:
+    WALK = 64
+
+    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
         n = len(self.replicas)
-        if n == 0:
+        if n == 0 or not free:
             return None
         bound = math.ceil(self.load_factor * (group_load + 1) / n)
+        if len(free) * 8 < n:
+            # Nearly saturated: the session's own replica is almost surely full, and walking the
+            # ring to the few free ones costs VNODES x n / |free| steps. Take the best free one.
+            return least_loaded(free, bound)
         start = bisect.bisect(self._ring, _hash64(session_id))
         size = len(self._ring)
-        # Walking the whole ring when most replicas are full costs VNODES x n; after a few laps'
-        # worth of points, take the least-loaded free replica instead (same bound, O(n)).
-        for k in range(min(size, 4 * n)):
+        for k in range(min(size, self.WALK)):
             r = self._owners[(start + k) % size]
             load = len(r.inflight)
             if load < bound and load < r.max_inflight:
                 return r
-        best = None
-        for r in self.replicas:
-            load = len(r.inflight)
-            if load < bound and load < r.max_inflight and (best is None or load < len(best.inflight)):
-                best = r
-        return best
+        return least_loaded(free, bound)
 
 
 def make_policy(name: str, replicas: list[Replica], load_factor: float = 1.25, seed: int = 0) -> Policy:

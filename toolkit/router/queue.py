@@ -17,7 +17,7 @@ from toolkit.protocol import Generate
 class Request:
     __slots__ = (
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
-        "t_submit", "t_dispatch", "done", "dispatches",
+        "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -33,6 +33,8 @@ class Request:
         self.t_dispatch = 0.0
         self.done = False
         self.dispatches = 0
+        self.lo = 0
+        self.hi = 0
 
 
 class JobQueue:

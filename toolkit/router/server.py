@@ -23,17 +23,41 @@ from toolkit.router.policy import Policy, Replica, make_policy
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
 from toolkit.rundir import RunDir, atomic_write
+from toolkit.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
 PROBE_PREFIX = "__probe__:"
-_DRAIN = 4096
+# Messages taken from one socket before dispatching: small batches keep the pipeline to the
+# replicas and back to the clients flowing instead of moving in bursts.
+_DRAIN = 128
 _T_GENERATE = P.TYPE_OF[P.Generate]
 _T_RESULT = P.TYPE_OF[P.Result]
-_T_ROUTE = P.TYPE_OF[P.Route]
 _dec_generate = P.DECODERS[_T_GENERATE]
 _dec_result = P.DECODERS[_T_RESULT]
 _enc = P._encoder
+_MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+# On this hot path pyzmq's send_multipart/recv_multipart (enum flags, copies) cost more than the
+# socket calls themselves: use the backend's send/recv/get with plain int flags.
+_raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_raw_get = zmq.backend.Socket.get
+
+
+def _send(sock: zmq.Socket, *frames: bytes) -> None:
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _raw_send(sock, f, _MORE if i < last else 0)
+
+
+def _recv(sock: zmq.Socket) -> list[bytes]:
+    """One whole multipart message, or zmq.Again."""
+    frames = [_raw_recv(sock, _NOBLOCK)]
+    while _raw_get(sock, _RCVMORE):
+        frames.append(_raw_recv(sock, _NOBLOCK))
+    return frames
 
 
 class Router:
@@ -42,8 +66,8 @@ class Router:
         self.rcfg = cfg.router
         self.run_dir = run_dir
         self.ctx = ctx or zmq.Context.instance()
-        self.frontend = self._socket()
-        self.backend = self._socket()
+        self.frontend = make_socket(self.ctx, zmq.ROUTER)
+        self.backend = make_socket(self.ctx, zmq.ROUTER)
         self.queue = FairQueue()
         self.live: dict[str, Request] = {}
         self.results: OrderedDict[str, bytes] = OrderedDict()
@@ -52,23 +76,20 @@ class Router:
         self.groups: dict[str | None, list[Replica]] = {None: []}
         self.policies: dict[str | None, Policy] = {}
         self.free: Counter[str | None] = Counter()
+        # Smallest max_model_len and vocab over each group's ready replicas (None = all groups).
+        self.limits: dict[str | None, tuple[int, int]] = {}
+        # Ready replicas with a free slot, per group and overall (None): insertion-ordered sets.
+        self.free_sets: dict[str | None, dict[Replica, None]] = {None: {}}
         self.tail = TailTracker(run_dir, cfg.tail.threshold, cfg.tail.group)
         self.known_groups = set(cfg.groups)
         self.stats: Counter[str] = Counter()
+        self.dispatched: Counter[str] = Counter()
         self._seq = 0
         self._probe_n = 0
         self._pick: Replica | None = None
         self._deadlines = 0
         self.frontend_addr = ""
         self.backend_addr = ""
-
-    def _socket(self) -> zmq.Socket:
-        s = self.ctx.socket(zmq.ROUTER)
-        s.setsockopt(zmq.LINGER, 0)
-        # The router queues requests itself; ZMQ must never drop a frame at a high-water mark.
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        return s
 
     # ---- lifecycle -------------------------------------------------------------------------
     def bind(self, host: str) -> dict[str, str]:
@@ -95,8 +116,10 @@ class Router:
         while not should_stop():
             timeout_ms = max(0.0, (next_sweep - time.monotonic()) * 1000)
             events = dict(poller.poll(timeout_ms))
+            # Results first: they free the slots the new requests need.
             if self.backend in events:
                 self._drain(self.backend, self._on_backend)
+                self.dispatch()
             if self.frontend in events:
                 self._drain(self.frontend, self._on_frontend)
             if time.monotonic() >= next_sweep:
@@ -104,12 +127,13 @@ class Router:
                 next_sweep = time.monotonic() + sweep_every
             self.dispatch()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes, bytes], None]) -> None:
+    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes, bytes], None]) -> bool:
+        """Handle up to _DRAIN messages; True if the socket may hold more."""
         for _ in range(_DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = _recv(sock)
             except zmq.Again:
-                return
+                return False
             if len(frames) < 3:
                 logger.warning("dropped a malformed message of %d frame(s)", len(frames))
                 self.stats["malformed"] += 1
@@ -119,6 +143,7 @@ class Router:
             except P.ProtocolError as exc:
                 logger.warning("dropped a malformed message: %s", exc)
                 self.stats["malformed"] += 1
+        return True
 
     # ---- frontend --------------------------------------------------------------------------
     def _on_frontend(self, client: bytes, mtype: bytes, payload: bytes) -> None:
@@ -147,7 +172,7 @@ class Router:
         cached = self.results.get(rid)
         if cached is not None:
             self.stats["duplicates"] += 1
-            self.frontend.send_multipart([client, _T_RESULT, cached])
+            _send(self.frontend, client, _T_RESULT, cached)
             return
         existing = self.live.get(rid)
         if existing is not None:
@@ -159,7 +184,7 @@ class Router:
         job = "*" if self.rcfg.queue == "fifo" else (msg.job or f"model:{msg.model}")
         self._seq += 1
         req = Request(msg, payload, client, job, self._seq, time.time())
-        error = self._check(msg)
+        error = self._check(req)
         if error:
             self._fail(req, "client_error", error)
             return
@@ -169,16 +194,17 @@ class Router:
         self.queue.push(req)
         self.stats["submitted"] += 1
 
-    def _check(self, msg: P.Generate) -> str:
+    def _check(self, req: Request) -> str:
         """Client errors that need no engine: unknown group, empty prompt, limits of the group."""
+        msg = req.msg
         if msg.group is not None and msg.group not in self.known_groups:
             return f"unknown group {msg.group!r}; groups: {sorted(self.known_groups)}"
-        if not msg.prompt_token_ids:
+        ids = msg.prompt_token_ids
+        if not ids:
             return "empty prompt"
-        members = self.groups.get(msg.group, [])
-        if members:
-            return _limit_error(msg, min(r.max_model_len for r in members), min(r.vocab_size for r in members))
-        return ""
+        req.lo, req.hi = min(ids), max(ids)
+        limits = self.limits.get(msg.group)
+        return _limit_error(req, *limits) if limits else ""
 
     def abort(self, rid: str) -> None:
         req = self.live.get(rid)
@@ -224,7 +250,7 @@ class Router:
             policy = self.policies.get(g)
             if policy is None:
                 return False
-            pick = policy.choose(req.msg.session_id or req.request_id, self._group_load(g))
+            pick = policy.choose(req.msg.session_id or req.request_id, self._group_load(g), self.free_sets[g])
         self._pick = pick
         return pick is not None
 
@@ -232,8 +258,8 @@ class Router:
         """A request that was in flight at a death goes where no other suspect runs (least loaded)."""
         cap = self.rcfg.suspects_per_replica
         best = None
-        for r in self.groups.get(g, []):
-            if r.suspects < cap and r.free and (best is None or r.load < best.load):
+        for r in self.free_sets.get(g, {}):
+            if r.suspects < cap and (best is None or r.load < best.load):
                 best = r
         return best
 
@@ -248,7 +274,7 @@ class Router:
                 replica = self._pick
                 assert replica is not None
                 self._pick = None
-                error = _limit_error(req.msg, replica.max_model_len, replica.vocab_size)
+                error = _limit_error(req, replica.max_model_len, replica.vocab_size)
                 if error:
                     self._fail(req, "client_error", error)
                     continue
@@ -258,7 +284,7 @@ class Router:
                 return
 
     def _send(self, req: Request, r: Replica) -> None:
-        self.backend.send_multipart([r.identity, _T_GENERATE, req.payload], copy=False)
+        _send(self.backend, r.identity, _T_GENERATE, req.payload)
         if not r.inflight:
             r.progress_at = time.monotonic()  # the stall clock runs only while work is in flight
         r.inflight[req.request_id] = req
@@ -268,7 +294,7 @@ class Router:
         req.replica = r.replica_id
         req.t_dispatch = time.time()
         req.dispatches += 1
-        self.stats[f"dispatched:{r.group}"] += 1
+        self.dispatched[r.group] += 1
 
     def _release(self, r: Replica, req: Request) -> None:
         """Take a request off a live replica (answered, expired), freeing its slot."""
@@ -280,6 +306,12 @@ class Router:
     def _take_slot(self, r: Replica, delta: int) -> None:
         self.free[r.group] += delta
         self.free[None] += delta
+        has_room = r.ready and len(r.inflight) < r.max_inflight and r.identity in self.replicas
+        for fs in (self.free_sets.setdefault(r.group, {}), self.free_sets[None]):
+            if has_room:
+                fs[r] = None
+            else:
+                fs.pop(r, None)
 
     # ---- backend ---------------------------------------------------------------------------
     def _on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
@@ -360,12 +392,19 @@ class Router:
             else:
                 self.policies[g] = make_policy(self.rcfg.policy, members, self.rcfg.load_factor, self.cfg.seed)
         self._take_slot(r, r.max_inflight - r.load)
+        self._update_limits()
         logger.info("replica %s is ready", r.replica_id)
+
+    def _update_limits(self) -> None:
+        self.limits = {g: (min(r.max_model_len for r in members), min(r.vocab_size for r in members))
+                       for g, members in self.groups.items() if members}
 
     def drop(self, r: Replica, why: str) -> None:
         """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
         logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
         self.replicas.pop(r.identity, None)
+        for fs in self.free_sets.values():
+            fs.pop(r, None)
         if self.by_id.get(r.replica_id) == r.identity:
             del self.by_id[r.replica_id]
         if r.ready:
@@ -374,6 +413,7 @@ class Router:
                 members = self.groups[g]
                 members.remove(r)
                 self.policies[g].update(members)
+            self._update_limits()
         orphans = list(r.inflight.values())
         r.inflight.clear()
         for req in orphans:
@@ -396,7 +436,7 @@ class Router:
             self._deadlines -= 1
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
                         dispatches=req.dispatches)
-        self.frontend.send_multipart([req.client, _T_RESULT, payload, _T_ROUTE, _enc.encode(route)])
+        _send(self.frontend, req.client, _T_RESULT, payload, _enc.encode(route))
         self.results[req.request_id] = payload
         if len(self.results) > self.rcfg.result_cache:
             self.results.popitem(last=False)
@@ -437,15 +477,15 @@ class Router:
             self._fail(req, "timeout", "deadline passed")
 
     def write_stats(self) -> None:
-        atomic_write(self.run_dir.root / "router_stats.json", json.dumps(dict(self.stats), indent=1))
+        stats = {**self.stats, **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
+        atomic_write(self.run_dir.root / "router_stats.json", json.dumps(stats, indent=1))
 
 
-def _limit_error(msg: P.Generate, max_model_len: int, vocab_size: int) -> str:
-    ids = msg.prompt_token_ids
-    if len(ids) > max_model_len:
-        return f"prompt of {len(ids)} tokens is longer than max_model_len {max_model_len}"
-    lo, hi = min(ids), max(ids)
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
+def _limit_error(req: Request, max_model_len: int, vocab_size: int) -> str:
+    n = len(req.msg.prompt_token_ids)
+    if n > max_model_len:
+        return f"prompt of {n} tokens is longer than max_model_len {max_model_len}"
+    if req.lo < 0 or req.hi >= vocab_size:
+        bad = req.lo if req.lo < 0 else req.hi
         return f"token id {bad} outside the vocabulary [0, {vocab_size})"
     return ""

@@ -1,0 +1,42 @@
+"""Benchmarks run and report their fields (smoke runs; no assertion on timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def bench(name: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "toolkit.bench", name, "--json", str(out), "--quick"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_router_bench_reports_its_fields(tmp_path: Path) -> None:
+    r = bench("router", tmp_path)
+    assert {"router_rps", "raw_broker_rps", "ratio", "decision_us_p50", "decision_us_p99", "replicas"} <= set(r)
+    assert r["replicas"] == 512
+    assert r["router_rps"] > 0 and r["raw_broker_rps"] > 0
+    assert r["ratio"] == pytest.approx(r["router_rps"] / r["raw_broker_rps"], rel=0.01)
+    assert 0 < r["decision_us_p50"] <= r["decision_us_p99"]
+
+
+def test_fairness_bench_reports_its_fields(tmp_path: Path) -> None:
+    r = bench("fairness", tmp_path)
+    assert {"small_job_slowdown_fair", "small_job_slowdown_fifo"} <= set(r)
+    assert r["small_job_slowdown_fair"] > 0 and r["small_job_slowdown_fifo"] > 0
+
+
+def test_unknown_benchmark_names_the_choices(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "toolkit.bench", "nope", "--json", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "fairness" in proc.stderr and "router" in proc.stderr

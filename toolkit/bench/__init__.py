@@ -1,0 +1,12 @@
+"""Benchmarks: ``python -m toolkit.bench NAME --json PATH``.
+
+Each benchmark measures the toolkit against a baseline *in the same run* and writes one JSON object
+with the fields its issue names. Benchmarks are not tests: nothing asserts on their timings.
+"""
+
+from __future__ import annotations
+
+BENCHMARKS = {
+    "router": "toolkit.bench.router",
+    "fairness": "toolkit.bench.fairness",
+}

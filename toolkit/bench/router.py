@@ -1,0 +1,281 @@
+"""``python -m toolkit.bench router``: the router's cost against a minimal pyzmq broker.
+
+Throughput: one client process keeps ``window`` requests outstanding against (a) the toolkit router
+with instant-answer replicas and (b) a minimal broker with the same sockets (ROUTER front, ROUTER
+back), the same payloads (msgspec Generate in, Result out, decoded and encoded on both sides) and no
+policy (hash of the session id picks the worker). Arms alternate, best of ``rounds`` each.
+
+Decision cost: a router in this process with 512 registered replicas (no engines: the point is
+the router's own work) and 50,000 queued requests from 8 jobs; each sample frees one slot (a
+Result) and times one ``dispatch()``: queue pop with fair turns, policy choice, send.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from toolkit import protocol as P
+from toolkit.config import Config, GroupConfig, RouterConfig, SimEngineConfig
+from toolkit.sockets import make_socket
+from toolkit.stack import LocalStack
+
+PROMPT_LEN = 128
+OUTPUT_LEN = 16
+_enc = msgspec.msgpack.Encoder()
+_dec_gen = msgspec.msgpack.Decoder(P.Generate)
+
+
+def _answer(payload: bytes, replica_id: str, group: str) -> bytes:
+    req = _dec_gen.decode(payload)
+    res = P.Result(req.request_id, "ok", list(range(1, OUTPUT_LEN + 1)), [-0.5] * OUTPUT_LEN, "stop",
+                   replica_id, group)
+    return _enc.encode(res)
+
+
+def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartbeat_s: float) -> None:
+    """``n`` replicas in one process that answer every Generate at once (a process target)."""
+    ctx = zmq.Context()
+    socks = []
+    poller = zmq.Poller()
+    for i in range(n):
+        rid = f"{group}-{i}@instant:{os.getpid()}"
+        s = make_socket(ctx, zmq.DEALER, rid)
+        s.connect(backend)
+        socks.append((s, rid))
+        poller.register(s, zmq.POLLIN)
+
+    def register(s: zmq.Socket, rid: str) -> None:
+        s.send_multipart(P.encode(P.Register(rid, group, {"group": group}, "instant", max_inflight, 100000, 1 << 20)))
+
+    for s, rid in socks:
+        register(s, rid)
+    by_sock = dict(socks)
+    next_beat = time.monotonic()
+    t_gen = P.TYPE_OF[P.Generate]
+    t_res = P.TYPE_OF[P.Result]
+    while True:
+        for s, _ in poller.poll(50):
+            rid = by_sock[s]
+            for _ in range(256):
+                try:
+                    mtype, payload = s.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if mtype == t_gen:
+                    s.send_multipart([t_res, _answer(payload, rid, group)])
+                elif mtype == P.TYPE_OF[P.Reregister]:
+                    register(s, rid)
+        if time.monotonic() >= next_beat:
+            for s, rid in socks:
+                s.send_multipart(P.encode(P.Heartbeat(rid, generated_tokens=int(time.monotonic() * 1000))))
+            next_beat = time.monotonic() + heartbeat_s
+
+
+def raw_broker(addr_q: Any) -> None:
+    """The baseline: ROUTER front, ROUTER back, decode the Generate, hash to a worker, forward."""
+    ctx = zmq.Context()
+    front, back = make_socket(ctx, zmq.ROUTER), make_socket(ctx, zmq.ROUTER)
+    for s in (front, back):
+        s.bind("tcp://127.0.0.1:*")
+    addr_q.put((front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT)))
+    workers: list[bytes] = []
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll(100))
+        if back in events:
+            for _ in range(4096):
+                try:
+                    frames = back.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) == 2:  # [worker, b"READY"]
+                    workers.append(frames[0])
+                else:
+                    front.send_multipart(frames[1:])
+        if front in events and workers:
+            for _ in range(4096):
+                try:
+                    client, mtype, payload = front.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = _dec_gen.decode(payload)
+                w = workers[hash(msg.session_id) % len(workers)]
+                back.send_multipart([w, client, mtype, payload])
+
+
+def raw_workers(backend: str, n: int) -> None:
+    ctx = zmq.Context()
+    poller = zmq.Poller()
+    socks = []
+    for _ in range(n):
+        s = make_socket(ctx, zmq.DEALER)
+        s.connect(backend)
+        s.send(b"READY")
+        poller.register(s, zmq.POLLIN)
+        socks.append(s)
+    t_res = P.TYPE_OF[P.Result]
+    while True:
+        for s, _ in poller.poll(100):
+            for _ in range(256):
+                try:
+                    client, _mtype, payload = s.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                s.send_multipart([client, t_res, _answer(payload, "raw", "raw")])
+
+
+def client(frontend: str, n: int, window: int, out_q: Any) -> None:
+    """Keep ``window`` requests outstanding; report requests/s from first send to last result."""
+    payloads = [_enc.encode(P.Generate(f"{os.getpid()}-{i}", "bench", f"s{i % 997}", 0,
+                                       list(range(1, PROMPT_LEN + 1)), P.Sampling(OUTPUT_LEN)))
+                for i in range(n)]
+    ctx = zmq.Context()
+    s = make_socket(ctx, zmq.DEALER)
+    s.connect(frontend)
+    t_gen = P.TYPE_OF[P.Generate]
+    sent = done = 0
+    t0 = time.perf_counter()
+    while done < n:
+        while sent < n and sent - done < window:
+            s.send_multipart([t_gen, payloads[sent]])
+            sent += 1
+        s.recv_multipart()
+        done += 1
+        while True:
+            try:
+                s.recv_multipart(zmq.NOBLOCK)
+                done += 1
+            except zmq.Again:
+                break
+    out_q.put(n / (time.perf_counter() - t0))
+    s.close()
+    ctx.term()
+
+
+def _run_client(frontend: str, n: int, window: int) -> float:
+    mpc = mp.get_context("spawn")
+    q = mpc.Queue()
+    p = mpc.Process(target=client, args=(frontend, n, window, q), daemon=True)
+    p.start()
+    try:
+        return float(q.get(timeout=300))
+    finally:
+        p.join(10)
+
+
+def bench_config(replicas: int, max_inflight: int, policy: str = "consistent_hash") -> Config:
+    return Config(engine=SimEngineConfig(), groups={"bench": GroupConfig(replicas=replicas, max_inflight=max_inflight)},
+                  router=RouterConfig(policy=policy))
+
+
+def throughput(n: int, window: int, replicas: int, rounds: int) -> tuple[float, float]:
+    mpc = mp.get_context("spawn")
+    cfg = bench_config(replicas, max_inflight=max(1, 2 * window // replicas))
+    router_rps, raw_rps = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        stack = LocalStack(cfg, Path(tmp) / "run")
+        procs = []
+        try:
+            stack.start_router()
+            backend = stack.run_dir.wait_router_address(10)["backend"]
+            procs.append(mpc.Process(target=instant_replicas, args=(backend, replicas, "bench",
+                                                                     cfg.groups["bench"].max_inflight, 0.5),
+                                     daemon=True))
+            aq = mpc.Queue()
+            procs.append(mpc.Process(target=raw_broker, args=(aq,), daemon=True))
+            for p in procs:
+                p.start()
+            raw_front, raw_back = aq.get(timeout=30)
+            procs.append(mpc.Process(target=raw_workers, args=(raw_back, replicas), daemon=True))
+            procs[-1].start()
+            stack.wait_ready(30)
+            time.sleep(0.5)  # raw workers' READY reached the broker
+            _run_client(stack.frontend, min(n, 2000), window)  # warm both paths
+            _run_client(raw_front, min(n, 2000), window)
+            for _ in range(rounds):
+                raw_rps.append(_run_client(raw_front, n, window))
+                router_rps.append(_run_client(stack.frontend, n, window))
+        finally:
+            for p in procs:
+                p.terminate()
+                p.join(5)
+            stack.stop()
+    return max(router_rps), max(raw_rps)
+
+
+def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000, jobs: int = 8,
+                  policy: str = "consistent_hash") -> tuple[float, float]:
+    """p50 and p99 of one dispatch decision, in microseconds."""
+    from toolkit.router.server import Router
+    from toolkit.rundir import RunDir
+
+    max_inflight = 4
+    cfg = bench_config(replicas, max_inflight, policy)
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory(prefix="bench-decide-") as tmp:
+        rd = RunDir(Path(tmp))
+        rd.make()
+        ctx = zmq.Context()
+        router = Router(cfg, rd, ctx)
+        try:
+            router.bind("127.0.0.1")
+            for i in range(replicas):
+                ident = f"r{i}".encode()
+                router.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20))
+                router._set_ready(router.replicas[ident])
+            prompt = list(range(1, PROMPT_LEN + 1))
+            total = queued + replicas * max_inflight
+            for k in range(total + samples):
+                msg = P.Generate(f"q{k}", f"job{k % jobs}", f"s{rng.randrange(5000)}", 0, prompt,
+                                 P.Sampling(OUTPUT_LEN))
+                router.submit(b"client", msg, _enc.encode(msg))
+            router.dispatch()  # fills every slot; the rest stays queued
+            assert router.queue.size >= queued, router.queue.size
+            reps = list(router.replicas.values())
+            times = []
+            while len(times) < samples:
+                r = reps[rng.randrange(len(reps))]
+                if not r.inflight:
+                    continue
+                rid = next(iter(r.inflight))  # its oldest request finishes
+                res = P.Result(rid, "ok", [1], [-0.1], "stop", r.replica_id, "bench")
+                router._on_result(r.identity, res, _enc.encode(res))
+                t0 = time.perf_counter_ns()
+                router.dispatch()
+                times.append(time.perf_counter_ns() - t0)
+            a = np.asarray(times, dtype=np.float64) / 1000.0
+            return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+        finally:
+            router.close()
+            ctx.term()
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    n = 5000 if quick else 30000
+    router_rps, raw_rps = throughput(n=n, window=1024, replicas=4, rounds=1 if quick else 3)
+    p50, p99 = decision_cost(samples=2000 if quick else 20000, queued=5000 if quick else 50000)
+    return {
+        "router_rps": round(router_rps, 1),
+        "raw_broker_rps": round(raw_rps, 1),
+        "ratio": round(router_rps / raw_rps, 3),
+        "decision_us_p50": round(p50, 2),
+        "decision_us_p99": round(p99, 2),
+        "replicas": 512,
+        "queued": 5000 if quick else 50000,
+        "window": 1024,
+        "prompt_tokens": PROMPT_LEN,
+        "output_tokens": OUTPUT_LEN,
+        "policy": "consistent_hash",
+    }
