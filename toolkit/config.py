@@ -134,6 +134,9 @@ class TailConfig:
     """Fraction of a step's sessions done at which the rest of the step flips to ``group``; null = off."""
     group: str = "tail"
     """The fast group that serves a step after its flip."""
+    migrate_inflight: bool = False
+    """At the flip, abort the step's requests running outside the tail group and continue them on
+    it from where they stopped (prompt + tokens so far, remaining budget), keeping tokens and logprobs."""
 
 
 @dataclass

@@ -52,6 +52,9 @@ def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
             r.write_report(None, error=f"{type(exc).__name__}: {exc}")
             raise
     r.write_report(summary)
+    from toolkit.report import draw_timeline
+
+    draw_timeline(run_dir.root)
     print_summary(console, summary, run_dir)
     return summary
 
@@ -65,7 +68,7 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     table.add_row("generated tokens", f"{summary['generated_tokens']:,}")
     table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
     table.add_row("failed requests", str(summary["failed_requests"] or "none"))
-    table.add_row("outputs", f"{run_dir.steps}/step_*.parquet, {run_dir.report}")
+    table.add_row("outputs", f"{run_dir.steps}/step_*.parquet, {run_dir.report}, {run_dir.root / 'timeline.png'}")
     console.print(table)
 
 

@@ -85,7 +85,8 @@ def read_pidfiles(pid_dir: Path) -> list[ProcessRef]:
 
 def stop_processes(refs: list[ProcessRef], grace_s: float = 5.0) -> list[ProcessRef]:
     """SIGTERM, then SIGKILL after ``grace_s``; returns those still alive at the end (should be none)."""
-    live = [r for r in refs if r.alive()]
+    unique = {r.pid: r for r in refs}  # a process can be known twice (its launcher and its pid file)
+    live = [r for r in unique.values() if r.alive()]
     for r in live:
         r.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -106,6 +107,8 @@ def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so ``finally`` blocks close sockets and engines."""
 
     def handler(signum: int, frame: object) -> None:
+        # Once: a second SIGTERM must not interrupt the cleanup the first one started.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)

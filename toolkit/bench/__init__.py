@@ -9,4 +9,5 @@ from __future__ import annotations
 BENCHMARKS = {
     "router": "toolkit.bench.router",
     "fairness": "toolkit.bench.fairness",
+    "tail": "toolkit.bench.tail",
 }

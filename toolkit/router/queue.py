@@ -18,6 +18,7 @@ class Request:
     __slots__ = (
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
+        "migrating", "client_aborted", "prefix_tokens", "prefix_logprobs", "prompt_len",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -35,6 +36,12 @@ class Request:
         self.dispatches = 0
         self.lo = 0
         self.hi = 0
+        # Tail migration: tokens generated before the request moved to the tail group.
+        self.migrating = False
+        self.client_aborted = False
+        self.prefix_tokens: list[int] = []
+        self.prefix_logprobs: list[float] = []
+        self.prompt_len = len(msg.prompt_token_ids)
 
 
 class JobQueue:

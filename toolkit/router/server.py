@@ -15,6 +15,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from toolkit import protocol as P
@@ -22,6 +23,7 @@ from toolkit.config import Config
 from toolkit.router.policy import Policy, Replica, make_policy
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
+from toolkit.router.timeline import Timeline
 from toolkit.rundir import RunDir, atomic_write
 from toolkit.sockets import make_socket
 
@@ -81,6 +83,7 @@ class Router:
         # Ready replicas with a free slot, per group and overall (None): insertion-ordered sets.
         self.free_sets: dict[str | None, dict[Replica, None]] = {None: {}}
         self.tail = TailTracker(run_dir, cfg.tail.threshold, cfg.tail.group)
+        self.timeline = Timeline(run_dir)
         self.known_groups = set(cfg.groups)
         self.stats: Counter[str] = Counter()
         self.dispatched: Counter[str] = Counter()
@@ -159,9 +162,15 @@ class Router:
             self.abort(msg.request_id)
         elif isinstance(msg, P.StepBegin):
             self.tail.step_begin(msg.job, msg.step, msg.n_sessions)
+            self.timeline.begin(msg.job, msg.step)
             self.frontend.send_multipart([client, *P.encode(msg)])
         elif isinstance(msg, P.SessionDone):
-            self.tail.session_done(msg.job, msg.step, msg.session_id)
+            if self.tail.session_done(msg.job, msg.step, msg.session_id):
+                st = self.tail.steps[msg.job]
+                assert st.flipped_at is not None
+                self.timeline.flipped(msg.job, msg.step, st.flipped_at, st.flip_count)
+                if self.cfg.tail.migrate_inflight:
+                    self.migrate(msg.job, msg.step)
         elif isinstance(msg, P.StatusRequest):
             self.frontend.send_multipart([client, *P.encode(self.status())])
         else:
@@ -214,6 +223,7 @@ class Router:
             self.queue.discard(req)
             self._fail(req, "cancelled", "aborted before dispatch")
         else:
+            req.client_aborted = True
             ident = self.by_id.get(req.replica)
             if ident is not None:
                 self.backend.send_multipart([ident, *P.encode(P.Abort(rid))])
@@ -294,12 +304,14 @@ class Router:
         req.replica = r.replica_id
         req.t_dispatch = time.time()
         req.dispatches += 1
+        self.timeline.dispatched(req.msg.job, req.msg.step, r.group, req.t_dispatch)
         self.dispatched[r.group] += 1
 
     def _release(self, r: Replica, req: Request) -> None:
         """Take a request off a live replica (answered, expired), freeing its slot."""
         if r.inflight.pop(req.request_id, None) is not None:
             self._take_slot(r, +1)
+            self.timeline.finished(req.msg.job, req.msg.step, r.group, time.time())
             if req.deaths:
                 r.suspects -= 1
 
@@ -380,7 +392,66 @@ class Router:
         if res.status == "engine_dead":
             self._engine_died_under(req, r.replica_id, res.error)
             return
+        if req.migrating:
+            req.migrating = False
+            if res.status == "cancelled" and not req.client_aborted:
+                self._continue_on_tail(req, res)
+                return
+        if req.prefix_tokens:
+            payload = self._merged(req, res)
         self._complete(req, payload)
+
+    # ---- tail migration --------------------------------------------------------------------
+    def migrate(self, job: str, step: int) -> None:
+        """At the flip: abort the step's requests running outside the tail group; each continues
+        on the tail group from where it stopped once its partial Result comes back."""
+        tail = self.tail.group
+        n = 0
+        for r in list(self.replicas.values()):
+            if r.group == tail:
+                continue
+            for req in list(r.inflight.values()):
+                assert isinstance(req, Request)
+                m = req.msg
+                # Requests that name their group explicitly stay where they were sent.
+                if m.job == job and m.step == step and m.group is None and not req.migrating:
+                    req.migrating = True
+                    _send(self.backend, r.identity, *P.encode(P.Abort(req.request_id)))
+                    n += 1
+        logger.info("migrating %d in-flight request(s) of %s step %d to group %s", n, job, step, tail)
+
+    def _continue_on_tail(self, req: Request, res: P.Result) -> None:
+        out = res.output_token_ids
+        req.prefix_tokens.extend(out)
+        req.prefix_logprobs.extend(res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out))
+        m = req.msg
+        remaining = m.sampling.max_tokens - len(out)
+        if remaining <= 0:
+            self._complete(req, self._merged(req, msgspec.structs.replace(res, output_token_ids=[], logprobs=[],
+                                                                          status="ok", finish_reason="length")))
+            return
+        cont = msgspec.structs.replace(
+            m, prompt_token_ids=m.prompt_token_ids + out, group=self.tail.group,
+            sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),
+        )
+        req.msg = cont
+        req.payload = _enc.encode(cont)
+        if out:
+            req.hi = max(req.hi, max(out))
+        self.timeline.migrated(m.job, m.step)
+        self.stats["migrated"] += 1
+        self.queue.requeue_front([req])
+
+    def _merged(self, req: Request, res: P.Result) -> bytes:
+        """One Result for a request that moved: the tokens and logprobs of every leg, in order."""
+        lps = res.logprobs if len(res.logprobs) == len(res.output_token_ids) else [0.0] * len(res.output_token_ids)
+        merged = msgspec.structs.replace(
+            res, output_token_ids=req.prefix_tokens + res.output_token_ids,
+            logprobs=req.prefix_logprobs + lps,
+            # Cached tokens of the original prompt on the replica that finished it.
+            cached_tokens=min(res.cached_tokens, req.prompt_len),
+        )
+        return _enc.encode(merged)
 
     def _set_ready(self, r: Replica) -> None:
         r.ready = True
@@ -416,8 +487,10 @@ class Router:
             self._update_limits()
         orphans = list(r.inflight.values())
         r.inflight.clear()
+        now = time.time()
         for req in orphans:
             assert isinstance(req, Request)
+            self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
             self._engine_died_under(req, r.replica_id, why)
 
     def _engine_died_under(self, req: Request, replica_id: str, why: str) -> None:
@@ -477,6 +550,7 @@ class Router:
             self._fail(req, "timeout", "deadline passed")
 
     def write_stats(self) -> None:
+        self.timeline.write_all()
         stats = {**self.stats, **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
         atomic_write(self.run_dir.root / "router_stats.json", json.dumps(stats, indent=1))
 

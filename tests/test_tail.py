@@ -1,0 +1,165 @@
+"""Tail routing with a real router and sim replicas: exact flip, sentinel lifecycle, no spillover,
+migration without losing a token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from tests.conftest import compose_config, wait_for
+from toolkit.client import RouterClient
+from toolkit.config import ConfigError, validate
+from toolkit.engine.sim import plan_output
+from toolkit.protocol import Generate, Sampling
+from toolkit.router.tail import flip_count
+
+FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
+
+
+def gen(rid: str, step: int, prompt: list[int], max_tokens: int = 32, group: str | None = None) -> Generate:
+    return Generate(rid, job="j", session_id=rid, step=step, prompt_token_ids=prompt,
+                    sampling=Sampling(max_tokens=max_tokens), group=group)
+
+
+async def with_client(rd, fn):  # type: ignore[no-untyped-def]
+    c = RouterClient(rd)
+    await c.connect(10)
+    try:
+        return await asyncio.wait_for(fn(c), 90)
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize(("threshold", "n", "expected"), [(0.95, 128, 122), (0.9, 32, 29), (1.0, 7, 7),
+                                                          (0.95, 100, 95), (0.01, 10, 1)])
+def test_flip_count(threshold: float, n: int, expected: int) -> None:
+    assert flip_count(threshold, n) == expected == max(1, math.ceil(round(threshold * n, 9)))
+
+
+def test_flip_at_exact_count_and_sentinel_removed_at_each_step_begin(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.75"])
+    stack.start()
+    sentinel = rd.sentinel("j")
+
+    async def body(c: RouterClient) -> None:
+        for step in range(2):
+            await c.step_begin("j", step, 8)
+            assert not sentinel.exists()  # gone at every step start
+            for i in range(6):  # ceil(0.75 * 8) = 6
+                await c.session_done("j", step, f"s{i}")
+                if i < 5:
+                    await c.session_done("j", step, f"s{i}")  # duplicates do not count twice
+                    st = await asyncio.to_thread(lambda: sentinel.exists())
+                    assert not st, f"flipped early at {i + 1}"
+            await asyncio.to_thread(wait_for, sentinel.exists, 10, "the sentinel")
+            info = json.loads(sentinel.read_text())
+            assert info["count"] == 6 and info["step"] == step and info["job"] == "j"
+            # A stale SessionDone of an older step changes nothing.
+            await c.session_done("j", step - 1, "late")
+
+    asyncio.run(with_client(rd, body))
+
+
+def test_after_the_flip_no_request_of_the_step_reaches_another_group(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.5"])
+    stack.start()
+
+    async def body(c: RouterClient) -> None:
+        await c.step_begin("j", 0, 2)
+        before = await asyncio.gather(*(c.generate(gen(f"b{i}", 0, [1, 2, i + 3])) for i in range(30)))
+        assert {res.group for res, _ in before} == {"throughput", "tail"}  # all groups serve before
+        await c.session_done("j", 0, "s0")
+        await asyncio.to_thread(wait_for, rd.sentinel("j").exists, 10, "the flip")
+        after = await asyncio.gather(*(c.generate(gen(f"a{i}", 0, [1, 2, i + 3])) for i in range(40)))
+        assert {res.group for res, _ in after} == {"tail"}
+        # Another step of the job (not flipped) still uses every group.
+        other = await asyncio.gather(*(c.generate(gen(f"o{i}", 5, [1, 2, i + 3])) for i in range(30)))
+        assert "throughput" in {res.group for res, _ in other}
+
+    asyncio.run(with_client(rd, body))
+
+
+def test_queued_requests_follow_the_flip(make_run) -> None:  # type: ignore[no-untyped-def]
+    # Throughput slots are few and busy: requests queued before the flip must still go to the tail.
+    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.5", "engine.time_scale=0.5",
+                               "groups.throughput.max_inflight=2", "groups.tail.max_inflight=2"])
+    stack.start()
+
+    async def body(c: RouterClient) -> None:
+        await c.step_begin("j", 0, 2)
+        tasks = [asyncio.create_task(c.generate(gen(f"q{i}", 0, [1, 2, i + 3], max_tokens=64)))
+                 for i in range(40)]
+        await asyncio.sleep(0.3)
+        await c.session_done("j", 0, "s0")
+        await asyncio.to_thread(wait_for, rd.sentinel("j").exists, 10, "the flip")
+        flip_time = json.loads(rd.sentinel("j").read_text())["time"]
+        outs = await asyncio.gather(*tasks)
+        after = [res for res, route in outs if route is not None and route.dispatched_at >= flip_time]
+        assert len(after) >= 10
+        assert {res.group for res in after} == {"tail"}
+
+    asyncio.run(with_client(rd, body))
+
+
+def test_migrated_requests_lose_no_token(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.5", "tail.migrate_inflight=true", "engine.time_scale=1.0",
+                               "engine.output_len_median=100000", "router.policy=round_robin"])
+    stack.start()
+    sim = cfg.engine
+
+    async def body(c: RouterClient) -> None:
+        await c.step_begin("j", 0, 2)
+        longs = [gen(f"long{i}", 0, [1, 2, 50 + i], max_tokens=400) for i in range(6)]
+        tasks = [asyncio.create_task(c.generate(m)) for m in longs]
+        await asyncio.sleep(0.4)  # ~100 tokens into each
+        await c.session_done("j", 0, "s0")
+        outs = await asyncio.gather(*tasks)
+        moved = 0
+        for m, (res, route) in zip(longs, outs, strict=True):
+            assert res.status == "ok"
+            assert len(res.output_token_ids) == len(res.logprobs) == 400  # the whole budget, once
+            full, full_lp, _ = plan_output(sim, m)
+            if route is not None and route.dispatches == 2:
+                moved += 1
+                assert res.group == "tail"
+                # Find where it moved: before that, the original replica's tokens; after, the
+                # tail replica's continuation of exactly that prefix. Nothing lost, nothing twice.
+                k = next(k for k in range(1, 400) if res.output_token_ids[k] != full[k])
+                assert res.output_token_ids[:k] == full[:k]
+                assert res.logprobs[:k] == pytest.approx(full_lp[:k])
+                cont = Generate(m.request_id, prompt_token_ids=m.prompt_token_ids + full[:k],
+                                sampling=Sampling(max_tokens=400 - k))
+                rest, rest_lp, _ = plan_output(sim, cont)
+                assert res.output_token_ids[k:] == rest
+                assert res.logprobs[k:] == pytest.approx(rest_lp)
+            else:
+                assert res.output_token_ids == full
+        assert moved >= 2  # round robin put four of six on throughput replicas
+
+    asyncio.run(with_client(rd, body))
+    stack.stop()
+    timeline = json.loads((rd.root / "timeline" / "j.step_00000.json").read_text())
+    assert timeline["migrated"] >= 2
+    assert set(timeline["dispatched_after_flip"]) == {"tail"}
+
+
+def test_each_tail_validation_error_is_reported_at_setup() -> None:
+    bad = {
+        "tail.threshold=0": "tail.threshold",
+        "tail.threshold=1.01": "tail.threshold",
+        "tail.group=nope": "tail.group",
+    }
+    for override, field in bad.items():
+        with pytest.raises(ConfigError) as info:
+            validate(compose_config(["tail.threshold=0.9", override]))
+        assert field in {e.field for e in info.value.errors}, override
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["groups=single", "tail.threshold=0.9", "tail.group=throughput"]))
+    assert "besides the tail group" in str(info.value)
+    # Everything at once.
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["tail.threshold=2", "groups.tail.replicas=0", "job="]))
+    assert {"tail.threshold", "groups.tail.replicas", "job"} <= {e.field for e in info.value.errors}
