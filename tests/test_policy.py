@@ -42,6 +42,19 @@ def test_consistent_hash_bounded_load_never_exceeds_bound() -> None:
         assert max(x.load for x in rs) <= bound
 
 
+def test_bounded_load_is_in_proportion_to_replica_size() -> None:
+    # A 64-slot and a 16-slot replica: with 128 sessions in flight both must fill up, not stop at
+    # a bound computed as if they were the same size.
+    big, small = (Replica("big", b"big", "g", 64, 4096, 32000), Replica("small", b"small", "g", 16, 4096, 32000))
+    rs = [big, small]
+    p = ConsistentHash(rs, 1.25)
+    for k in range(80):
+        r = p.choose(f"s{k}", k, free(rs))
+        assert r is not None, k
+        r.inflight[f"q{k}"] = None
+    assert big.load == 64 and small.load == 16
+
+
 def test_consistent_hash_moves_few_sessions_when_a_replica_joins() -> None:
     rs = replicas(4)
     p = ConsistentHash(rs, 100.0)

@@ -117,16 +117,20 @@ class ConsistentHash(Policy):
     """Consistent hashing on the session id with bounded loads (Mirrokni et al., 2018).
 
     A session maps to the first replica clockwise on a ring of virtual nodes whose load is below
-    ``ceil(load_factor * (group_load + 1) / n)``: sessions stay on one replica (prefix cache) unless
-    that replica is overloaded, which plain consistent hashing lets happen.
+    its share of ``load_factor * (group_load + 1)``, the share being its ``max_inflight`` over the
+    group's total (replicas of different sizes get bounds in proportion). Sessions stay on one
+    replica (prefix cache) unless that replica is overloaded, which plain consistent hashing lets
+    happen.
     """
 
     VNODES = 64
+    WALK = 64
 
     def __init__(self, replicas: list[Replica], load_factor: float = 1.25) -> None:
         self.load_factor = load_factor
         self._ring: list[int] = []
         self._owners: list[Replica] = []
+        self._capacity = 1
         super().__init__(replicas)
         self.update(replicas)
 
@@ -137,26 +141,38 @@ class ConsistentHash(Policy):
         )
         self._ring = [p for p, _ in points]
         self._owners = [replicas[i] for _, i in points]
+        self._capacity = max(1, sum(r.max_inflight for r in replicas))
 
-    WALK = 64
+    def bound(self, r: Replica, group_load: int) -> int:
+        return math.ceil(self.load_factor * (group_load + 1) * r.max_inflight / self._capacity)
+
+    def _fits(self, r: Replica, group_load: int) -> bool:
+        load = len(r.inflight)
+        return load < r.max_inflight and load < self.bound(r, group_load)
 
     def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
-        n = len(self.replicas)
-        if n == 0 or not free:
+        if not self.replicas or not free:
             return None
-        bound = math.ceil(self.load_factor * (group_load + 1) / n)
-        if len(free) * 8 < n:
+        if len(free) * 8 < len(self.replicas):
             # Nearly saturated: the session's own replica is almost surely full, and walking the
             # ring to the few free ones costs VNODES x n / |free| steps. Take the best free one.
-            return least_loaded(free, bound)
+            return self._best_free(free, group_load)
         start = bisect.bisect(self._ring, _hash64(session_id))
         size = len(self._ring)
         for k in range(min(size, self.WALK)):
             r = self._owners[(start + k) % size]
-            load = len(r.inflight)
-            if load < bound and load < r.max_inflight:
+            if self._fits(r, group_load):
                 return r
-        return least_loaded(free, bound)
+        return self._best_free(free, group_load)
+
+    def _best_free(self, free: Collection[Replica], group_load: int) -> Replica | None:
+        """The free replica furthest below its bound."""
+        best, best_room = None, 0
+        for r in free:
+            room = min(r.max_inflight, self.bound(r, group_load)) - len(r.inflight)
+            if room > best_room:
+                best, best_room = r, room
+        return best
 
 
 def make_policy(name: str, replicas: list[Replica], load_factor: float = 1.25, seed: int = 0) -> Policy:
