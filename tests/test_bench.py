@@ -35,6 +35,15 @@ def test_fairness_bench_reports_its_fields(tmp_path: Path) -> None:
     assert r["small_job_slowdown_fair"] > 0 and r["small_job_slowdown_fifo"] > 0
 
 
+def test_tail_bench_reports_its_fields(tmp_path: Path) -> None:
+    r = bench("tail", tmp_path)
+    fields = {"step_time_off_s", "step_time_steer_s", "step_time_migrate_s", "speedup_steer", "speedup_migrate",
+              "flip_at", "expected_flip_at", "spillover", "prefix_hit_off", "prefix_hit_steer"}
+    assert fields <= set(r)
+    assert r["flip_at"] == r["expected_flip_at"]  # a count, exact by construction (not a timing)
+    assert 0 <= r["spillover"] <= 1
+
+
 def test_unknown_benchmark_names_the_choices(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "toolkit.bench", "nope", "--json", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=60)
