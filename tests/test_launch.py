@@ -72,7 +72,17 @@ def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> N
         flip = rep["flip"]
         assert flip["expected_count"] == math.ceil(0.9 * 20) == 18
         assert flip["count"] == 18
-        assert flip["spillover"] is not None
+        assert flip["spillover"] == 0.0
+        assert flip["requests_after_by_group"]["throughput"] == 0
+        assert set(rep["groups"]) == {"throughput", "tail"}
+    assert (run / "timeline.png").stat().st_size > 10_000
+    timelines = sorted(p.name for p in (run / "timeline").iterdir())
+    assert timelines == [f"rollout.step_{s:05d}.json" for s in range(3)]
+    (run / "timeline.png").unlink()
+    out = subprocess.run([sys.executable, "-m", "toolkit.report", str(run)], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    assert "18/18" in out.stdout and (run / "timeline.png").exists()
     assert_no_process_left(run)
 
 
