@@ -170,3 +170,22 @@ def test_a_killed_replica_is_replaced_and_no_session_is_lost(tmp_path: Path) -> 
     report = json.loads((run / "report.json").read_text())
     assert report["summary"]["replica_restarts"] >= 1
     assert_no_process_left(run)
+
+
+def test_kill_9_of_launch_leaves_no_orphan(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any((run / "pids").glob("rank-*.pid")) if (run / "pids").exists() else False,
+                 90, "ranks to start")
+        proc.kill()  # no teardown can run: every component must notice its owner is gone
+        proc.wait(10)
+        refs = [r for r in read_pidfiles(run / "pids") if r.pid != proc.pid]
+        wait_for(lambda: not any(r.alive() for r in refs), 30, "every component to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        from toolkit.lifecycle import stop_processes
+
+        stop_processes(read_pidfiles(run / "pids"))
