@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from toolkit import samples as api
 from toolkit.protocol import Result
 from toolkit.rollout.columns import pack, to_table, write_parquet
-from toolkit.rollout.sample import NonPrefixTurn, Sample
+from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
+from toolkit.rollout.tokenizer import ByteTokenizer
 
 tokens = st.lists(st.integers(1, 30000), min_size=0, max_size=40)
 
@@ -22,9 +24,9 @@ def sessions(draw):  # type: ignore[no-untyped-def]
     return prompt, turns
 
 
-def build(index: int, prompt: list[int], turns: list[tuple[list[int], list[int]]]) -> Sample:
+def build(index: int, prompt: list[int], turns: list[tuple[list[int], list[int]]], first_turn: int = 0) -> Sample:
     s = Sample.start(index, f"s{index}", prompt)
-    for k, (out, obs) in enumerate(turns):
+    for k, (out, obs) in enumerate(turns, first_turn):
         context = list(s.tokens)
         res = Result(f"r{k}", output_token_ids=out, logprobs=[-0.5 - i for i in range(len(out))],
                      replica_id=f"rep{k % 2}", group="throughput" if k % 2 else "tail", cached_tokens=k,
@@ -71,7 +73,9 @@ def test_parquet_round_trip(tmp_path_factory, batch) -> None:  # type: ignore[no
         assert sorted(r["groups"]) == sorted(s.groups)
         assert r["weight_versions"] == s.weight_versions
         assert r["response"] == "" and r["response_decoded"] is False
-        assert r["status"] == "completed"
+        assert r["metadata"] == {"response_decoded": False}
+        assert r["replicas"] == sorted(s.replicas)
+        assert r["status"] == "completed" and r["error"] == ""
 
 
 def test_non_prefix_turn_is_caught() -> None:
@@ -91,3 +95,123 @@ def test_loads_with_pandas(tmp_path: Path) -> None:
     write_parquet(to_table(pack([s], ["tail"]), ["tail"], ["x"]), tmp_path / "a.parquet")
     df = pd.read_parquet(tmp_path / "a.parquet")
     assert list(df["tokens"][0]) == [1, 2, 3, 4, 5]
+
+
+# Token ids the byte tokenizer maps to printable ASCII, so decoding pieces and decoding the whole agree.
+ascii_tokens = st.lists(st.integers(5 + 32, 5 + 126), min_size=0, max_size=30)
+
+
+@st.composite
+def split_sessions(draw):  # type: ignore[no-untyped-def]
+    """A session, a split point in its turns, and an observation between the two halves."""
+    prompt = draw(st.lists(st.integers(5 + 32, 5 + 126), min_size=1, max_size=30))
+    turns = draw(st.lists(st.tuples(ascii_tokens, ascii_tokens), min_size=0, max_size=5))
+    k = draw(st.integers(0, len(turns)))
+    extra = draw(ascii_tokens)
+    return prompt, turns, k, extra
+
+
+def whole_and_halves(prompt, turns, k, extra):  # type: ignore[no-untyped-def]
+    a = build(0, prompt, turns[:k])
+    b = build(0, a.tokens + extra, turns[k:], first_turn=k)
+    whole = build(0, prompt, turns[:k])
+    whole.extend_observation(extra)
+    for t, (out, obs) in enumerate(turns[k:], k):
+        whole.add_turn(list(whole.tokens), Result(f"r{t}", output_token_ids=out, logprobs=[-0.5 - i for i in range(len(out))],
+                                                  replica_id=f"rep{t % 2}", group="throughput" if t % 2 else "tail",
+                                                  cached_tokens=t, weight_version=t // 2))
+        whole.extend_observation(obs)
+    return whole, a, b
+
+
+@given(split_sessions())
+@settings(max_examples=200, deadline=None)
+def test_merge_of_two_halves_is_the_whole_session(case) -> None:  # type: ignore[no-untyped-def]
+    whole, a, b = whole_and_halves(*case)
+    m = merge(a, b)
+    m.check()
+    assert len(m.tokens) == len(m.loss_mask) == len(m.rollout_logprobs) == m.prompt_length + m.response_length
+    for name in ("tokens", "loss_mask", "rollout_logprobs", "prompt_length", "num_turns", "generated_tokens",
+                 "cached_tokens", "weight_versions", "replicas", "groups", "status"):
+        assert getattr(m, name) == getattr(whole, name), name
+    assert m.response == "" and m.metadata == {"response_decoded": False}
+
+
+@given(split_sessions())
+@settings(max_examples=100, deadline=None)
+def test_merge_decodes_the_observation_only_when_both_were_decoded(case) -> None:  # type: ignore[no-untyped-def]
+    tok = ByteTokenizer()
+    whole, a, b = whole_and_halves(*case)
+    whole.decode_response(tok)
+    a.decode_response(tok)
+    b.decode_response(tok)
+    m = merge(a, b, tok)
+    assert m.response_decoded and m.response == whole.response
+    assert m.metadata == {"response_decoded": True}
+    # One side undecoded: the merge is undecoded, and no tokenizer is needed.
+    _, a2, b2 = whole_and_halves(*case)
+    b2.decode_response(tok)
+    m2 = merge(a2, b2)
+    assert m2.response == "" and not m2.response_decoded
+    if case[3]:  # an observation between the halves cannot be decoded without a tokenizer
+        with pytest.raises(ValueError, match="pass a tokenizer"):
+            merge(a, b)
+
+
+def test_merge_catches_a_non_prefix_continuation() -> None:
+    a = build(0, [10, 11, 12], [([20, 21], [30])])
+    b = build(0, [10, 11, 99, 20, 21, 30, 40], [([50], [])])
+    with pytest.raises(NonPrefixTurn, match="first difference at position 2"):
+        merge(a, b)
+    short = build(0, [10, 11], [([50], [])])
+    with pytest.raises(NonPrefixTurn):
+        merge(a, short)
+    other = Sample.start(1, "s1", a.tokens + [1])
+    with pytest.raises(ValueError, match="one session"):
+        merge(a, other)
+
+
+def test_merge_keeps_the_worse_status_and_both_errors() -> None:
+    a = build(0, [1, 2], [([3], [4])])
+    b = build(0, a.tokens, [([5], [])])
+    b.mark("truncated", "context reached max_model_len")
+    m = merge(a, b)
+    assert m.status == "truncated" and m.error == "context reached max_model_len"
+    a.mark("failed", "boom")
+    assert merge(a, b).status == "failed" and merge(a, b).error == "boom; context reached max_model_len"
+
+
+@given(split_sessions(), st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_a_merged_sample_round_trips_through_parquet(tmp_path_factory, case, decoded) -> None:  # type: ignore[no-untyped-def]
+    tok = ByteTokenizer()
+    _, a, b = whole_and_halves(*case)
+    if decoded:
+        a.decode_response(tok)
+        b.decode_response(tok)
+    m = merge(a, b, tok)
+    if not decoded:
+        m.mark("failed", "a reason with ünïcode")
+    path = Path(tmp_path_factory.mktemp("rt")) / "m.parquet"
+    api.write_samples([m], path)
+    [back] = api.to_samples(pq.read_table(path))
+    f32 = np.asarray(m.rollout_logprobs, dtype=np.float32).tolist()
+    assert back.rollout_logprobs == f32
+    back.rollout_logprobs = m.rollout_logprobs
+    assert back == m
+
+
+def test_write_parquet_sorts_by_index_one_row_group_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import toolkit.rollout.columns as columns
+
+    monkeypatch.setattr(columns, "ROW_GROUP_TOKENS", 20)  # a few rows per group
+    batch = [build(i, [1 + i] * (3 + i % 4), [([7] * (1 + i % 3), [8])]) for i in range(30)]
+    order = batch[0::3] + batch[1::3] + batch[2::3]  # rank order of three ranks
+    table = to_table(pack(order, ["tail", "throughput"]), ["tail", "throughput"], sort=False)
+    assert table.column("index").to_pylist() != list(range(30))
+    write_parquet(table, tmp_path / "s.parquet")
+    f = pq.ParquetFile(tmp_path / "s.parquet")
+    assert f.num_row_groups > 3
+    rows = f.read().to_pylist()
+    assert [r["index"] for r in rows] == list(range(30))
+    assert [r["tokens"] for r in rows] == [s.tokens for s in batch]

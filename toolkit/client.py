@@ -11,13 +11,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from toolkit import protocol as P
-from toolkit.errors import RouterUnavailable
+from toolkit.errors import RouterUnavailable, ToolkitError
 from toolkit.rundir import RunDir, read_json
+from toolkit.security import ClientCurve, client_curve
 from toolkit.sockets import make_socket
 
 logger = logging.getLogger(__name__)
@@ -25,10 +27,23 @@ logger = logging.getLogger(__name__)
 _T_RESULT = P.TYPE_OF[P.Result]
 _T_STEP = P.TYPE_OF[P.StepBegin]
 _T_STATUS = P.TYPE_OF[P.Status]
+_T_WEIGHTS = P.TYPE_OF[P.WeightsUpdated]
 
 
-def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
-    s = make_socket(ctx, zmq.DEALER)
+class WeightsUpdateFailed(ToolkitError):
+    """A replica could not load the checkpoint (the router's answer names each one and why)."""
+
+
+def weights_for_step(weights_dir: str | None, step: int) -> Path | None:
+    """The checkpoint to load before ``step``: ``<weights_dir>/step_XXXXX`` if it exists (``rollout.weights_dir``)."""
+    if not weights_dir:
+        return None
+    path = Path(weights_dir).expanduser() / f"step_{step:05d}"
+    return path if path.is_dir() else None
+
+
+def _dealer(ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> zmq.Socket:
+    s = make_socket(ctx, zmq.DEALER, curve=curve)
     s.connect(address)
     return s
 
@@ -43,6 +58,7 @@ class RouterClient:
         self.pending: dict[str, tuple[P.Generate, asyncio.Future[tuple[P.Result, P.Route | None]]]] = {}
         self.step_acks: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.status_waiters: list[asyncio.Future[P.Status]] = []
+        self.weight_acks: dict[int, asyncio.Future[P.WeightsUpdated]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.reconnects = 0
         # Step messages of the latest step, replayed to a restarted router so its tail counts agree.
@@ -57,7 +73,7 @@ class RouterClient:
     def _connect(self, address: str) -> None:
         if self.sock is not None:
             self.sock.close(0)
-        self.sock = _dealer(self.ctx, address)  # type: ignore[arg-type]
+        self.sock = _dealer(self.ctx, address, client_curve(self.run_dir.root))  # type: ignore[arg-type]
         self.address = address
 
     async def close(self) -> None:
@@ -105,6 +121,32 @@ class RouterClient:
         finally:
             self.step_acks.pop((job, step), None)
 
+    async def update_weights(self, path: str, version: int, timeout_s: float = 1800.0,
+                             resend_s: float = 2.0) -> P.WeightsUpdated:
+        """Have every ready replica finish its requests and load the checkpoint directory ``path`` as
+        weight ``version``; returns the router's answer once all have (``replicas`` = how many).
+        Replicas that register later get it before they are ready. Resends (a restarted router learns
+        the weights from the resend); raises WeightsUpdateFailed if a replica could not load it."""
+        fut: asyncio.Future[P.WeightsUpdated] = asyncio.get_running_loop().create_future()
+        self.weight_acks[version] = fut
+        msg = P.UpdateWeights(path, version)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                await self._send(msg)
+                try:
+                    ack = await asyncio.wait_for(asyncio.shield(fut), resend_s)
+                    break
+                except asyncio.TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RouterUnavailable(f"weights {path} (version {version}) not loaded by every "
+                                                f"replica after {timeout_s:.0f}s") from None
+        finally:
+            self.weight_acks.pop(version, None)
+        if ack.error:
+            raise WeightsUpdateFailed(f"weights {path} (version {version}): {ack.error}")
+        return ack
+
     async def session_done(self, job: str, step: int, session_id: str) -> None:
         msg = P.SessionDone(job, step, session_id)
         if self.dones and self.dones[-1].step != step:
@@ -142,6 +184,11 @@ class RouterClient:
             waiter = self.step_acks.get((ack.job, ack.step))
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+        elif mtype == _T_WEIGHTS:
+            done = P.decode_as(P.WeightsUpdated, frames[1])
+            wfut = self.weight_acks.get(done.version)
+            if wfut is not None and not wfut.done():
+                wfut.set_result(done)
         elif mtype == _T_STATUS:
             st = P.decode_as(P.Status, frames[1])
             for w in self.status_waiters:
@@ -167,10 +214,11 @@ class RouterClient:
                 await self._send(msg)
 
 
-def router_status(address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None) -> P.Status | None:
+def router_status(address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None,
+                  curve: ClientCurve | None = None) -> P.Status | None:
     """Blocking status query (used by ``launch`` while it waits for readiness)."""
     ctx = ctx or zmq.Context.instance()
-    s = _dealer(ctx, address)
+    s = _dealer(ctx, address, curve)
     try:
         s.send_multipart(P.encode(P.StatusRequest()))
         if s.poll(int(timeout_s * 1000)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,17 @@ from toolkit.errors import ConfigError, FieldError
 
 POLICIES = ("consistent_hash", "least_loaded", "power_of_two", "round_robin")
 QUEUES = ("fair", "fifo")
-CLUSTERS = ("local",)
-OUTPUTS = ("gather",)
+CLUSTERS = ("local", "slurm", "allocation")
+OUTPUTS = ("gather", "shards")
+# Memory the way sbatch's --mem takes it (megabytes without a suffix).
+_MEM_RE = r"^[0-9]+[KMGT]?$"
 
 
 @dataclass
 class ClusterConfig:
     type: str = "local"
-    """Cluster backend: ``local`` (submitit LocalExecutor + mpiexec)."""
+    """Cluster backend: ``local`` (submitit LocalExecutor + mpiexec), ``slurm`` (submitit SlurmExecutor
+    from a login node) or ``allocation`` (srun steps inside an sbatch allocation, see ``slurm/``)."""
     ready_timeout_s: float = 120.0
     """How long to wait for the router and every replica to be ready before failing the run."""
     job_timeout_min: int = 24 * 60
@@ -40,6 +44,69 @@ class ClusterConfig:
     """Start a replacement when a replica process dies during the run."""
     restart_router: bool = True
     """Start a new router when the router dies; clients and replicas follow it and resend."""
+
+
+@dataclass
+class ReplicaResources:
+    """What one engine replica asks Slurm for."""
+
+    gpus: int = 0
+    """GPUs per node of one replica; 0 for a CPU engine such as ``sim``."""
+    nodes: int = 1
+    """Nodes one replica spans (vLLM multi-node: each node gets its node rank and the master address)."""
+    cpus: int = 1
+    """CPUs per node of one replica."""
+    mem: str = "2G"
+    """Memory per node of one replica (sbatch ``--mem``: a number with an optional K/M/G/T suffix)."""
+
+
+@dataclass
+class SlurmClusterConfig(ClusterConfig):
+    """``cluster=slurm`` (one Slurm job per component, submitted through submitit from a login node)
+    and ``cluster=allocation`` (the same components as ``srun`` steps of one sbatch allocation)."""
+
+    type: str = "slurm"
+    """``slurm`` or ``allocation``."""
+    partition: str | None = None
+    """Slurm partition (``--partition``); null = the cluster's default."""
+    account: str | None = None
+    """Slurm account (``--account``) to charge; null = the user's default."""
+    qos: str | None = None
+    """Quality of service (``--qos``); null = the default."""
+    constraint: str | None = None
+    """Node features the jobs need (``--constraint``), e.g. ``h100``."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More sbatch options, one per entry, e.g. ``--reservation=rl`` (written as ``#SBATCH`` lines)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before every component, e.g. ``module load cuda``, ``source ~/venv/bin/activate``."""
+    python: str | None = None
+    """Python that the jobs run; null = the interpreter running ``launch``."""
+    replica: ReplicaResources = field(default_factory=ReplicaResources)
+    """Resources of one replica of every group."""
+    group_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-group overrides of ``replica``, e.g. ``{tail: {gpus: 2}}``."""
+    gpus_per_node: int = 0
+    """GPUs of one node (``allocation`` only: packs replicas onto the allocation's nodes)."""
+    router_cpus: int = 1
+    """CPUs of the router job (a CPU job)."""
+    router_mem: str = "1G"
+    """Memory of the router job."""
+    rank_cpus: int = 1
+    """CPUs of each rollout rank."""
+    rank_mem: str = "1G"
+    """Memory of each rollout rank."""
+    ranks_per_node: int | None = None
+    """Rollout ranks on one node; null = all ranks on one node."""
+    mpi: str = "pmi2"
+    """``srun --mpi`` plugin that wires the ranks into one MPI world (pmi2 works with the mpich wheel)."""
+    cache_dir: str | None = None
+    """Shared compile-cache dir (vLLM, Triton, TorchInductor), so a replaced or added replica starts
+    warm; null = ``<run dir>/cache``. Must be on a file system every node sees."""
+    shared_fs_check: bool = True
+    """Refuse a run dir (or cache dir) on node-local storage (see ``toolkit/cluster/slurm.py``); turn
+    off only where every component runs on one node."""
+    poll_s: float = 1.0
+    """Interval of the ``squeue``/``sacct`` queries that watch the jobs."""
 
 
 @dataclass
@@ -86,7 +153,49 @@ class SimEngineConfig:
     """Test hook: the engine stops generating (heartbeats go on) once it schedules a prompt holding it."""
 
 
-ENGINE_TYPES: dict[str, type] = {"sim": SimEngineConfig}
+@dataclass
+class VllmEngineConfig:
+    """vLLM's AsyncLLM in the replica process (see ``toolkit/engine/vllm.py``): token ids in and out."""
+
+    type: str = "vllm"
+    """Engine backend: ``vllm``."""
+    model: str = "tiny"
+    """Model directory on the shared file system (or a hub name where a hub is reachable). ``tiny`` is
+    the built-in random-weight test model (``toolkit/engine/tiny.py``), built into ``cache_dir`` on first use."""
+    cache_dir: str = "~/.cache/rollout-toolkit"
+    """Where ``model: tiny`` is built (once; replicas that start together wait on a file lock)."""
+    max_model_len: int = 1024
+    """Longest prompt + output (vLLM ``max_model_len``); the replica reports the engine's own value to the router."""
+    vocab_size: int = 512
+    """The model's vocabulary size, for workloads that make token ids (``${engine.vocab_size}``); the
+    router checks prompts against the value the engine reports."""
+    tensor_parallel_size: int = 1
+    """Devices per replica (vLLM ``tensor_parallel_size``); on vLLM's CPU build the replica's CPUs are
+    split between the workers."""
+    kv_cache_gib: float | None = None
+    """KV cache per replica in GiB (vLLM ``kv_cache_memory_bytes``); null = vLLM's own sizing
+    (``gpu_memory_utilization`` on GPUs, ``VLLM_CPU_KVCACHE_SPACE`` or 4 GiB on CPUs)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Every other engine argument, passed through to vLLM's ``AsyncEngineArgs`` as is: ``dtype``,
+    ``max_num_seqs``, ``enable_prefix_caching``, ``block_size``, ``enforce_eager``, ``enable_lora``,
+    ``max_lora_rank``, ``max_loras``, ``seed``, ... (``engine.args.max_num_seqs=128`` on the command line)."""
+    max_restarts: int = 2
+    """Engine restarts a replica makes after engine deaths; at the next death the replica process exits
+    and the cluster backend replaces it."""
+    adapter_poll_s: float = 0.5
+    """How often a request whose LoRA adapter directory has no ``adapter_config.json`` yet looks again."""
+    adapter_wait_s: float = 600.0
+    """How long a request without a deadline waits for its adapter before failing as ``adapter_missing``."""
+    adapter_margin_s: float = 1.0
+    """A request whose adapter is still missing fails this long before its deadline, so that the
+    ``adapter_missing`` answer reaches the router before the router times the request out."""
+
+
+ENGINE_TYPES: dict[str, type] = {"sim": SimEngineConfig, "vllm": VllmEngineConfig}
+# Engine arguments that have their own field above (the field wins; one place to set each).
+VLLM_OWN_ARGS = ("model", "max_model_len", "tensor_parallel_size", "kv_cache_memory_bytes", "disable_log_stats")
+CLUSTER_TYPES: dict[str, type] = {"local": ClusterConfig, "slurm": SlurmClusterConfig,
+                                  "allocation": SlurmClusterConfig}
 
 
 @dataclass
@@ -103,8 +212,12 @@ class GroupConfig:
 
 @dataclass
 class RouterConfig:
-    host: str = "127.0.0.1"
-    """Address the router binds its two sockets on (ports are picked free)."""
+    host: str | None = None
+    """Address the router binds its two sockets on (ports are picked free); null = 127.0.0.1 with
+    ``cluster=local``, else every interface (0.0.0.0), advertising this node's hostname."""
+    curve: bool | None = None
+    """ZeroMQ CURVE: encrypted sockets, only the run's own replicas and ranks get in (keys in
+    ``<run dir>/keys``, mode 0600); null = on for Slurm clusters, off for ``cluster=local``."""
     policy: str = "consistent_hash"
     """Replica choice in a group: consistent_hash | least_loaded | power_of_two | round_robin."""
     load_factor: float = 1.25
@@ -144,9 +257,15 @@ class RolloutConfig:
     max_concurrent_rollouts: int | None = None
     """Cap on a step's sessions in flight across all ranks; null = all at once."""
     output: str = "gather"
-    """``gather``: rank 0 writes one Parquet file per step."""
+    """``gather``: rank 0 gathers every sample (Gatherv) and writes ``steps/step_XXXXX.parquet``;
+    ``shards``: each rank writes ``steps/step_XXXXX/shard_RRRRR.parquet``, rank 0 only a manifest."""
+    decode_responses: bool = False
+    """Decode each sample's response text on its rank (needs ``workload.tokenizer``); off: ``response = ""``."""
     request_timeout_s: float = 600.0
     """Deadline of each generation request, counted from its submission."""
+    weights_dir: str | None = None
+    """Checkpoints between steps: before step ``s``, if ``<weights_dir>/step_XXXXX`` (``s`` in five
+    digits) exists, every replica finishes its requests and loads it as weight version ``s``; null = off."""
 
 
 @dataclass
@@ -163,11 +282,15 @@ class WorkloadConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    tokenizer: Any = None
+    """For text prompts and ``rollout.decode_responses``: null, a path to a ``tokenizer.json`` (HF
+    ``tokenizers`` library), or a Hydra ``_target_`` with ``encode``/``decode`` (``toolkit/rollout/tokenizer.py``)."""
 
 
 @dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """How components start, typed by the ``cluster`` config group (its ``type`` field)."""
     engine: Any = MISSING
     """Engine backend config, chosen by the ``engine`` config group (its ``type`` field)."""
     groups: dict[str, GroupConfig] = field(default_factory=dict)
@@ -192,7 +315,9 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="cluster", name="local_schema", node=ClusterConfig)
+    cs.store(group="cluster", name="slurm_schema", node=SlurmClusterConfig)
     cs.store(group="engine", name="sim_schema", node=SimEngineConfig)
+    cs.store(group="engine", name="vllm_schema", node=VllmEngineConfig)
     cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
 
 
@@ -205,16 +330,29 @@ def engine_schema(type_name: str) -> type:
         ) from None
 
 
+def cluster_schema(type_name: str) -> type:
+    try:
+        return CLUSTER_TYPES[type_name]
+    except KeyError:
+        raise ConfigError(
+            [FieldError("cluster.type", type_name, f"one of {list(CLUSTERS)}")]
+        ) from None
+
+
 def from_dictconfig(cfg: DictConfig | dict) -> Config:
-    """Turn a composed (or reloaded) config into plain dataclasses, typing ``engine`` by its ``type``."""
+    """Turn a composed (or reloaded) config into plain dataclasses, typing ``engine`` and ``cluster``
+    by their ``type``."""
     raw = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     raw = OmegaConf.to_container(raw, resolve=True)
     assert isinstance(raw, dict)
     engine_raw = raw.pop("engine", None) or {}
+    cluster_raw = raw.pop("cluster", None) or {}
     raw.pop("defaults", None)
     schema = engine_schema(str(engine_raw.get("type", "sim")))
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items()})
     merged.engine = OmegaConf.merge(OmegaConf.structured(schema), engine_raw)
+    merged.cluster = OmegaConf.merge(OmegaConf.structured(cluster_schema(str(cluster_raw.get("type", "local")))),
+                                     cluster_raw)
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
     return obj
@@ -223,6 +361,12 @@ def from_dictconfig(cfg: DictConfig | dict) -> Config:
 def group_engine(cfg: Config, group: str) -> Any:
     """The engine config of one group: ``engine`` with the group's overrides applied."""
     return dataclasses.replace(cfg.engine, **cfg.groups[group].engine)
+
+
+def replica_resources(cfg: Config, group: str) -> ReplicaResources:
+    """What one replica of ``group`` asks Slurm for: ``cluster.replica`` with the group's overrides."""
+    assert isinstance(cfg.cluster, SlurmClusterConfig)
+    return dataclasses.replace(cfg.cluster.replica, **cfg.cluster.group_resources.get(group, {}))
 
 
 def _check_target(path: str, spec: dict[str, Any], errors: list[FieldError]) -> None:
@@ -237,6 +381,24 @@ def _check_target(path: str, spec: dict[str, Any], errors: list[FieldError]) -> 
         errors.append(FieldError(f"{path}._target_", target, f"an importable class ({exc})"))
 
 
+def _check_workload_sources(cfg: Config, errors: list[FieldError]) -> None:
+    """The tokenizer spec, and the prompt source's own argument checks (files, keys) via ``check_spec``."""
+    from toolkit.rollout.tokenizer import tokenizer_problem
+
+    why = tokenizer_problem(cfg.workload.tokenizer)
+    if why is not None:
+        errors.append(FieldError("workload.tokenizer", cfg.workload.tokenizer, why))
+    target = cfg.workload.prompts.get("_target_")
+    module, _, name = str(target).rpartition(".")
+    try:
+        check = getattr(getattr(importlib.import_module(module), name), "check_spec", None)
+    except (ImportError, AttributeError, ValueError):
+        return  # already reported by _check_target
+    if callable(check):
+        for key, value, allowed in check(dict(cfg.workload.prompts)):
+            errors.append(FieldError(f"workload.prompts.{key}", value, allowed))
+
+
 def validate(cfg: Config) -> None:
     """Check everything that can be checked before anything starts; raise one ConfigError listing all."""
     errors: list[FieldError] = []
@@ -247,6 +409,8 @@ def validate(cfg: Config) -> None:
 
     need(cfg.cluster.type in CLUSTERS, "cluster.type", cfg.cluster.type, f"one of {list(CLUSTERS)}")
     need(cfg.cluster.ready_timeout_s > 0, "cluster.ready_timeout_s", cfg.cluster.ready_timeout_s, "> 0")
+    if isinstance(cfg.cluster, SlurmClusterConfig):
+        _validate_slurm(cfg, errors)
     need(cfg.steps >= 1, "steps", cfg.steps, "an integer >= 1")
     need(cfg.sessions_per_step >= 1, "sessions_per_step", cfg.sessions_per_step, "an integer >= 1")
     need(cfg.ranks >= 1, "ranks", cfg.ranks, "an integer >= 1")
@@ -286,6 +450,8 @@ def validate(cfg: Config) -> None:
     mcr = cfg.rollout.max_concurrent_rollouts
     need(mcr is None or mcr >= 1, "rollout.max_concurrent_rollouts", mcr, "an integer >= 1, or null")
     need(cfg.rollout.output in OUTPUTS, "rollout.output", cfg.rollout.output, f"one of {list(OUTPUTS)}")
+    need(not cfg.rollout.decode_responses or cfg.workload.tokenizer is not None, "rollout.decode_responses",
+         cfg.rollout.decode_responses, "needs workload.tokenizer (a tokenizer.json path or a `_target_`), or false")
     need(cfg.rollout.request_timeout_s > 0, "rollout.request_timeout_s", cfg.rollout.request_timeout_s, "> 0")
 
     need(cfg.workload.max_tokens >= 1, "workload.max_tokens", cfg.workload.max_tokens, "an integer >= 1")
@@ -293,12 +459,96 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.workload.top_p <= 1, "workload.top_p", cfg.workload.top_p, "in (0, 1]")
     _check_target("workload.env", cfg.workload.env, errors)
     _check_target("workload.prompts", cfg.workload.prompts, errors)
+    _check_workload_sources(cfg, errors)
 
     if errors:
         raise ConfigError(errors)
 
 
+def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
+    c = cfg.cluster
+    assert isinstance(c, SlurmClusterConfig)
+    if c.type not in ("slurm", "allocation"):
+        errors.append(FieldError("cluster.type", c.type, "slurm or allocation for these fields"))
+    for name in ("router_cpus", "rank_cpus"):
+        if getattr(c, name) < 1:
+            errors.append(FieldError(f"cluster.{name}", getattr(c, name), "an integer >= 1"))
+    for name in ("router_mem", "rank_mem"):
+        if not re.match(_MEM_RE, str(getattr(c, name))):
+            errors.append(FieldError(f"cluster.{name}", getattr(c, name), "sbatch memory, e.g. 512M or 4G"))
+    if c.ranks_per_node is not None and c.ranks_per_node < 1:
+        errors.append(FieldError("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1, or null"))
+    if c.gpus_per_node < 0:
+        errors.append(FieldError("cluster.gpus_per_node", c.gpus_per_node, "an integer >= 0"))
+    if c.poll_s <= 0:
+        errors.append(FieldError("cluster.poll_s", c.poll_s, "> 0"))
+    if c.job_timeout_min < 1:
+        errors.append(FieldError("cluster.job_timeout_min", c.job_timeout_min, "an integer >= 1 (minutes)"))
+    for i, line in enumerate(c.extra_sbatch):
+        if not str(line).startswith("-"):
+            errors.append(FieldError(f"cluster.extra_sbatch[{i}]", line, "an sbatch option such as --reservation=rl"))
+    if c.cache_dir is not None and not Path(c.cache_dir).is_absolute():
+        errors.append(FieldError("cluster.cache_dir", c.cache_dir, "an absolute path on a shared file system, or null"))
+    res_fields = {f.name for f in dataclasses.fields(ReplicaResources)}
+    for group, over in c.group_resources.items():
+        if group not in cfg.groups:
+            errors.append(FieldError(f"cluster.group_resources.{group}", over, f"one of the groups {sorted(cfg.groups)}"))
+        for key in over:
+            if key not in res_fields:
+                errors.append(FieldError(f"cluster.group_resources.{group}.{key}", over[key],
+                                         f"one of {sorted(res_fields)}"))
+    checks = {"gpus": (lambda v: v >= 0, "an integer >= 0"), "nodes": (lambda v: v >= 1, "an integer >= 1"),
+              "cpus": (lambda v: v >= 1, "an integer >= 1"),
+              "mem": (lambda v: re.match(_MEM_RE, str(v)) is not None, "sbatch memory, e.g. 512M or 4G")}
+    sources = [("cluster.replica", dataclasses.asdict(c.replica))]
+    sources += [(f"cluster.group_resources.{g}", over) for g, over in c.group_resources.items()]
+    for prefix, values in sources:
+        for key, (ok, allowed) in checks.items():
+            if key in values and not ok(values[key]):
+                errors.append(FieldError(f"{prefix}.{key}", values[key], allowed))
+    if c.type == "allocation" and c.gpus_per_node:
+        for group in cfg.groups:
+            gpus = c.group_resources.get(group, {}).get("gpus", c.replica.gpus)
+            if gpus > c.gpus_per_node:
+                errors.append(FieldError(f"groups.{group} gpus", gpus,
+                                         f"at most cluster.gpus_per_node = {c.gpus_per_node}"))
+
+
+def _validate_vllm(cfg: Config, errors: list[FieldError]) -> None:
+    """The engine and every group's version of it (``groups.<g>.engine`` overrides), all errors at once."""
+    names = {f.name for f in dataclasses.fields(cfg.engine)}
+    variants: list[tuple[str, Any, set[str]]] = [("engine", cfg.engine, names)]
+    for gname, group in cfg.groups.items():
+        if group.engine and set(group.engine) <= names:  # unknown keys are reported by validate()
+            variants.append((f"groups.{gname}.engine", group_engine(cfg, gname), set(group.engine)))
+    for prefix, e, mine in variants:
+        checks = [
+            ("model", e.model, bool(e.model), "a model directory, or tiny (the built-in test model)"),
+            ("cache_dir", e.cache_dir, bool(e.cache_dir), "a directory"),
+            ("max_model_len", e.max_model_len, e.max_model_len >= 1, "an integer >= 1"),
+            ("vocab_size", e.vocab_size, e.vocab_size >= 1, "an integer >= 1"),
+            ("tensor_parallel_size", e.tensor_parallel_size, e.tensor_parallel_size >= 1, "an integer >= 1"),
+            ("kv_cache_gib", e.kv_cache_gib, e.kv_cache_gib is None or e.kv_cache_gib > 0, "> 0, or null"),
+            ("max_restarts", e.max_restarts, e.max_restarts >= 0, "an integer >= 0"),
+            ("adapter_poll_s", e.adapter_poll_s, e.adapter_poll_s > 0, "> 0"),
+            ("adapter_wait_s", e.adapter_wait_s, e.adapter_wait_s >= 0, ">= 0"),
+            ("adapter_margin_s", e.adapter_margin_s, e.adapter_margin_s >= 0, ">= 0"),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok and name in mine:
+                errors.append(FieldError(f"{prefix}.{name}", value, allowed))
+        for key in e.args if "args" in mine else ():
+            if key in VLLM_OWN_ARGS:
+                errors.append(FieldError(f"{prefix}.args.{key}", e.args[key],
+                                         "not an engine.args key: use engine.model, engine.max_model_len, "
+                                         "engine.tensor_parallel_size or engine.kv_cache_gib (disable_log_stats "
+                                         "is the backend's: it keeps its own stat logger)"))
+
+
 def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
+    if isinstance(cfg.engine, VllmEngineConfig):
+        _validate_vllm(cfg, errors)
+        return
     if not isinstance(cfg.engine, SimEngineConfig):
         return
     e = cfg.engine

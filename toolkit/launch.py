@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.cluster import preflight
 from toolkit.config import Config, from_dictconfig, register_configs, save_run_config, validate
 from toolkit.errors import ToolkitError
 from toolkit.rundir import RunDir
@@ -75,14 +76,15 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
     console = Console()
+    run_dir = RunDir(Path(HydraConfig.get().runtime.output_dir))
     try:
         cfg = from_dictconfig(dcfg)
         validate(cfg)
+        preflight(cfg, run_dir.root)
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(2)
     _raise_on_sigterm()
-    run_dir = RunDir(Path(HydraConfig.get().runtime.output_dir))
     try:
         run(cfg, run_dir, console)
     except ToolkitError as exc:

@@ -26,6 +26,11 @@ class Sampling(Message, frozen=True):
     top_p: float = 1.0
     seed: int | None = None
     logprobs: bool = True
+    """Return the sampled token's logprob for every output token."""
+    n: int = 1
+    """Samples of this prompt; the first is in the Result's own fields, the others in ``Result.samples``."""
+    ignore_eos: bool = False
+    """Generate ``max_tokens`` tokens even past the end-of-sequence token (benchmarks, tests)."""
 
 
 class Register(Message):
@@ -75,6 +80,8 @@ class Result(Message):
     cached_tokens: int = 0
     weight_version: int = 0
     error: str = ""
+    samples: list[Completion] = []
+    """Samples 2..n of a request with ``sampling.n > 1`` (sample 1 is in the fields above)."""
 
 
 class Route(Message):
@@ -124,6 +131,32 @@ class Status(Message):
     completed: int = 0
 
 
+class Completion(Message):
+    """One more sample of a request (``Result.samples``)."""
+
+    output_token_ids: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: str = ""
+
+
+class UpdateWeights(Message):
+    """Client -> router -> every replica: finish the requests in the engine, load the checkpoint
+    directory ``path`` in place, reset the prefix cache, and stamp ``version`` on every Result."""
+
+    path: str
+    version: int
+
+
+class WeightsUpdated(Message):
+    """Replica -> router: ``version`` is loaded (or ``error``). Router -> client: every ready replica has it."""
+
+    version: int
+    replica_id: str = ""
+    error: str = ""
+    replicas: int = 0
+    """In the router's answer: how many replicas acknowledged."""
+
+
 # One-byte type frames. Values are part of the wire protocol: never renumber.
 TYPE_OF: Final[dict[type[Message], bytes]] = {
     Register: b"\x01",
@@ -137,6 +170,8 @@ TYPE_OF: Final[dict[type[Message], bytes]] = {
     StatusRequest: b"\x09",
     Status: b"\x0a",
     Route: b"\x0b",
+    UpdateWeights: b"\x0c",
+    WeightsUpdated: b"\x0d",
 }
 CLASS_OF: Final[dict[bytes, type[Message]]] = {v: k for k, v in TYPE_OF.items()}
 DECODERS: Final[dict[bytes, msgspec.msgpack.Decoder[Any]]] = {

@@ -21,6 +21,7 @@ from toolkit.config import Config
 from toolkit.errors import ComponentFailed, ReadinessTimeout
 from toolkit.lifecycle import ProcessRef
 from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.security import ClientCurve, client_curve, curve_enabled, generate_keys
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Run:
         self.router_restarts = 0
         self.t_start = time.time()
         self.t_ready = 0.0
+        self.curve: ClientCurve | None = None
 
     def __enter__(self) -> Run:
         return self
@@ -58,6 +60,9 @@ class Run:
     # ---- start -----------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
+        if curve_enabled(cfg):
+            generate_keys(self.run_dir.root)  # before the router: it loads them at start
+        self.curve = client_curve(self.run_dir.root)
         self.router = self.cluster.start_router()
         deadline = time.monotonic() + cfg.cluster.ready_timeout_s
         while not (info := read_json(self.run_dir.router_address)):
@@ -67,9 +72,9 @@ class Run:
                                        f"state {self.router.state()}")
             time.sleep(0.05)
         self.address = info
-        for group, gcfg in cfg.groups.items():
-            for i in range(gcfg.replicas):
-                self.replicas[(group, i)] = self.cluster.start_replica(group, i)
+        for group in cfg.groups:
+            for i, comp in enumerate(self.cluster.start_group(group)):
+                self.replicas[(group, i)] = comp
         self.wait_ready(deadline)
         self.t_ready = time.time()
 
@@ -81,16 +86,20 @@ class Run:
             self._check_alive(self.router, self.run_dir.logs / "router.log")
             for (g, i), comp in self.replicas.items():
                 self._check_alive(comp, self.run_dir.logs / f"replica-{g}-{i}.log")
-            status = router_status(self.address["frontend"], timeout_s=1.0)
+            status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
             if status is not None:
                 have = {g: status.groups[g].ready if g in status.groups else 0 for g in want}
                 if all(have[g] >= n for g, n in want.items()):
                     return
             if time.monotonic() > deadline:
                 lines = [f"{g}: {have.get(g, 0)}/{n} ready" for g, n in want.items()]
-                states = [f"{c.name}: {c.state()}" for c in self.replicas.values()]
-                raise ReadinessTimeout("replicas not ready in time: " + ", ".join(lines)
-                                       + "\n  " + "\n  ".join(states))
+                # Name the jobs that are stuck (pending, configuring...) and in which state: on a
+                # cluster that is usually the whole story (no GPUs free, a bad partition...).
+                comps = [self.router, *self.replicas.values()]
+                states = [f"{c.name}: {c.state()}" + ("" if c.state().startswith("RUNNING") else "  <- stuck")
+                          for c in comps]
+                raise ReadinessTimeout(f"replicas not ready in {self.cfg.cluster.ready_timeout_s:.0f}s: "
+                                       + ", ".join(lines) + "\n  " + "\n  ".join(states))
             time.sleep(0.1)
 
     def _check_alive(self, comp: Component, log: Path) -> None:
@@ -101,8 +110,12 @@ class Run:
     def execute(self) -> dict[str, Any]:
         cfg = self.cfg
         self.ranks = self.cluster.start_ranks(cfg.ranks)
+        ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
         next_step = 0
         while True:
+            if self.ranks.pending() and time.monotonic() > ranks_deadline:
+                raise ReadinessTimeout(f"the rollout ranks did not start in {cfg.cluster.ready_timeout_s:.0f}s: "
+                                       f"ranks: {self.ranks.state()}  <- stuck")
             while next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(next_step))):
                 self.step_reports.append(rep)
                 self.console.print(progress_line(rep, cfg.steps), soft_wrap=True)

@@ -9,5 +9,7 @@ from __future__ import annotations
 BENCHMARKS = {
     "router": "toolkit.bench.router",
     "fairness": "toolkit.bench.fairness",
+    "vllm": "toolkit.bench.vllm",
+    "merge": "toolkit.bench.merge",
     "tail": "toolkit.bench.tail",
 }

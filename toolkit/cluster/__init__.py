@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from toolkit.cluster.base import Cluster, Component
-from toolkit.config import CLUSTERS, Config
+from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
 from toolkit.errors import ConfigError, FieldError
 from toolkit.lifecycle import ProcessRef
 from toolkit.rundir import RunDir
 
-__all__ = ["Cluster", "Component", "make_cluster"]
+__all__ = ["Cluster", "Component", "make_cluster", "preflight"]
 
 
 def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
@@ -16,4 +18,32 @@ def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
         from toolkit.cluster.local import LocalCluster
 
         return LocalCluster(cfg, run_dir, owner)
+    if cfg.cluster.type == "slurm":
+        from toolkit.cluster.slurm import SlurmCluster
+
+        return SlurmCluster(cfg, run_dir, owner)
+    if cfg.cluster.type == "allocation":
+        from toolkit.cluster.allocation import AllocationCluster
+
+        return AllocationCluster(cfg, run_dir, owner)
     raise ConfigError([FieldError("cluster.type", cfg.cluster.type, f"one of {list(CLUSTERS)}")])
+
+
+def preflight(cfg: Config, run_root: Path) -> None:
+    """Checks that need the machine, not just the config, before anything is written or started: on
+    Slurm the run dir (and the compile-cache dir) must be on storage that every node sees."""
+    c = cfg.cluster
+    if not isinstance(c, SlurmClusterConfig) or not c.shared_fs_check:
+        return
+    from toolkit.cluster.storage import check_shared, cluster_nodes
+
+    nodes = cluster_nodes(c.partition)
+    errors = []
+    for field, path in (("hydra.run.dir", run_root), ("cluster.cache_dir", c.cache_dir)):
+        if path is None:
+            continue
+        msg = check_shared(Path(path), "the run dir" if field == "hydra.run.dir" else "the cache dir", nodes)
+        if msg:
+            errors.append(FieldError(field, str(path), msg))
+    if errors:
+        raise ConfigError(errors)

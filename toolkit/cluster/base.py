@@ -41,6 +41,10 @@ class Component(ABC):
     def refs(self) -> list[ProcessRef]:
         """The processes this component started directly (for the by-pid teardown)."""
 
+    def pending(self) -> bool:
+        """Waiting for resources (a queued Slurm job); bounded by ``cluster.ready_timeout_s``."""
+        return False
+
 
 class Cluster(ABC):
     def __init__(self, cfg: Config, run_dir: RunDir, owner: ProcessRef) -> None:
@@ -62,6 +66,10 @@ class Cluster(ABC):
 
     @abstractmethod
     def start_replica(self, group: str, index: int) -> Component: ...
+
+    def start_group(self, group: str) -> list[Component]:
+        """Every replica of ``group`` (a backend may submit them together, e.g. as a job array)."""
+        return [self.start_replica(group, i) for i in range(self.cfg.groups[group].replicas)]
 
     @abstractmethod
     def start_ranks(self, n: int) -> Component: ...

@@ -7,11 +7,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit.errors import ConfigError, FieldError
+from toolkit.errors import ConfigError, FieldError, ToolkitError
 from toolkit.protocol import Generate, Result
 
 # Backends by ``engine.type``; imported lazily so the sim never pays for importing vLLM.
-BACKENDS = {"sim": "toolkit.engine.sim:SimEngine"}
+BACKENDS = {"sim": "toolkit.engine.sim:SimEngine", "vllm": "toolkit.engine.vllm:VllmEngine"}
+
+
+class EngineGone(ToolkitError):
+    """The engine died and will not come back in this process: the replica exits so that the cluster
+    backend replaces it."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,28 @@ class Engine(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release the engine (processes, memory)."""
+
+    # ---- weights and deaths: defaults for backends that have neither ------------------------
+    weight_version: int = 0
+    """Version of the loaded weights (0: the model's own); the replica stamps it on every Result."""
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Load the checkpoint directory ``path`` in place as ``version`` and reset the prefix cache.
+        The replica calls this only while no request is in the engine."""
+        raise NotImplementedError(f"the {type(self).__name__} backend cannot load weights")
+
+    def dead(self) -> bool:
+        """True once the engine can serve nothing more (its process is gone): time to ``restart``."""
+        return False
+
+    async def restart(self) -> EngineInfo:
+        """Replace a dead engine by a new one with the same weights; raise EngineGone to give up."""
+        raise EngineGone(f"the {type(self).__name__} backend does not restart")
+
+    def pids(self) -> list[int]:
+        """Processes the engine started (engine core, workers): recorded so teardown stops them by pid
+        even when the replica itself is killed."""
+        return []
 
 
 def make_engine(cfg: Any) -> Engine:

@@ -4,15 +4,24 @@ It registers with its group and labels, answers the router's readiness probe wit
 generation, sends heartbeats with the engine's load and prefix-cache counters, runs every Generate
 as its own task, and forwards Aborts to the engine. If the router's address file changes (the router
 restarted) it reconnects and registers again.
+
+Weights (``UpdateWeights``) and engine deaths both need the engine to itself: new requests wait at a
+gate while the ones in the engine finish (at a death they fail at once, as ``engine_dead``, and the
+router requeues them); then the engine loads the checkpoint, or restarts. Requests that arrive
+meanwhile run afterwards, none is lost. An engine that cannot come back (``EngineGone``) ends the
+process, and the cluster backend starts a replacement.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import zmq
@@ -20,9 +29,10 @@ import zmq.asyncio
 
 from toolkit import protocol as P
 from toolkit.config import Config, group_engine, load_run_config
-from toolkit.engine.base import Engine, EngineInfo, make_engine
+from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
 from toolkit.rundir import RunDir, read_json
+from toolkit.security import client_curve
 from toolkit.sockets import make_socket
 
 logger = logging.getLogger(__name__)
@@ -41,11 +51,24 @@ class ReplicaServer:
         self.address = ""
         self.info: EngineInfo | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.name = f"replica-{group}-{index}"
+        # The gate in front of the engine: closed while weights load or a dead engine restarts.
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._entered: set[str] = set()
+        self._maintenance = asyncio.Lock()
+        self._recovery: asyncio.Task[None] | None = None
+        self._fatal: BaseException | None = None
+        self._weights: tuple[str, int] | None = None
+        self._weights_loading: tuple[str, int] | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     def _connect(self, address: str) -> None:
         if self.sock is not None:
             self.sock.close(0)
-        s = make_socket(self.ctx, zmq.DEALER, self.replica_id)
+        s = make_socket(self.ctx, zmq.DEALER, self.replica_id, curve=client_curve(self.run_dir.root))
         s.connect(address)
         self.sock = s
         self.address = address
@@ -67,6 +90,7 @@ class ReplicaServer:
     async def run(self) -> None:
         addr = await asyncio.to_thread(self.run_dir.wait_router_address, self.cfg.cluster.ready_timeout_s)
         self.info = await self.engine.start()
+        self._record_engine_pids()
         self._connect(addr["backend"])
         await self._register()
         beat = asyncio.create_task(self._heartbeats(), name="heartbeats")
@@ -74,6 +98,8 @@ class ReplicaServer:
             await self._receive()
         finally:
             beat.cancel()
+            for t in list(self._background):
+                t.cancel()
             for t in list(self.tasks.values()):
                 t.cancel()
             await self.engine.close()
@@ -84,6 +110,7 @@ class ReplicaServer:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.router.heartbeat_s)
+            self._check_engine()
             s = self.engine.stats()
             await self._send(P.Heartbeat(self.replica_id, s.running, s.waiting, s.kv_usage,
                                          s.prefix_hits, s.prefix_queries, s.weight_version,
@@ -108,6 +135,8 @@ class ReplicaServer:
         interval = self.cfg.router.heartbeat_s
         next_check = time.monotonic() + interval
         while True:
+            if self._fatal is not None:
+                raise self._fatal
             if time.monotonic() >= next_check:
                 await self._follow_router()
                 next_check = time.monotonic() + interval
@@ -128,7 +157,9 @@ class ReplicaServer:
                 if msg.request_id not in self.tasks:
                     self.tasks[msg.request_id] = asyncio.create_task(self._generate(msg))
             elif isinstance(msg, P.Abort):
-                await self.engine.abort(msg.request_id)
+                await self._abort(msg.request_id)
+            elif isinstance(msg, P.UpdateWeights):
+                self._update_weights(msg)
             elif isinstance(msg, P.Reregister):
                 logger.info("router asked to re-register (%s)", msg.reason)
                 await self._register()
@@ -136,18 +167,112 @@ class ReplicaServer:
                 logger.warning("unexpected %s from router", type(msg).__name__)
 
     async def _generate(self, msg: P.Generate) -> None:
+        rid = msg.request_id
         try:
-            res = await self.engine.generate(msg)
+            await self._open.wait()
+            self._entered.add(rid)
+            self._idle.clear()
+            try:
+                res = await self.engine.generate(msg)
+            finally:
+                self._entered.discard(rid)
+                if not self._entered:
+                    self._idle.set()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine's own failure: the router decides whether to retry
-            logger.exception("request %s failed in the engine", msg.request_id)
-            res = P.Result(request_id=msg.request_id, status="engine_dead", error=repr(exc))
+            logger.exception("request %s failed in the engine", rid)
+            res = P.Result(request_id=rid, status="engine_dead", error=repr(exc))
         finally:
-            self.tasks.pop(msg.request_id, None)
+            self.tasks.pop(rid, None)
+        if res.status == "engine_dead":
+            self._check_engine()
         res.replica_id = self.replica_id
         res.group = self.group
+        # No weight load can start between the engine's answer and here (it waits for the gate's
+        # idle event, and nothing above awaits): this is the version that generated the tokens.
+        res.weight_version = self.engine.weight_version
         await self._send(res)
+
+    async def _abort(self, rid: str) -> None:
+        task = self.tasks.get(rid)
+        if task is not None and rid not in self._entered:
+            # Still at the gate: the engine never saw it.
+            task.cancel()
+            self.tasks.pop(rid, None)
+            await self._send(P.Result(request_id=rid, status="cancelled", finish_reason="abort",
+                                      replica_id=self.replica_id, group=self.group,
+                                      error="aborted before it reached the engine"))
+            return
+        await self.engine.abort(rid)
+
+    # ---- the engine to itself: weight loads and restarts -------------------------------------
+    @contextlib.asynccontextmanager
+    async def _engine_exclusive(self) -> AsyncIterator[None]:
+        """Hold new requests at the gate and wait until none is in the engine."""
+        async with self._maintenance:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                yield
+            finally:
+                self._open.set()
+
+    def _spawn(self, coro: object, name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _update_weights(self, msg: P.UpdateWeights) -> None:
+        target = (msg.path, msg.version)
+        if target == self._weights:
+            # A resend (the router forwards every client retry): acknowledge again.
+            self._spawn(self._send(P.WeightsUpdated(msg.version, self.replica_id)), "weights-ack")
+        elif target != self._weights_loading:
+            self._weights_loading = target
+            self._spawn(self._load_weights(msg), f"weights-{msg.version}")
+
+    async def _load_weights(self, msg: P.UpdateWeights) -> None:
+        target = (msg.path, msg.version)
+        error = ""
+        try:
+            async with self._engine_exclusive():
+                t0 = time.monotonic()
+                logger.info("loading weights %s as version %d", msg.path, msg.version)
+                await self.engine.load_weights(msg.path, msg.version)
+                self._weights = target
+                logger.info("weights version %d loaded in %.2fs", msg.version, time.monotonic() - t0)
+        except Exception as exc:
+            logger.exception("loading weights %s failed", msg.path)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if self._weights_loading == target:
+                self._weights_loading = None
+        await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
+
+    def _check_engine(self) -> None:
+        if self.engine.dead() and (self._recovery is None or self._recovery.done()):
+            logger.error("the engine died; its requests fail as engine_dead, new ones wait for a restart")
+            self._recovery = self._spawn(self._recover(), "engine-restart")
+
+    async def _recover(self) -> None:
+        try:
+            async with self._engine_exclusive():
+                self.info = await self.engine.restart()
+                self._record_engine_pids()
+            logger.info("engine restarted; %d request(s) were waiting", len(self.tasks))
+        except Exception as exc:
+            # Noticed by the receive loop, which ends the process (see serve).
+            self._fatal = exc if isinstance(exc, EngineGone) else EngineGone(f"restart failed: {exc!r}")
+
+    def _record_engine_pids(self) -> None:
+        """Pid files for the engine's own processes, so teardown stops them by pid even if this
+        process is killed (vLLM's engine core outlives a SIGKILLed parent)."""
+        for pid in self.engine.pids():
+            ref = ProcessRef.of(pid, f"{self.name}-engine")
+            if ref.start is not None:
+                (self.run_dir.pids / f"{self.name}-engine.{pid}.pid").write_text(ref.encode())
 
 
 def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None) -> None:
@@ -164,6 +289,9 @@ def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None)
         asyncio.run(ReplicaServer(cfg, rd, group, index, engine).run())
     except (KeyboardInterrupt, SystemExit):
         logger.info("replica %s stopping", name)
+    except EngineGone as exc:
+        logger.error("replica %s exits: %s", name, exc)
+        sys.exit(75)  # EX_TEMPFAIL: the cluster backend starts a replacement
 
 
 if __name__ == "__main__":

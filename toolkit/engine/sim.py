@@ -168,8 +168,15 @@ class SimEngine(Engine):
             kv_usage=min(1.0, ctx / self.cfg.kv_cache_tokens),
             prefix_hits=self.prefix_hits,
             prefix_queries=self.prefix_queries,
+            weight_version=self.weight_version,
             generated_tokens=self.generated_tokens,
         )
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """The simulator has no weights: a reload only bumps the version and empties the prefix cache
+        (cached KV of the old weights is useless), as a real engine's reload does."""
+        self.cache.blocks.clear()
+        self.weight_version = version
 
     def _crash(self, why: str) -> None:
         logger.error("sim fault hook: crashing now (%s)", why)

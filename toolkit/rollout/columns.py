@@ -1,14 +1,17 @@
 """Samples as flat columns: packing on each rank, Gatherv to rank 0, and the Parquet table.
 
 A rank packs its samples into a handful of contiguous numpy arrays (token values, per-sample
-lengths, scalar columns). ``gather_columns`` moves each array with one ``Gather`` of counts and one
-``Gatherv`` of data: no sample is ever pickled. Rank 0 turns them into an Arrow table with list
-columns built zero-copy from offsets, sorted by session index.
+lengths, scalar columns; strings as UTF-8 bytes). ``gather_columns`` moves each array with one
+``Gather`` of counts and one ``Gatherv`` of data: no sample is ever pickled. Rank 0 turns them into
+an Arrow table with list and string columns built zero-copy from offsets, and writes it sorted by
+session index one row group at a time, so the sorted copy never exists whole.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +26,82 @@ Columns = dict[str, np.ndarray]
 # Variable-length columns: values array + a per-sample length array named "<name>__len".
 LIST_COLUMNS = {"tokens": np.int32, "loss_mask": np.int8, "rollout_logprobs": np.float32,
                 "weight_versions": np.int64}
+# Strings travel the same way, as UTF-8 bytes (uint8 values + lengths); replica ids joined by "\n".
+TEXT_COLUMNS = ("response", "error", "replicas")
 SCALAR_COLUMNS = {"index": np.int64, "reward": np.float64, "status": np.int8, "prompt_length": np.int32,
                   "response_length": np.int32, "generated_tokens": np.int32, "num_turns": np.int32,
-                  "num_replicas": np.int32, "cached_tokens": np.int64, "groups_mask": np.int64}
+                  "num_replicas": np.int32, "cached_tokens": np.int64, "groups_mask": np.int64,
+                  "response_decoded": np.int8}
+# What the step report needs: with rollout.output=shards only these travel to rank 0.
+STAT_COLUMNS = tuple(SCALAR_COLUMNS)
+# Tokens per Parquet row group (about 9 MB of tokens, mask and logprobs before compression): small
+# enough that rank 0 holds little beyond the gathered arrays while it writes, large enough that the
+# per-group dictionaries cost under 1% of the file (measured with toolkit/bench/merge.py).
+ROW_GROUP_TOKENS = 1 << 20
+# Logprobs are high-entropy floats: dictionary encoding only wastes a dictionary before falling back
+# to plain; byte-stream-split + zstd is smaller and faster. Every other column keeps its dictionary.
+PLAIN_FLOAT_COLUMNS = ("rollout_logprobs",)
+COMPRESSION = "zstd"
 
 
-def pack(samples: list[Sample], group_names: list[str]) -> Columns:
+def _text(sample: Sample, name: str) -> str:
+    return "\n".join(sorted(sample.replicas)) if name == "replicas" else getattr(sample, name)
+
+
+def _flat(parts: list[Any], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+    values = np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=int(lengths.sum()))
+    return values, lengths
+
+
+def pack(samples: Iterable[Sample], group_names: list[str]) -> Columns:
     """The rank-local columns of ``samples``; ``group_names`` fixes the bit of each group."""
-    bit = {g: 1 << i for i, g in enumerate(group_names)}
-    cols: Columns = {}
-    for name, dtype in LIST_COLUMNS.items():
-        parts = [getattr(s, name) for s in samples]
-        cols[f"{name}__len"] = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
-        flat = [x for p in parts for x in p]
-        cols[name] = np.asarray(flat, dtype=dtype) if flat else np.zeros(0, dtype=dtype)
-    scalars: dict[str, list[Any]] = {
-        "index": [s.index for s in samples],
-        "reward": [s.reward for s in samples],
-        "status": [SAMPLE_STATUSES.index(s.status) for s in samples],
-        "prompt_length": [s.prompt_length for s in samples],
-        "response_length": [s.response_length for s in samples],
-        "generated_tokens": [s.generated_tokens for s in samples],
-        "num_turns": [s.num_turns for s in samples],
-        "num_replicas": [len(s.replicas) for s in samples],
-        "cached_tokens": [s.cached_tokens for s in samples],
-        "groups_mask": [sum(bit.get(g, 0) for g in s.groups) for s in samples],
-    }
-    for name, dtype in SCALAR_COLUMNS.items():
-        cols[name] = np.asarray(scalars[name], dtype=dtype)
-    return cols
+    builder = ColumnBuilder(group_names)
+    for s in samples:
+        builder.add(s)
+    return builder.columns()
+
+
+class ColumnBuilder:
+    """Packs samples one at a time, so a rank can drop each finished sample's Python lists at once."""
+
+    def __init__(self, group_names: list[str]) -> None:
+        self.bit = {g: 1 << i for i, g in enumerate(group_names)}
+        self._parts: dict[str, list[np.ndarray]] = {name: [] for name in (*LIST_COLUMNS, *TEXT_COLUMNS)}
+        self._lengths: dict[str, list[int]] = {name: [] for name in self._parts}
+        self._scalars: dict[str, list[Any]] = {name: [] for name in SCALAR_COLUMNS}
+
+    def __len__(self) -> int:
+        return len(self._scalars["index"])
+
+    def add(self, s: Sample) -> None:
+        for name, dtype in LIST_COLUMNS.items():
+            part = getattr(s, name)
+            self._parts[name].append(np.asarray(part, dtype=dtype))
+            self._lengths[name].append(len(part))
+        for name in TEXT_COLUMNS:
+            raw = _text(s, name).encode()
+            self._parts[name].append(np.frombuffer(raw, dtype=np.uint8))
+            self._lengths[name].append(len(raw))
+        row = {
+            "index": s.index, "reward": s.reward, "status": SAMPLE_STATUSES.index(s.status),
+            "prompt_length": s.prompt_length, "response_length": s.response_length,
+            "generated_tokens": s.generated_tokens, "num_turns": s.num_turns, "num_replicas": len(s.replicas),
+            "cached_tokens": s.cached_tokens, "groups_mask": sum(self.bit.get(g, 0) for g in s.groups),
+            "response_decoded": int(s.response_decoded),
+        }
+        for name, value in row.items():
+            self._scalars[name].append(value)
+
+    def columns(self) -> Columns:
+        cols: Columns = {}
+        for name, parts in self._parts.items():
+            dtype = LIST_COLUMNS.get(name, np.uint8)
+            cols[name] = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+            cols[f"{name}__len"] = np.asarray(self._lengths[name], dtype=np.int64)
+        for name, dtype in SCALAR_COLUMNS.items():
+            cols[name] = np.asarray(self._scalars[name], dtype=dtype)
+        return cols
 
 
 def gather_columns(comm: Any, cols: Columns, root: int = 0) -> Columns | None:
@@ -76,20 +126,33 @@ def gather_columns(comm: Any, cols: Columns, root: int = 0) -> Columns | None:
     return out if rank == root else None
 
 
-def _list_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
+def _offsets(lengths: np.ndarray) -> np.ndarray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return offsets
 
 
-def to_table(cols: Columns, group_names: list[str], session_ids: list[str] | None = None) -> pa.Table:
-    """The step's Parquet table: one row per session, sorted by session index."""
+def _list_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    return pa.LargeListArray.from_arrays(pa.array(_offsets(lengths)), pa.array(values))
+
+
+def _string_array(values: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    return pa.LargeStringArray.from_buffers(len(lengths), pa.py_buffer(_offsets(lengths)),
+                                            pa.py_buffer(np.ascontiguousarray(values)))
+
+
+def to_table(cols: Columns, group_names: list[str], session_ids: list[str] | None = None,
+             sort: bool = True) -> pa.Table:
+    """The step's table: one row per session, sorted by session index unless ``sort=False``
+    (:func:`write_parquet` sorts while it writes, without a second copy of the table)."""
     n = len(cols["index"])
     data: dict[str, pa.Array] = {"index": pa.array(cols["index"])}
+    if session_ids is not None:
+        data["session_id"] = pa.array(session_ids, type=pa.string())
     for name in LIST_COLUMNS:
         data[name] = _list_array(cols[name], cols[f"{name}__len"])
     for name in SCALAR_COLUMNS:
-        if name in ("index", "status", "groups_mask"):
+        if name in ("index", "status", "groups_mask", "response_decoded"):
             continue
         data[name] = pa.array(cols[name])
     data["status"] = pa.DictionaryArray.from_arrays(
@@ -98,15 +161,65 @@ def to_table(cols: Columns, group_names: list[str], session_ids: list[str] | Non
     masks = cols["groups_mask"]
     data["groups"] = pa.array([[g for i, g in enumerate(group_names) if m >> i & 1] for m in masks.tolist()],
                               type=pa.list_(pa.string()))
-    data["response"] = pa.array([""] * n, type=pa.string())
-    data["response_decoded"] = pa.array(np.zeros(n, dtype=bool))
-    if session_ids is not None:
-        data["session_id"] = pa.array(session_ids, type=pa.string())
+    joined = _string_array(cols["replicas"], cols["replicas__len"]).to_pylist()
+    data["replicas"] = pa.array([r.split("\n") if r else [] for r in joined], type=pa.list_(pa.string()))
+    data["response"] = _string_array(cols["response"], cols["response__len"])
+    decoded = pa.array(cols["response_decoded"].astype(bool) if n else np.zeros(0, dtype=bool))
+    data["response_decoded"] = decoded
+    data["metadata"] = pa.StructArray.from_arrays([decoded], names=["response_decoded"])
+    data["error"] = _string_array(cols["error"], cols["error__len"])
     table = pa.table(data)
-    return table.take(pa.array(np.argsort(cols["index"], kind="stable")))
+    return _sorted(table) if sort else table
 
 
-def write_parquet(table: pa.Table, path: Path) -> None:
+def _order(table: pa.Table) -> np.ndarray | None:
+    """The permutation that sorts ``table`` by index; None if it is sorted already."""
+    idx = table.column("index").to_numpy()
+    if idx.size < 2 or bool(np.all(idx[1:] >= idx[:-1])):
+        return None
+    return np.argsort(idx, kind="stable")
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    order = _order(table)
+    return table if order is None else table.take(pa.array(order))
+
+
+def rows_per_group(table: pa.Table) -> int:
+    """Rows per Parquet row group so each holds about ROW_GROUP_TOKENS tokens."""
+    n = table.num_rows
+    if n == 0 or "tokens" not in table.column_names:
+        return max(n, 1)
+    tokens = table.column("tokens")
+    total = sum(len(c.values) for c in tokens.chunks)
+    return max(1, min(n, int(n * ROW_GROUP_TOKENS / max(total, 1))))
+
+
+def _leaf_paths(field: pa.Field) -> list[str]:
+    if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+        return [f"{field.name}.list.{p}" for p in _leaf_paths(field.type.value_field)]
+    if pa.types.is_struct(field.type):
+        return [f"{field.name}.{p}" for i in range(field.type.num_fields) for p in _leaf_paths(field.type.field(i))]
+    return [field.name]
+
+
+def _writer_options(schema: pa.Schema) -> dict[str, Any]:
+    plain = [p for f in schema if f.name in PLAIN_FLOAT_COLUMNS for p in _leaf_paths(f)]
+    dictionary = [p for f in schema if f.name not in PLAIN_FLOAT_COLUMNS for p in _leaf_paths(f)]
+    return {"compression": COMPRESSION, "use_dictionary": dictionary, "use_byte_stream_split": plain}
+
+
+def write_parquet(table: pa.Table, path: Path) -> int:
+    """Write ``table`` sorted by index to ``path`` atomically, one row group at a time; return its size."""
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp)
+    order = _order(table)
+    step = rows_per_group(table)
+    with pq.ParquetWriter(tmp, table.schema, **_writer_options(table.schema)) as writer:
+        if table.num_rows == 0:
+            writer.write_table(table)
+        for start in range(0, table.num_rows, step):
+            part = (table.slice(start, step) if order is None
+                    else table.take(pa.array(order[start:start + step])))
+            writer.write_table(part, row_group_size=step)
     os.replace(tmp, path)
+    return path.stat().st_size

@@ -7,7 +7,9 @@ is done. Users add their own by pointing ``workload.env._target_`` at any class 
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from toolkit.rollout.prompts import Prompt
@@ -32,18 +34,41 @@ class Environment(ABC):
         """Take one turn's generated tokens; return the observation, reward and done."""
 
 
-class SingleTurnEnv(Environment):
-    """One generation per episode. Reward 1 when the model stopped on its own within ``max_len`` tokens."""
+RewardFn = Callable[[Prompt, list[int], str], float]
 
-    def __init__(self, max_len: int = 1 << 30) -> None:
+
+def stopped_within(prompt: Prompt | None, generated: list[int], finish_reason: str, max_len: int = 1 << 30) -> float:
+    """The default reward: 1 when the model stopped on its own within ``max_len`` tokens, else 0."""
+    return 1.0 if finish_reason == "stop" and len(generated) <= max_len else 0.0
+
+
+class SingleTurnEnv(Environment):
+    """One generation per episode, scored by a reward function.
+
+    ``reward_fn`` is a dotted path to ``fn(prompt, generated, finish_reason) -> float`` (the prompt
+    carries its metadata, e.g. a reference answer from a prompt file); default :func:`stopped_within`
+    with ``max_len``.
+    """
+
+    def __init__(self, max_len: int = 1 << 30, reward_fn: str | None = None) -> None:
         self.max_len = max_len
+        self.reward_fn: RewardFn | None = None
+        if reward_fn is not None:
+            module, _, name = reward_fn.rpartition(".")
+            self.reward_fn = getattr(importlib.import_module(module), name)
+        self.prompt: Prompt | None = None
 
     def reset(self, prompt: Prompt) -> list[int]:
+        self.prompt = prompt
         return list(prompt.token_ids)
 
     def step(self, generated: list[int], finish_reason: str) -> EnvStep:
-        ok = finish_reason == "stop" and len(generated) <= self.max_len
-        return EnvStep(reward=1.0 if ok else 0.0, done=True)
+        if self.reward_fn is None:
+            reward = stopped_within(self.prompt, generated, finish_reason, self.max_len)
+        else:
+            assert self.prompt is not None, "step() before reset()"
+            reward = float(self.reward_fn(self.prompt, generated, finish_reason))
+        return EnvStep(reward=reward, done=True)
 
 
 class ToolCallEnv(Environment):

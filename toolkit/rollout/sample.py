@@ -3,16 +3,20 @@
 ``tokens`` = first prompt + every turn's generated tokens + every observation, in order;
 ``loss_mask`` is 1 exactly on generated tokens; ``rollout_logprobs`` is aligned to ``tokens`` (0.0
 where the mask is 0). Responses are not decoded unless asked: ``response = ""`` and
-``response_decoded = False``. A turn whose prompt does not extend the accumulated tokens is caught
-(:class:`NonPrefixTurn`) and the sample marked failed, never silently merged.
+``metadata["response_decoded"] = False``; with a tokenizer, :meth:`Sample.decode_response` fills
+``response`` with the text of every token after the first prompt. A turn whose prompt does not extend
+the accumulated tokens is caught (:class:`NonPrefixTurn`) and the sample marked failed, never
+silently merged. :func:`merge` concatenates two samples of one session under the same rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from toolkit.errors import ToolkitError
 from toolkit.protocol import Result
+from toolkit.rollout.tokenizer import Tokenizer
 
 SAMPLE_STATUSES = ("completed", "truncated", "aborted", "failed")
 
@@ -49,6 +53,16 @@ class Sample:
     def response_length(self) -> int:
         """Tokens after the first prompt: generations and observations."""
         return len(self.tokens) - self.prompt_length
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """What trainers read beside the arrays: ``response_decoded`` says whether ``response`` is real."""
+        return {"response_decoded": self.response_decoded}
+
+    def decode_response(self, tokenizer: Tokenizer) -> None:
+        """``response`` = the text of every token after the first prompt (generations and observations)."""
+        self.response = tokenizer.decode(self.tokens[self.prompt_length:])
+        self.response_decoded = True
 
     def add_turn(self, prompt: list[int], result: Result) -> None:
         """Merge one generation whose request carried ``prompt``."""
@@ -94,3 +108,54 @@ class Sample:
         assert sum(self.loss_mask) == self.generated_tokens
         assert all(lp == 0.0 for lp, m in zip(self.rollout_logprobs, self.loss_mask, strict=True) if not m)
         assert 0 <= self.prompt_length <= n
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def merge(a: Sample, b: Sample, tokenizer: Tokenizer | None = None) -> Sample:
+    """Session ``a`` continued by ``b``: one sample, as if ``b``'s turns had been added to ``a``.
+
+    ``b``'s first prompt must extend ``a``'s tokens (the usual whole-context prompt); what it adds
+    beyond them is an observation (loss mask 0). Otherwise :class:`NonPrefixTurn` is raised and
+    nothing is merged. The response text is kept only when both samples were decoded: then the
+    observation between them is decoded too (which needs ``tokenizer`` if there is one); otherwise the
+    result is undecoded (``response = ""``). Counters add up, sets unite, the worse status wins.
+    """
+    if a.session_id != b.session_id or a.index != b.index:
+        raise ValueError(f"merge needs two samples of one session, got {a.session_id!r} (index {a.index}) "
+                         f"and {b.session_id!r} (index {b.index})")
+    n = len(a.tokens)
+    if b.prompt_length < n or b.tokens[:n] != a.tokens:
+        raise NonPrefixTurn(
+            f"merging {a.session_id}: the second sample's prompt ({b.prompt_length} tokens) does not extend the "
+            f"first sample's {n} tokens (first difference at position {_first_difference(b.tokens[:b.prompt_length], a.tokens)})"
+        )
+    obs = b.tokens[n:b.prompt_length]
+    decoded = a.response_decoded and b.response_decoded
+    response = ""
+    if decoded:
+        if obs and tokenizer is None:
+            raise ValueError(f"merging {a.session_id}: both samples are decoded, so the {len(obs)} observation "
+                             "tokens between them must be decoded too: pass a tokenizer")
+        response = a.response + (tokenizer.decode(obs) if obs and tokenizer is not None else "") + b.response
+    tail = slice(b.prompt_length, None)
+    return Sample(
+        index=a.index, session_id=a.session_id,
+        tokens=list(b.tokens),
+        loss_mask=a.loss_mask + [0] * len(obs) + b.loss_mask[tail],
+        rollout_logprobs=a.rollout_logprobs + [0.0] * len(obs) + b.rollout_logprobs[tail],
+        prompt_length=a.prompt_length,
+        reward=a.reward + b.reward,
+        status=max(a.status, b.status, key=SAMPLE_STATUSES.index),
+        num_turns=a.num_turns + b.num_turns,
+        generated_tokens=a.generated_tokens + b.generated_tokens,
+        cached_tokens=a.cached_tokens + b.cached_tokens,
+        weight_versions=a.weight_versions + [v for v in b.weight_versions if v not in a.weight_versions],
+        replicas=a.replicas | b.replicas,
+        groups=a.groups | b.groups,
+        response=response,
+        response_decoded=decoded,
+        error="; ".join(e for e in (a.error, b.error) if e),
+    )

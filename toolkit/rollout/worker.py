@@ -1,6 +1,7 @@
 """A rollout rank: runs its share of each step's sessions against the router, merges them where they
 ran, and gathers compact columns to rank 0, which writes ``steps/step_XXXXX.parquet`` and the step
-report. Started as ``mpiexec -n R python -m toolkit.rollout.worker RUN_DIR``.
+report (``rollout.output=shards``: every rank writes its own shard, rank 0 a manifest, see
+``toolkit/rollout/shards.py``). Started as ``mpiexec -n R python -m toolkit.rollout.worker RUN_DIR``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from typing import Any
 import numpy as np
 from hydra.utils import instantiate
 
-from toolkit.client import RouterClient
+from toolkit.client import RouterClient, weights_for_step
 from toolkit.config import Config, group_engine, load_run_config
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
 from toolkit.protocol import Generate, Sampling
-from toolkit.rollout.columns import Columns, gather_columns, pack, to_table, write_parquet
+from toolkit.rollout.columns import STAT_COLUMNS, Columns, gather_columns, pack, to_table, write_parquet
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.sample import NonPrefixTurn, Sample
+from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
 from toolkit.rollout.stepreport import RequestLog, step_report, write_step_report
+from toolkit.rollout.tokenizer import load_tokenizer
 from toolkit.rundir import RunDir, read_json
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,8 @@ class RankRunner:
                                  top_p=cfg.workload.top_p)
         self.tail = TailWatch(run_dir, cfg.job, cfg.tail.group, cfg.tail.threshold is not None)
         self.client = RouterClient(run_dir)
+        # Responses stay token ids unless asked: decoding is the costliest thing a rank could do per token.
+        self.tokenizer = load_tokenizer(cfg.workload.tokenizer) if cfg.rollout.decode_responses else None
 
     def _my_cap(self) -> int:
         cap = self.cfg.rollout.max_concurrent_rollouts
@@ -98,6 +103,8 @@ class RankRunner:
         cfg = self.cfg
         n = cfg.sessions_per_step
         if self.rank == 0:
+            if (ckpt := weights_for_step(cfg.rollout.weights_dir, step)) is not None:
+                await self.client.update_weights(str(ckpt), step)  # every replica, before the step's requests
             await self.client.step_begin(cfg.job, step, n)
         await async_barrier(self.comm)
         t0 = time.time()
@@ -105,21 +112,36 @@ class RankRunner:
         log = RequestLog()
         mine = range(self.rank, n, self.size)
         samples = await asyncio.gather(*(self.session(step, i, sem, log) for i in mine))
-        cols = pack(list(samples), self.group_names)
+        cols = pack(samples, self.group_names)
+        del samples  # their Python lists take ~60 B per token, the packed columns 9 B
+        shard: tuple[int, int] | None = None
+        if cfg.rollout.output == "shards":
+            # Each rank writes its own rows; only the per-session stats of the step report go to rank 0.
+            table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
+            shard = write_shard(self.run_dir.steps, step, self.rank, table)
+            cols = {name: cols[name] for name in STAT_COLUMNS}
         # Everyone is at the gather before it starts: blocking collectives spin a core while they
         # wait, and the cores belong to the engines and the router until the last session ends.
         await async_barrier(self.comm)
         gathered = gather_columns(self.comm, cols)
+        del cols  # rank 0 holds its own rows twice otherwise while it writes the step
         requests = gather_columns(self.comm, log.columns(self.group_names))
+        shards = gather_shard_info(self.comm, *shard) if shard is not None else None
         if self.rank == 0:
             assert gathered is not None and requests is not None
-            self._write_step(step, t0, gathered, requests)
+            self._write_step(step, t0, gathered, requests, shards)
 
-    def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns) -> None:
+    def _session_ids(self, step: int, cols: Columns) -> list[str]:
+        return [f"{self.cfg.job}/{step}/{i}" for i in cols["index"].tolist()]
+
+    def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns,
+                    shards: np.ndarray | None = None) -> None:
         cfg = self.cfg
-        sids = [f"{cfg.job}/{step}/{i}" for i in cols["index"].tolist()]
-        table = to_table(cols, self.group_names, sids)
-        write_parquet(table, self.run_dir.step_parquet(step))
+        if shards is not None:
+            write_manifest(self.run_dir.steps, step, shards)
+        else:
+            table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
+            write_parquet(table, self.run_dir.step_parquet(step))
         wall = time.time() - t0
         flip = self.tail.info() if cfg.tail.threshold is not None else None
         if flip is not None and flip.get("step") != step:
@@ -165,6 +187,8 @@ class RankRunner:
                 context = list(sample.tokens)
             else:
                 sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
+            if self.tokenizer is not None:
+                sample.decode_response(self.tokenizer)
         await self.client.session_done(cfg.job, step, sid)
         return sample
 

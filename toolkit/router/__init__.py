@@ -15,6 +15,7 @@ def serve(run_dir: str, owner: ProcessRef | None = None) -> None:
     from toolkit.config import load_run_config
     from toolkit.router.server import Router
     from toolkit.rundir import RunDir
+    from toolkit.sockets import bind_host
 
     rd = RunDir(Path(run_dir))
     setup_logging(rd.logs / "router.log")
@@ -24,7 +25,7 @@ def serve(run_dir: str, owner: ProcessRef | None = None) -> None:
     cfg = load_run_config(rd.root)
     router = Router(cfg, rd)
     try:
-        router.bind(cfg.router.host)
+        router.bind(bind_host(cfg.router.host, cfg.cluster.type))
         router.run()
     except (KeyboardInterrupt, SystemExit):
         logger.info("router stopping")

@@ -25,7 +25,8 @@ from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
 from toolkit.router.timeline import Timeline
 from toolkit.rundir import RunDir, atomic_write
-from toolkit.sockets import make_socket
+from toolkit.security import server_curve
+from toolkit.sockets import advertised, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,10 @@ class Router:
         self.rcfg = cfg.router
         self.run_dir = run_dir
         self.ctx = ctx or zmq.Context.instance()
-        self.frontend = make_socket(self.ctx, zmq.ROUTER)
-        self.backend = make_socket(self.ctx, zmq.ROUTER)
+        # CURVE (router.curve): encrypted sockets that admit only the run's own replicas and ranks.
+        self.curve = server_curve(cfg, self.ctx, run_dir.root)
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
+        self.backend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
         self.queue = FairQueue()
         self.live: dict[str, Request] = {}
         self.results: OrderedDict[str, bytes] = OrderedDict()
@@ -87,6 +90,11 @@ class Router:
         self.known_groups = set(cfg.groups)
         self.stats: Counter[str] = Counter()
         self.dispatched: Counter[str] = Counter()
+        # Weights: the latest UpdateWeights (sent to every replica that registers), each replica's
+        # acknowledged (version, error), and the clients waiting for a version by (path, version).
+        self.weights: P.UpdateWeights | None = None
+        self.weight_acks: dict[bytes, tuple[int, str]] = {}
+        self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
         self._seq = 0
         self._probe_n = 0
         self._pick: Replica | None = None
@@ -98,8 +106,8 @@ class Router:
     def bind(self, host: str) -> dict[str, str]:
         self.frontend.bind(f"tcp://{host}:*")
         self.backend.bind(f"tcp://{host}:*")
-        self.frontend_addr = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.backend_addr = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frontend_addr = advertised(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.backend_addr = advertised(self.backend.getsockopt_string(zmq.LAST_ENDPOINT))
         self.tail.adopt_sentinels()
         info = {"frontend": self.frontend_addr, "backend": self.backend_addr, "pid": str(os.getpid())}
         atomic_write(self.run_dir.router_address, json.dumps(info))
@@ -109,6 +117,8 @@ class Router:
     def close(self) -> None:
         self.frontend.close(0)
         self.backend.close(0)
+        if self.curve is not None:
+            self.curve.close()
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()
@@ -173,6 +183,8 @@ class Router:
                     self.migrate(msg.job, msg.step)
         elif isinstance(msg, P.StatusRequest):
             self.frontend.send_multipart([client, *P.encode(self.status())])
+        elif isinstance(msg, P.UpdateWeights):
+            self.update_weights(client, msg)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a frontend message")
 
@@ -349,6 +361,8 @@ class Router:
                 r.progress_at = r.last_seen
         elif isinstance(msg, P.Register):
             self.register(ident, msg)
+        elif isinstance(msg, P.WeightsUpdated):
+            self.weights_updated(ident, msg)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
 
@@ -363,6 +377,7 @@ class Router:
         self.replicas[ident] = r
         self.by_id[r.replica_id] = ident
         logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
+        self._push_weights(r)
         self._probe(r)
 
     def _probe(self, r: Replica) -> None:
@@ -502,6 +517,54 @@ class Router:
         else:
             self.queue.requeue_front([req])
             self.stats["requeued"] += 1
+
+    # ---- weights ---------------------------------------------------------------------------
+    def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
+        """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
+        Clients resend until answered: a resend re-forwards to the replicas that have not acknowledged
+        and re-counts (a replica dropped meanwhile is no longer waited for)."""
+        key = (msg.path, msg.version)
+        if self.weights is None or (self.weights.path, self.weights.version) != key:
+            logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
+                        len(self.replicas))
+        self.weights = msg
+        self.weight_waiters.setdefault(key, set()).add(client)
+        for r in self.replicas.values():
+            if self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
+                self._push_weights(r)
+        self._answer_weights()
+
+    def _push_weights(self, r: Replica) -> None:
+        """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
+        if self.weights is not None:
+            self.backend.send_multipart([r.identity, *P.encode(self.weights)])
+
+    def weights_updated(self, ident: bytes, msg: P.WeightsUpdated) -> None:
+        r = self.replicas.get(ident)
+        if r is None:
+            return
+        if msg.error:
+            logger.error("replica %s failed to load weights version %d: %s", r.replica_id, msg.version, msg.error)
+        else:
+            logger.info("replica %s has weights version %d", r.replica_id, msg.version)
+        self.weight_acks[ident] = (msg.version, msg.error)
+        self._answer_weights()
+
+    def _answer_weights(self) -> None:
+        for gone in [i for i in self.weight_acks if i not in self.replicas]:
+            del self.weight_acks[gone]
+        ready = [r for r in self.replicas.values() if r.ready]
+        for key in list(self.weight_waiters):
+            version = key[1]
+            acks = [self.weight_acks.get(r.identity) for r in ready]
+            errors = [f"{r.replica_id}: {a[1]}" for r, a in zip(ready, acks, strict=True)
+                      if a is not None and a[0] == version and a[1]]
+            done = sum(1 for a in acks if a is not None and a[0] == version and not a[1])
+            if not errors and done < len(ready):
+                continue
+            answer = P.WeightsUpdated(version, error="; ".join(errors), replicas=done)
+            for client in self.weight_waiters.pop(key):
+                self.frontend.send_multipart([client, *P.encode(answer)])
 
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes) -> None:

@@ -1,0 +1,155 @@
+"""The Python API (``toolkit.samples``) over both output layouts, and loading step files with pyarrow,
+pandas, polars and HF datasets (each skipped if not installed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from toolkit import samples as api
+from toolkit.protocol import Result
+from toolkit.rollout.columns import pack, to_table, write_parquet
+from toolkit.rollout.sample import Sample
+from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
+from toolkit.rollout.tokenizer import ByteTokenizer
+from toolkit.rundir import RunDir
+
+GROUPS = ["tail", "throughput"]
+N = 11
+
+
+def sample(i: int, decoded: bool = False) -> Sample:
+    s = Sample.start(i, f"job/0/{i}", [40 + i, 41, 42])
+    for t in range(1 + i % 3):
+        s.add_turn(list(s.tokens), Result(f"{i}.{t}", output_token_ids=[50 + t] * (t + 2), logprobs=[-0.25] * (t + 2),
+                                          replica_id=f"throughput-{t % 2}@h:1", group=GROUPS[t % 2], weight_version=t))
+        s.extend_observation([60] * t)
+    s.reward = i / 10
+    if i == 4:
+        s.mark("failed", "turn 1 of job/0/4: its prompt does not extend the accumulated tokens")
+    if decoded:
+        s.decode_response(ByteTokenizer())
+    return s
+
+
+class OneRankComm:
+    """A stand-in for a size-1 communicator (the MPI versions run in test_gather_mpi)."""
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+    def Gather(self, send: np.ndarray, recv: np.ndarray | None, root: int = 0) -> None:  # noqa: N802
+        assert recv is not None
+        recv.reshape(-1)[:] = send.reshape(-1)
+
+
+def write_run(root: Path, layout: str, decoded: bool = False) -> RunDir:
+    """A run dir holding step 0 the way the ranks write it (shards: as if from 3 ranks)."""
+    rd = RunDir(root)
+    rd.make()
+    every = [sample(i, decoded) for i in range(N)]
+    if layout == "gather":
+        write_parquet(to_table(pack(every, GROUPS), GROUPS, [s.session_id for s in every], sort=False),
+                      rd.step_parquet(0))
+    else:
+        info = []
+        for rank in range(3):
+            mine = every[rank::3]
+            info.append(write_shard(rd.steps, 0, rank, to_table(pack(mine, GROUPS), GROUPS, [s.session_id for s in mine])))
+        write_manifest(rd.steps, 0, np.array(info, dtype=np.int64))
+    rd.step_report(0).write_text(json.dumps({"step": 0}))
+    return rd
+
+
+@pytest.fixture(params=["gather", "shards"])
+def run(request, tmp_path: Path) -> RunDir:  # type: ignore[no-untyped-def]
+    return write_run(tmp_path / "run", request.param)
+
+
+def test_read_step_gives_one_sorted_table_from_either_layout(run: RunDir) -> None:
+    assert api.steps(run.root) == [0]
+    table = api.read_step(run.root, 0)
+    assert table.column("index").to_pylist() == list(range(N))
+    got = api.to_samples(table)
+    for g, want in zip(got, (sample(i) for i in range(N)), strict=True):
+        assert g.rollout_logprobs == want.rollout_logprobs  # -0.25 is exact in float32
+        assert g == want
+    assert got[4].status == "failed" and "does not extend" in got[4].error
+    slim = api.read_step(run, 0, columns=["tokens", "reward"])
+    assert slim.column_names == ["tokens", "reward"]
+    assert slim.column("reward").to_pylist() == [i / 10 for i in range(N)]
+
+
+def test_iter_samples_streams_every_sample_of_every_step(run: RunDir) -> None:
+    got = sorted(api.iter_samples(run.root, batch_size=2), key=lambda s: s.index)
+    assert [s.index for s in got] == list(range(N))
+    assert got == api.to_samples(api.read_step(run.root, 0))
+
+
+def test_manifest_counts_rows_and_bytes(tmp_path: Path) -> None:
+    rd = write_run(tmp_path / "run", "shards")
+    m = json.loads((rd.steps / "step_00000" / "manifest.json").read_text())
+    assert m["layout"] == "shards" and m["rows"] == N
+    assert [s["rows"] for s in m["shards"]] == [4, 4, 3]
+    assert [s["path"] for s in m["shards"]] == [f"step_00000/shard_{r:05d}.parquet" for r in range(3)]
+    assert all(s["bytes"] == (rd.steps / s["path"]).stat().st_size for s in m["shards"])
+    gathered = gather_shard_info(OneRankComm(), 5, 6)
+    assert gathered is not None and gathered.tolist() == [[5, 6]]
+
+
+def test_a_missing_step_names_both_layouts(tmp_path: Path) -> None:
+    rd = write_run(tmp_path / "run", "gather")
+    with pytest.raises(FileNotFoundError, match=r"step_00003.parquet nor step_00003/manifest.json"):
+        api.step_files(rd.root, 3)
+
+
+def test_decoded_responses_and_metadata_survive_the_file(tmp_path: Path) -> None:
+    rd = write_run(tmp_path / "run", "gather", decoded=True)
+    rows = pq.read_table(api.step_files(rd.root, 0)[0]).to_pylist()
+    for r in rows:
+        assert r["response_decoded"] is True and r["metadata"] == {"response_decoded": True}
+        assert r["response"] == ByteTokenizer().decode(r["tokens"][r["prompt_length"]:])
+
+
+@pytest.mark.parametrize("layout", ["gather", "shards"])
+def test_step_files_load_with_pandas(tmp_path: Path, layout: str) -> None:
+    pd = pytest.importorskip("pandas")
+    rd = write_run(tmp_path / "run", layout)
+    df = pd.concat([pd.read_parquet(f) for f in api.step_files(rd.root, 0)]).sort_values("index")
+    assert df["index"].tolist() == list(range(N))
+    assert list(df.iloc[1]["tokens"]) == sample(1).tokens
+    assert df.iloc[0]["metadata"] == {"response_decoded": False}
+
+
+@pytest.mark.parametrize("layout", ["gather", "shards"])
+def test_step_files_load_with_polars(tmp_path: Path, layout: str) -> None:
+    pl = pytest.importorskip("polars")
+    rd = write_run(tmp_path / "run", layout)
+    df = pl.read_parquet([str(f) for f in api.step_files(rd.root, 0)]).sort("index")
+    assert df["index"].to_list() == list(range(N))
+    assert df["tokens"][2].to_list() == sample(2).tokens
+    assert df["rollout_logprobs"][2].to_list() == sample(2).rollout_logprobs
+    assert df["metadata"].struct.field("response_decoded").to_list() == [False] * N
+    assert df.filter(pl.col("status") == "failed")["index"].to_list() == [4]
+
+
+@pytest.mark.parametrize("layout", ["gather", "shards"])
+def test_step_files_load_with_hf_datasets(tmp_path: Path, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    rd = write_run(tmp_path / "run", layout)
+    ds = datasets.load_dataset("parquet", data_files=[str(f) for f in api.step_files(rd.root, 0)],
+                               split="train", cache_dir=str(tmp_path / "cache"))
+    rows = sorted(ds.to_list(), key=lambda r: r["index"])  # shards come rank by rank
+    assert ds.num_rows == N and [r["index"] for r in rows] == list(range(N))
+    row = rows[3]
+    assert row["tokens"] == sample(3).tokens and row["loss_mask"] == sample(3).loss_mask
+    assert row["metadata"] == {"response_decoded": False} and row["response"] == ""

@@ -1,0 +1,77 @@
+"""sbatch scripts: stored renderings (tests/data/sbatch/), slurm/*.sbatch kept equal to their
+rendering, and the allocation layout they are sized from."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.cluster.allocation import mem_mb, plan_allocation
+from toolkit.cluster.sbatch import SLURM_DIR, TEMPLATES, compose, render_sbatch, render_template
+
+DATA = Path(__file__).resolve().parent / "data" / "sbatch"
+# Regenerate the stored files after a deliberate change: TOOLKIT_UPDATE_STORED=1 pytest tests/test_sbatch.py
+UPDATE = os.environ.get("TOOLKIT_UPDATE_STORED") == "1"
+
+CASES: dict[str, list[str]] = {
+    "default": [],
+    "multinode": TEMPLATES["rollout-multinode"],
+    "site": [
+        "cluster.partition=gpu", "cluster.account=rl-team", "cluster.qos=high", "cluster.constraint=h100",
+        "cluster.extra_sbatch=['--reservation=rl','--exclusive']",
+        "cluster.setup=['module load cuda/12.4','source $HOME/venv/bin/activate']",
+        "cluster.python=/opt/venv/bin/python", "cluster.gpus_per_node=4", "cluster.replica.gpus=1",
+        "job=sweep-a", "steps=20", "tail.threshold=0.9",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rendering_matches_the_stored_file(case: str) -> None:
+    text = render_sbatch(compose(CASES[case]), CASES[case], case)
+    path = DATA / f"{case}.sbatch"
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"rendering of {case} changed; if on purpose: TOOLKIT_UPDATE_STORED=1"
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_slurm_templates_are_their_rendering(name: str) -> None:
+    assert (SLURM_DIR / f"{name}.sbatch").read_text() == render_template(name), (
+        f"slurm/{name}.sbatch is stale: python -m toolkit.cluster.sbatch --write-templates")
+
+
+def test_the_cli_prints_the_same_rendering() -> None:
+    out = subprocess.run([sys.executable, "-m", "toolkit.cluster.sbatch", *CASES["site"], "--name", "site"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (DATA / "site.sbatch").read_text()
+
+
+def test_layout_packs_gpus_and_gives_wide_replicas_whole_nodes() -> None:
+    plan = plan_allocation(compose(TEMPLATES["rollout-multinode"]))
+    assert plan.nodes == 4
+    thr = [s for (g, _), s in plan.replicas.items() if g == "throughput"]
+    assert [s.nodes for s in thr] == [[0]] * 4 + [[1]] * 4  # 2 GPUs each, 4 per 8-GPU node
+    tail = plan.replicas[("tail", 0)]
+    assert tail.nodes == [2, 3] and tail.tasks == 2 and tail.gpus == 8  # one task per node
+    assert plan.router.nodes == [0] and plan.ranks.nodes == [0] and plan.ranks.tasks == 8
+    gpus = [0] * plan.nodes
+    for s in plan.replicas.values():
+        for n in s.nodes:
+            gpus[n] += s.gpus
+    assert gpus == [8, 8, 8, 8]
+
+
+def test_cpu_layout_fits_one_node_and_sizes_the_allocation() -> None:
+    plan = plan_allocation(compose([]))
+    assert plan.nodes == 1 and plan.gpus_per_node == 0
+    # router 1 + 3 replicas x 1 + 2 ranks x 1 CPUs; memory of every step plus launch's own.
+    assert plan.node_cpus() == [6]
+    assert plan.node_mem_mb() == [512 + 3 * 1024 + 2 * 512 + 512]
+    assert mem_mb("2G") == 2048 and mem_mb("512M") == 512 and mem_mb("100") == 100

@@ -1,0 +1,105 @@
+"""ZeroMQ CURVE: a real router process and real sim replica processes with the run's keys; outsiders
+(no keys, or keys of their own) get nothing from the router and change nothing in it."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import time
+from pathlib import Path
+
+import zmq
+
+from tests.conftest import wait_for
+from toolkit import protocol as P
+from toolkit.client import RouterClient, router_status
+from toolkit.rundir import read_json
+from toolkit.security import ClientCurve, client_curve, generate_keys, keys_dir
+from toolkit.sockets import make_socket
+
+FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2", "router.curve=true", "groups=single"]
+
+
+def test_keys_are_private_and_stable(tmp_path: Path) -> None:
+    d = generate_keys(tmp_path)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    files = sorted(p.name for p in d.iterdir())
+    assert files == ["client.key", "client.key_secret", "router.key", "router.key_secret"]
+    assert all(stat.S_IMODE((d / f).stat().st_mode) == 0o600 for f in files)
+    first = client_curve(tmp_path)
+    generate_keys(tmp_path)  # a second call (e.g. a restarted launch step) keeps the keys
+    assert client_curve(tmp_path) == first
+    assert client_curve(tmp_path / "elsewhere") is None
+
+
+def _ask(address: str, msg: P.Message, curve: ClientCurve | None, timeout_s: float = 1.0) -> list[bytes] | None:
+    """Send one message on a fresh DEALER; the reply frames, or None if nothing came back."""
+    ctx = zmq.Context.instance()
+    s = make_socket(ctx, zmq.DEALER, curve=curve)
+    try:
+        s.connect(address)
+        s.send_multipart(P.encode(msg))
+        return s.recv_multipart() if s.poll(int(timeout_s * 1000)) else None
+    finally:
+        s.close(0)
+
+
+def _outsider_key(run: Path) -> ClientCurve:
+    """An attacker who knows the router's public key but has a keypair of its own."""
+    mine = client_curve(run)
+    assert mine is not None
+    public, secret = zmq.curve_keypair()
+    return ClientCurve(public, secret, mine.server_public)
+
+
+def test_the_router_admits_only_the_runs_own_replicas_and_ranks(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run(FAST)
+    generate_keys(rd.root)
+    stack.start_router()
+    stack.start_replica("throughput", 0)
+    ours = client_curve(rd.root)
+    address = read_json(rd.router_address)
+    wait_for(lambda: (st := router_status(address["frontend"], 1.0, curve=ours)) is not None
+             and st.groups["throughput"].ready == 1, 30, "the replica to be ready over CURVE")
+
+    stranger = _outsider_key(rd.root)
+    for curve in (None, stranger):
+        # Clients: no status, no result, nothing queued.
+        assert _ask(address["frontend"], P.StatusRequest(), curve) is None
+        gen = P.Generate("evil", job="x", session_id="evil", step=0, prompt_token_ids=[1, 2, 3],
+                         sampling=P.Sampling(max_tokens=4))
+        assert _ask(address["frontend"], gen, curve) is None
+        # Replicas: a fake one cannot register (it would be sent real requests).
+        fake = P.Register(replica_id="fake", group="throughput", labels={"group": "throughput"}, model="m",
+                          max_inflight=4, max_model_len=100, vocab_size=100)
+        assert _ask(address["backend"], fake, curve) is None
+
+    time.sleep(0.5)
+    st = router_status(address["frontend"], 2.0, curve=ours)
+    assert st is not None
+    assert st.groups["throughput"].registered == 1 and st.queued == 0 and st.completed == 0
+    assert "fake" not in (rd.logs / "router.log").read_text()
+    assert "refused a CURVE connection" in (rd.logs / "router.log").read_text()
+
+    async def one_request() -> P.Result:
+        c = RouterClient(rd)  # a rank: picks the keys up from the run dir
+        await c.connect(10)
+        try:
+            res, _ = await asyncio.wait_for(c.generate(P.Generate(
+                "ok1", job="j", session_id="s", step=0, prompt_token_ids=[1, 2, 3],
+                sampling=P.Sampling(max_tokens=8))), 30)
+            return res
+        finally:
+            await c.close()
+
+    res = asyncio.run(one_request())
+    assert res.status == "ok" and res.output_token_ids
+    st = router_status(address["frontend"], 2.0, curve=ours)
+    assert st is not None and st.completed == 1
+
+
+def test_without_curve_keys_nothing_changes_for_local_runs(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run(["engine.time_scale=0.05", "groups=single"])
+    stack.start(timeout_s=30)  # plain sockets: the local default
+    assert not keys_dir(rd.root).exists()
+    assert router_status(stack.frontend, 2.0) is not None

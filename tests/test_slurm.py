@@ -1,0 +1,303 @@
+"""cluster=slurm, the sbatch templates and sweeps against a real Slurm (slurm/dev-cluster.sh up):
+real slurmctld/slurmd, accounting (sacct), srun --mpi=pmi2 ranks, sim engines.
+
+Run dirs must be on storage every node sees, so they live under $TOOLKIT_SHARED_TMP (default:
+.slurm-test-runs in the repo), not under pytest's /tmp; each test removes its own. Every test gives
+its run a unique ``job`` name (the prefix of its Slurm job names) and checks at the end that squeue
+lists none of its jobs. Without a Slurm these tests skip, unless TOOLKIT_REQUIRE_SLURM=1 (CI).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launch, wait_for
+from tests.test_launch import assert_no_process_left, check_outputs
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("TOOLKIT_SHARED_TMP") or ROOT / ".slurm-test-runs")
+FAST = ["cluster=slurm", "engine.time_scale=0.2"]
+
+
+def _slurm_problem() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "no sbatch on PATH (start the dev cluster: bash slurm/dev-cluster.sh up)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo does not answer"
+    states = out.stdout.split()
+    if out.returncode != 0 or not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
+        return f"no usable Slurm node (sinfo: {out.stdout.strip() or out.stderr.strip()})"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm() -> None:
+    problem = _slurm_problem()
+    if problem:
+        if os.environ.get("TOOLKIT_REQUIRE_SLURM") == "1":
+            pytest.fail(f"TOOLKIT_REQUIRE_SLURM=1 but {problem}")
+        pytest.skip(problem)
+
+
+@pytest.fixture
+def run(request: pytest.FixtureRequest) -> Iterator[tuple[Path, str]]:
+    """(a fresh dir on shared storage, a unique job name); the dir is removed afterwards and the
+    test fails if any Slurm job of the run is still queued."""
+    job = "t" + uuid.uuid4().hex[:8]
+    d = SHARED / f"{request.node.name[:40]}-{job}"
+    d.mkdir(parents=True)
+    yield d, job
+    try:
+        left = our_jobs(job)
+        if left:
+            subprocess.run(["scancel", *[j for j, _ in left]], timeout=30)
+        assert not left, f"jobs of the run still queued after it ended: {left}"
+    finally:
+        if os.environ.get("TOOLKIT_KEEP_RUNS") != "1":
+            shutil.rmtree(d, ignore_errors=True)
+            try:
+                SHARED.rmdir()
+            except OSError:
+                pass
+
+
+def our_jobs(job: str) -> list[tuple[str, str]]:
+    """(job id, state) of every queued job whose name starts with the run's job name."""
+    out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%i|%j|%T"], capture_output=True, text=True,
+                         timeout=30, check=True)
+    rows = [line.split("|") for line in out.stdout.splitlines()]
+    return [(r[0], r[2]) for r in rows if r[1].startswith(job)]
+
+
+def pending(job: str) -> list[tuple[str, str]]:
+    out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%j|%T|%r"], capture_output=True, text=True,
+                         timeout=30, check=True)
+    return [(r[1], r[2]) for r in (line.split("|") for line in out.stdout.splitlines()) if r[0].startswith(job)]
+
+
+def job_id(job: str, name: str, array_index: int | None = None) -> str:
+    out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%i|%j"], capture_output=True, text=True,
+                         timeout=30, check=True)
+    for line in out.stdout.splitlines():
+        jid, jname = line.split("|")
+        if jname == f"{job}-{name}" and (array_index is None or jid.endswith(f"_{array_index}")):
+            return jid
+    raise AssertionError(f"no queued job {job}-{name} ({out.stdout})")
+
+
+def accounting(ids: str) -> dict[str, str]:
+    """JobID -> State for jobs and their steps, from sacct."""
+    out = subprocess.run(["sacct", "-n", "-P", "-j", ids, "-o", "JobID,JobName,State"], capture_output=True,
+                         text=True, timeout=30, check=True)
+    return {p[0]: p[2] for p in (line.split("|") for line in out.stdout.splitlines())}
+
+
+def registrations(run: Path, replica: str) -> set[str]:
+    """Replica ids (``<name>@<host>:<pid>``) that registered with the router under ``replica``."""
+    log = run / "logs" / "router.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return {line.split("replica ")[1].split()[0] for line in lines
+            if f"replica {replica}@" in line and " registered " in line}
+
+
+def start(args: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.Popen([sys.executable, "-m", "toolkit.launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # launch tears down (scancel) on SIGINT
+            proc.communicate(timeout=120)
+    return output
+
+
+def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, str]) -> None:
+    d, job = run
+    out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST], timeout_s=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = d / "run"
+    check_outputs(r, steps=2, sessions=32)
+    # The router advertises an address other nodes reach, and CURVE is on with private keys.
+    router = json.loads((r / "router.json").read_text())
+    assert "127.0.0.1" not in router["frontend"] and "0.0.0.0" not in router["frontend"]
+    assert sorted(p.name for p in (r / "keys").iterdir()) == ["client.key", "client.key_secret", "router.key",
+                                                             "router.key_secret"]
+    assert all((p.stat().st_mode & 0o077) == 0 for p in (r / "keys").iterdir())
+    # One job for the router, one job array per group, one MPI job of two tasks for the ranks.
+    log = out.stdout + out.stderr
+    ids = {line.split(": Slurm job ")[0].split()[-1]: line.split(": Slurm job ")[1].split()[0]
+           for line in log.splitlines() if ": Slurm job " in line}
+    assert set(ids) == {"router", "replica-throughput-0", "replica-throughput-1", "replica-tail-0", "ranks"}
+    assert ids["replica-throughput-0"].split("_")[0] == ids["replica-throughput-1"].split("_")[0]
+    assert ids["replica-throughput-0"].endswith("_0") and ids["replica-throughput-1"].endswith("_1")
+    states = accounting(ids["ranks"])
+    assert states[ids["ranks"]] == "COMPLETED", states
+    ranks_out = "".join(p.read_text() for p in (r / "logs" / "submitit" / "ranks").glob("*_log.out"))
+    assert "--mpi=pmi2" in next((r / "logs" / "submitit" / "ranks").glob("*_submission.sh")).read_text()
+    assert "MPI world has" not in ranks_out  # one world of 2 ranks, not 2 worlds of 1
+    # Compile caches under the shared cache dir, set for every replica job.
+    assert (r / "cache" / "vllm").is_dir() and (r / "cache" / "triton").is_dir()
+    assert_no_process_left(r)
+
+
+def test_killing_a_replica_job_mid_step_loses_no_session(run: tuple[Path, str]) -> None:
+    d, job = run
+    r = d / "run"
+    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "router.heartbeat_s=0.2"])
+    try:
+        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+        victim = job_id(job, "replica-throughput", array_index=0)
+        subprocess.run(["scancel", victim], check=True, timeout=30)
+    finally:
+        output = finish(proc)
+    assert proc.returncode == 0, output
+    check_outputs(r, steps=3, sessions=32)  # every session exactly once, all completed
+    report = json.loads((r / "report.json").read_text())
+    assert report["summary"]["replica_restarts"] >= 1
+    assert "CANCELLED" in accounting(victim)[victim]
+    assert_no_process_left(r)
+
+
+def test_a_requeued_replica_reregisters_and_the_run_goes_on(run: tuple[Path, str]) -> None:
+    d, job = run
+    r = d / "run"
+    # Enough steps (under a second each here) for the requeued job to run again well before the last.
+    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=30", "router.heartbeat_s=0.2"])
+    try:
+        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+        victim = job_id(job, "replica-throughput", array_index=1)
+        subprocess.run(["scontrol", "requeue", victim], check=True, timeout=30)
+        # A requeued job waits ~2 minutes (its BeginTime) before it may run again; once it is back in
+        # the queue, let it go sooner. Not at once: slurmd refuses to relaunch a job id it has just
+        # killed ("already killed, do not launch batch job"), and the job would fail instead.
+        wait_for(lambda: ("PENDING", "BeginTime") in pending(job), 60, "the job to be requeued")
+        subprocess.run(["scontrol", "update", f"JobId={victim}", "StartTime=now+3"], check=True, timeout=30)
+        wait_for(lambda: len(registrations(r, "throughput-1")) == 2, 120, "the requeued replica to register again")
+        assert proc.poll() is None, "the run ended before the requeued replica came back"
+    finally:
+        output = finish(proc)
+    assert proc.returncode == 0, output
+    check_outputs(r, steps=30, sessions=32)
+    report = json.loads((r / "report.json").read_text())
+    assert report["summary"]["replica_restarts"] == 0  # the same job came back: nothing was replaced
+    assert len(registrations(r, "throughput-1")) == 2
+    assert_no_process_left(r)
+
+
+def test_a_run_that_loses_its_router_job_restarts_it(run: tuple[Path, str]) -> None:
+    d, job = run
+    r = d / "run"
+    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "tail.threshold=0.9"])
+    try:
+        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+        subprocess.run(["scancel", job_id(job, "router")], check=True, timeout=30)
+    finally:
+        output = finish(proc)
+    assert proc.returncode == 0, output
+    assert "restarting it" in output
+    reports = check_outputs(r, steps=3, sessions=32)
+    assert all(rep["flip"]["count"] == 29 for rep in reports)
+    assert json.loads((r / "report.json").read_text())["summary"]["router_restarts"] == 1
+
+
+def test_ctrl_c_cancels_every_job(run: tuple[Path, str]) -> None:
+    d, job = run
+    r = d / "run"
+    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=100"])
+    try:
+        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+        assert len(our_jobs(job)) == 5  # router, 2 + 1 replicas, ranks
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "interrupted" in output
+    assert our_jobs(job) == []  # squeue: nothing of the run is left
+    assert json.loads((r / "report.json").read_text())["status"] == "failed"
+    assert_no_process_left(r)
+
+
+def test_a_failed_step_cancels_every_job(run: tuple[Path, str]) -> None:
+    d, job = run
+    out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST,
+                  "workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
+                  "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"],
+                 timeout_s=300, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "rollout ranks exited" in out.stdout + out.stderr
+    assert our_jobs(job) == []
+    assert_no_process_left(d / "run")
+
+
+def test_readiness_is_bounded_and_names_the_stuck_job(run: tuple[Path, str]) -> None:
+    d, job = run
+    # Every job of the run may only start in an hour: the router job is the one stuck.
+    out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST, "cluster.ready_timeout_s=5",
+                  "cluster.extra_sbatch=['--begin=now+3600']"], timeout_s=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "router wrote no address in 5s" in text and "PENDING (BeginTime)" in text, text
+    assert our_jobs(job) == []
+
+
+def test_the_sbatch_template_runs_the_whole_thing_as_steps(run: tuple[Path, str]) -> None:
+    d, job = run
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    out = subprocess.run(
+        ["sbatch", "--wait", "--parsable", f"--chdir={ROOT}", f"--output={d}/slurm-%j.out", f"--job-name={job}",
+         str(ROOT / "slurm" / "rollout.sbatch"), f"hydra.run.dir={d / 'run'}", f"job={job}", "engine.time_scale=0.2"],
+        capture_output=True, text=True, timeout=300, env=env)
+    log = "".join(p.read_text() for p in d.glob("slurm-*.out"))
+    assert out.returncode == 0, out.stdout + out.stderr + log
+    r = d / "run"
+    check_outputs(r, steps=2, sessions=32)
+    assert (r / "router_stats.json").exists()  # the router step was stopped with SIGTERM, cleanly
+    jid = out.stdout.strip().split(";")[0]
+    states = accounting(jid)
+    names = subprocess.run(["sacct", "-n", "-P", "-j", jid, "-o", "JobName"], capture_output=True, text=True,
+                           timeout=30).stdout.split()
+    assert {"router", "replica-throughput-0", "replica-throughput-1", "replica-tail-0", "ranks"} <= set(names)
+    assert states[jid] == "COMPLETED", states
+    assert_no_process_left(r)
+
+
+def test_a_sweep_through_hydra_submitit_writes_the_summary(run: tuple[Path, str]) -> None:
+    d, job = run
+    sweep = d / "sweep"
+    out = launch(["-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={sweep}", f"hydra.launcher.name={job}-sweep",
+                  "hydra.launcher.array_parallelism=1", "hydra.launcher.timeout_min=20", "hydra.launcher.mem_gb=1",
+                  f"job={job}", *FAST, "steps=1", "tail.threshold=0.8,0.9,0.95"], timeout_s=400)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sweep summary (3 runs)" in out.stdout
+    # The launcher returns once each job has written its result; the jobs then end by themselves.
+    wait_for(lambda: not our_jobs(job), 60, "the sweep's jobs to leave the queue")
+    rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
+    assert [row["overrides"] for row in rows] == [f"tail.threshold={t}" for t in ("0.8", "0.9", "0.95")]
+    assert all(row["status"] == "ok" for row in rows)
+    # Flip point: ceil(threshold * 32) sessions done.
+    assert [float(row["flip_count"]) for row in rows] == [26.0, 29.0, 31.0]
+    for row in rows:
+        assert float(row["step_time_s"]) > 0 and 0 <= float(row["spillover"]) <= 1
+        assert 0 <= float(row["prefix_hit_rate"]) <= 1

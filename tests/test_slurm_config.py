@@ -1,0 +1,117 @@
+"""cluster=slurm / cluster=allocation without a Slurm: config typing and validation, the rule for
+node-local run dirs, node roles of multi-node replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose_config, launch
+from toolkit.cluster.slurm import node_role
+from toolkit.cluster.storage import mount_of, node_local_reason
+from toolkit.config import (
+    ConfigError,
+    SlurmClusterConfig,
+    load_run_config,
+    replica_resources,
+    save_run_config,
+    validate,
+)
+from toolkit.security import curve_enabled
+from toolkit.sockets import advertised, bind_host
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw 0 0
+tmpfs /scratch/ram tmpfs rw 0 0
+nas:/export/home /home nfs4 rw,vers=4.2 0 0
+lustre@o2ib:/fs /lustre lustre rw 0 0
+/dev/nvme0n1 /local xfs rw 0 0
+"""
+
+
+def test_cluster_is_typed_by_its_type_and_survives_the_run_dir(tmp_path: Path) -> None:
+    cfg = compose_config(["cluster=slurm", "cluster.partition=gpu", "+cluster.group_resources.tail.gpus=2"])
+    validate(cfg)
+    assert isinstance(cfg.cluster, SlurmClusterConfig) and cfg.cluster.type == "slurm"
+    assert replica_resources(cfg, "tail").gpus == 2 and replica_resources(cfg, "throughput").gpus == 0
+    save_run_config(cfg, tmp_path / "config.yaml")
+    again = load_run_config(tmp_path)
+    assert again.cluster == cfg.cluster
+    assert type(compose_config(["cluster=allocation"]).cluster) is SlurmClusterConfig
+    assert type(compose_config([]).cluster).__name__ == "ClusterConfig"
+
+
+def test_slurm_fields_are_validated_all_at_once() -> None:
+    cfg = compose_config([
+        "cluster=slurm", "cluster.replica.mem=lots", "cluster.replica.nodes=0", "+cluster.group_resources.nope.gpus=1",
+        "+cluster.group_resources.tail.flops=3", "cluster.extra_sbatch=['reservation=rl']", "cluster.cache_dir=rel/dir",
+        "cluster.router_cpus=0",
+    ])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    fields = {e.field for e in info.value.errors}
+    assert {"cluster.replica.mem", "cluster.replica.nodes", "cluster.group_resources.nope",
+            "cluster.group_resources.tail.flops", "cluster.extra_sbatch[0]", "cluster.cache_dir",
+            "cluster.router_cpus"} <= fields
+
+
+def test_curve_and_bind_defaults_follow_the_cluster() -> None:
+    local, slurm = compose_config([]), compose_config(["cluster=slurm"])
+    assert not curve_enabled(local) and curve_enabled(slurm)
+    assert not curve_enabled(compose_config(["cluster=slurm", "router.curve=false"]))
+    assert bind_host(None, "local") == "127.0.0.1" and bind_host(None, "slurm") == "0.0.0.0"
+    assert bind_host("10.0.0.5", "slurm") == "10.0.0.5"
+    addr = advertised("tcp://0.0.0.0:5555")
+    assert addr.startswith("tcp://") and addr.endswith(":5555") and "0.0.0.0" not in addr
+    assert advertised("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+
+
+@pytest.mark.parametrize(("path", "nodes", "refused"), [
+    ("/tmp/run", 1, "temporary directory /tmp"),
+    ("/var/tmp/x/run", 1, "temporary directory /var/tmp"),
+    ("/dev/shm/run", 1, "temporary directory /dev/shm"),
+    ("/scratch/ram/run", 1, "tmpfs (memory) file system"),
+    ("/job-tmp/run", 1, "temporary directory /job-tmp"),  # $TMPDIR of the job
+    ("/home/me/runs", 64, None),
+    ("/lustre/proj/runs", 64, None),
+    ("/local/runs", 64, "local xfs file system"),
+    ("/work/runs", 64, "local ext4 file system"),
+    ("/work/runs", 1, None),  # a single-node cluster: local disk is every node's disk
+])
+def test_node_local_storage_rule(path: str, nodes: int, refused: str | None) -> None:
+    temps = ["/tmp", "/var/tmp", "/dev/shm", "/run", "/job-tmp"]
+    reason = node_local_reason(Path(path), MOUNTS, temps, nodes)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason
+    assert mount_of(Path("/home/me"), MOUNTS) == ("/home", "nfs4")
+
+
+def test_a_run_dir_in_tmp_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "cluster=slurm"], timeout_s=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())
+    assert "hydra.run.dir" in text and "node-local storage" in text and "cluster.shared_fs_check=false" in text
+    assert not (run / "logs").exists() and not (run / "keys").exists()
+
+
+def test_node_roles_of_a_multi_node_replica() -> None:
+    base = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu7"}
+    role = node_role({**base, "SLURM_NODEID": "0"})
+    assert role["TOOLKIT_NODE_RANK"] == "0" and role["TOOLKIT_NNODES"] == "1"
+    assert role["TOOLKIT_MASTER_ADDR"] == "gpu7"
+    other = node_role({**base, "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu7,gpu9"}) \
+        if _has_scontrol() else None
+    if other is not None:
+        assert other["TOOLKIT_NODE_RANK"] == "1" and other["TOOLKIT_MASTER_ADDR"] == "gpu7"
+        assert other["TOOLKIT_MASTER_PORT"] == role["TOOLKIT_MASTER_PORT"]  # same job step, same port
+
+
+def _has_scontrol() -> bool:
+    import shutil
+
+    return shutil.which("scontrol") is not None

@@ -1,0 +1,57 @@
+"""Multirun sweeps: the summary table (CSV + console) that the Hydra callback writes at the end."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launch
+from toolkit.sweep import SUMMARY_FILE, collect, write_summary
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_local_sweep_runs_one_after_another_and_writes_the_summary(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    out = launch(["-m", f"hydra.sweep.dir={sweep}", "engine.time_scale=0.2", "steps=1", "sessions_per_step=20",
+                  "tail.threshold=0.8,0.9,0.95"], timeout_s=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "sweep summary (3 runs)" in out.stdout and "tail.threshold=0.95" in out.stdout
+    rows = list(csv.DictReader((sweep / SUMMARY_FILE).open()))
+    assert [r["run"] for r in rows] == ["0", "1", "2"]
+    assert [r["overrides"] for r in rows] == ["tail.threshold=0.8", "tail.threshold=0.9", "tail.threshold=0.95"]
+    assert [float(r["flip_count"]) for r in rows] == [16.0, 18.0, 19.0]  # ceil(threshold * 20)
+    for r in rows:
+        assert r["status"] == "ok" and r["steps"] == "1"
+        assert float(r["step_time_s"]) > 0 and float(r["tokens_per_s"]) > 0
+        assert 0 <= float(r["spillover"]) <= 1 and 0 <= float(r["prefix_hit_rate"]) <= 1
+
+
+def _fake_run(root: Path, name: str, overrides: list[str], report: dict | None) -> None:
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if report is not None:
+        (run / "report.json").write_text(json.dumps(report))
+
+
+def test_summary_keeps_the_swept_values_and_marks_runs_without_a_report(tmp_path: Path) -> None:
+    step = {"wall_s": 2.0, "prefix_hit_rate": 0.5, "tokens_per_s": 100.0,
+            "flip": {"count": 9, "time_s": 1.5, "spillover": 0.25}}
+    _fake_run(tmp_path, "0", ["steps=2", "router.policy=least_loaded"], {"status": "ok", "steps": [step, step]})
+    _fake_run(tmp_path, "1", ["steps=2", "router.policy=round_robin"], None)
+    _fake_run(tmp_path, "10", ["steps=2", "router.policy=power_of_two"],
+              {"status": "ok", "steps": [{**step, "flip": None, "wall_s": 4.0}]})
+    rows = collect(tmp_path)
+    assert [r["run"] for r in rows] == ["0", "1", "10"]  # job order, not text order
+    assert [r["overrides"] for r in rows] == ["router.policy=least_loaded", "router.policy=round_robin",
+                                              "router.policy=power_of_two"]
+    assert rows[0]["step_time_s"] == 2.0 and rows[0]["flip_count"] == 9 and rows[0]["spillover"] == 0.25
+    assert rows[1]["status"] == "no report" and rows[1]["step_time_s"] is None
+    assert rows[2]["flip_count"] is None and rows[2]["step_time_s"] == 4.0
+    path = write_summary(tmp_path, rows)
+    back = list(csv.DictReader(path.open()))
+    assert back[1]["status"] == "no report" and back[1]["step_time_s"] == ""

