@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from toolkit.client import RouterClient
 from toolkit.config import Config, from_dictconfig, register_configs, validate
 from toolkit.rundir import RunDir
 from toolkit.stack import LocalStack
@@ -41,6 +43,16 @@ def make_run(tmp_path: Path) -> Iterator:
     yield factory
     for p in owned:
         p.stop()
+
+
+async def with_client(rd: RunDir, fn, timeout_s: float = 90.0):  # type: ignore[no-untyped-def]
+    """Run ``fn(client)`` with a connected RouterClient of the run, bounded by ``timeout_s``."""
+    c = RouterClient(rd)
+    await c.connect(10)
+    try:
+        return await asyncio.wait_for(fn(c), timeout_s)
+    finally:
+        await c.close()
 
 
 def wait_for(pred, timeout_s: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from tests.conftest import wait_for
+from tests.conftest import wait_for, with_client
 from toolkit.client import RouterClient, router_status
 from toolkit.protocol import Generate, Sampling
 
@@ -22,15 +22,6 @@ def start_cluster(make_run, overrides=(), replicas=None):  # type: ignore[no-unt
     cfg, rd, stack = make_run([*FAST, *overrides])
     stack.start(timeout_s=30)
     return cfg, rd, stack, stack.replicas, stack.frontend
-
-
-async def with_client(rd, fn):  # type: ignore[no-untyped-def]
-    c = RouterClient(rd)
-    await c.connect(10)
-    try:
-        return await asyncio.wait_for(fn(c), 60)
-    finally:
-        await c.close()
 
 
 def g(rid: str, prompt: list[int], session: str = "", group: str | None = None, job: str = "j",

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import compose_config, wait_for
+from tests.conftest import compose_config, wait_for, with_client
 from toolkit.client import RouterClient
 from toolkit.config import ConfigError, validate
 from toolkit.engine.sim import plan_output
@@ -22,15 +22,6 @@ FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
 def gen(rid: str, step: int, prompt: list[int], max_tokens: int = 32, group: str | None = None) -> Generate:
     return Generate(rid, job="j", session_id=rid, step=step, prompt_token_ids=prompt,
                     sampling=Sampling(max_tokens=max_tokens), group=group)
-
-
-async def with_client(rd, fn):  # type: ignore[no-untyped-def]
-    c = RouterClient(rd)
-    await c.connect(10)
-    try:
-        return await asyncio.wait_for(fn(c), 90)
-    finally:
-        await c.close()
 
 
 @pytest.mark.parametrize(("threshold", "n", "expected"), [(0.95, 128, 122), (0.9, 32, 29), (1.0, 7, 7),
