@@ -32,7 +32,7 @@ def g(rid: str, prompt: list[int], session: str = "", group: str | None = None, 
 
 def test_results_route_back_with_groups_and_affinity(make_run) -> None:  # type: ignore[no-untyped-def]
     # A loose load bound: this test is about affinity (the bound is tested in test_policy).
-    cfg, rd, procs, reps, address = start_cluster(make_run, ["router.load_factor=4"])
+    cfg, rd, procs, reps, address = start_cluster(make_run, ["router.load_factor=100"])
 
     async def session(c: RouterClient, s: int) -> list:  # type: ignore[type-arg]
         # Turns of one session go one after another, as in a multi-turn rollout.

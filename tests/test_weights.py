@@ -92,3 +92,20 @@ def test_launch_loads_step_checkpoints_and_parquet_carries_versions(tmp_path: Pa
     step1 = pq.read_table(run / "steps" / "step_00001.parquet").to_pylist()
     assert all(r["weight_versions"] == [0] for r in step0)
     assert all(r["weight_versions"] == [1] for r in step1)
+
+
+def test_a_restarted_router_adopts_the_latest_weights(make_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import zmq
+
+    from toolkit.router.server import Router
+
+    cfg, rd, stack = make_run(FAST)
+    stack.start(timeout_s=30)
+    asyncio.run(with_client(rd, lambda c: c.update_weights(str(tmp_path), 5)))
+    ctx = zmq.Context()
+    router = Router(cfg, rd, ctx)  # what a new router process of this run starts with
+    try:
+        assert router.weights is not None and (router.weights.path, router.weights.version) == (str(tmp_path), 5)
+    finally:
+        router.close()
+        ctx.term()

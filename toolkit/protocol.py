@@ -28,9 +28,10 @@ class Sampling(Message, frozen=True):
     logprobs: bool = True
     """Return the sampled token's logprob for every output token."""
     n: int = 1
-    """Samples of this prompt; the first is in the Result's own fields, the others in ``Result.samples``."""
+    """Samples of this prompt; the first is in the Result's own fields, the others in ``Result.samples``
+    (``vllm``; the sim makes one)."""
     ignore_eos: bool = False
-    """Generate ``max_tokens`` tokens even past the end-of-sequence token (benchmarks, tests)."""
+    """Generate ``max_tokens`` tokens even past the end-of-sequence token (``vllm``; benchmarks, tests)."""
 
 
 class Register(Message):

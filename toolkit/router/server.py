@@ -24,13 +24,14 @@ from toolkit.router.policy import Policy, Replica, make_policy
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
 from toolkit.router.timeline import Timeline
-from toolkit.rundir import RunDir, atomic_write
+from toolkit.rundir import RunDir, atomic_write, read_json
 from toolkit.security import server_curve
 from toolkit.sockets import advertised, make_socket
 
 logger = logging.getLogger(__name__)
 
 PROBE_PREFIX = "__probe__:"
+WEIGHTS_FILE = "weights.json"  # in the run dir: the latest UpdateWeights, for a restarted router
 # Messages taken from one socket before dispatching: small batches keep the pipeline to the
 # replicas and back to the clients flowing instead of moving in bursts.
 _DRAIN = 128
@@ -92,7 +93,7 @@ class Router:
         self.dispatched: Counter[str] = Counter()
         # Weights: the latest UpdateWeights (sent to every replica that registers), each replica's
         # acknowledged (version, error), and the clients waiting for a version by (path, version).
-        self.weights: P.UpdateWeights | None = None
+        self.weights: P.UpdateWeights | None = self._adopt_weights()
         self.weight_acks: dict[bytes, tuple[int, str]] = {}
         self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
         self._seq = 0
@@ -527,12 +528,19 @@ class Router:
         if self.weights is None or (self.weights.path, self.weights.version) != key:
             logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
                         len(self.replicas))
+            atomic_write(self.run_dir.root / WEIGHTS_FILE, json.dumps({"path": msg.path, "version": msg.version}))
         self.weights = msg
         self.weight_waiters.setdefault(key, set()).add(client)
         for r in self.replicas.values():
             if self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
                 self._push_weights(r)
         self._answer_weights()
+
+    def _adopt_weights(self) -> P.UpdateWeights | None:
+        """The latest weights a previous router of this run handed out (a restarted router gives them
+        to replicas that register with it, as the old one would have)."""
+        info = read_json(self.run_dir.root / WEIGHTS_FILE)
+        return P.UpdateWeights(info["path"], int(info["version"])) if info else None
 
     def _push_weights(self, r: Replica) -> None:
         """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
