@@ -24,14 +24,14 @@ from toolkit.router.policy import Policy, Replica, make_policy
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
 from toolkit.router.timeline import Timeline
-from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.router.weights import WeightsMixin
+from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import server_curve
 from toolkit.sockets import advertised, make_socket
 
 logger = logging.getLogger(__name__)
 
 PROBE_PREFIX = "__probe__:"
-WEIGHTS_FILE = "weights.json"  # in the run dir: the latest UpdateWeights, for a restarted router
 # Messages taken from one socket before dispatching: small batches keep the pipeline to the
 # replicas and back to the clients flowing instead of moving in bursts.
 _DRAIN = 128
@@ -64,7 +64,7 @@ def _recv(sock: zmq.Socket) -> list[bytes]:
     return frames
 
 
-class Router:
+class Router(WeightsMixin):
     def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.rcfg = cfg.router
@@ -518,61 +518,6 @@ class Router:
         else:
             self.queue.requeue_front([req])
             self.stats["requeued"] += 1
-
-    # ---- weights ---------------------------------------------------------------------------
-    def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
-        """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
-        Clients resend until answered: a resend re-forwards to the replicas that have not acknowledged
-        and re-counts (a replica dropped meanwhile is no longer waited for)."""
-        key = (msg.path, msg.version)
-        if self.weights is None or (self.weights.path, self.weights.version) != key:
-            logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
-                        len(self.replicas))
-            atomic_write(self.run_dir.root / WEIGHTS_FILE, json.dumps({"path": msg.path, "version": msg.version}))
-        self.weights = msg
-        self.weight_waiters.setdefault(key, set()).add(client)
-        for r in self.replicas.values():
-            if self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
-                self._push_weights(r)
-        self._answer_weights()
-
-    def _adopt_weights(self) -> P.UpdateWeights | None:
-        """The latest weights a previous router of this run handed out (a restarted router gives them
-        to replicas that register with it, as the old one would have)."""
-        info = read_json(self.run_dir.root / WEIGHTS_FILE)
-        return P.UpdateWeights(info["path"], int(info["version"])) if info else None
-
-    def _push_weights(self, r: Replica) -> None:
-        """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
-        if self.weights is not None:
-            self.backend.send_multipart([r.identity, *P.encode(self.weights)])
-
-    def weights_updated(self, ident: bytes, msg: P.WeightsUpdated) -> None:
-        r = self.replicas.get(ident)
-        if r is None:
-            return
-        if msg.error:
-            logger.error("replica %s failed to load weights version %d: %s", r.replica_id, msg.version, msg.error)
-        else:
-            logger.info("replica %s has weights version %d", r.replica_id, msg.version)
-        self.weight_acks[ident] = (msg.version, msg.error)
-        self._answer_weights()
-
-    def _answer_weights(self) -> None:
-        for gone in [i for i in self.weight_acks if i not in self.replicas]:
-            del self.weight_acks[gone]
-        ready = [r for r in self.replicas.values() if r.ready]
-        for key in list(self.weight_waiters):
-            version = key[1]
-            acks = [self.weight_acks.get(r.identity) for r in ready]
-            errors = [f"{r.replica_id}: {a[1]}" for r, a in zip(ready, acks, strict=True)
-                      if a is not None and a[0] == version and a[1]]
-            done = sum(1 for a in acks if a is not None and a[0] == version and not a[1])
-            if not errors and done < len(ready):
-                continue
-            answer = P.WeightsUpdated(version, error="; ".join(errors), replicas=done)
-            for client in self.weight_waiters.pop(key):
-                self.frontend.send_multipart([client, *P.encode(answer)])
 
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes) -> None:

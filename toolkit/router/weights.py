@@ -1,0 +1,85 @@
+"""Weights between steps, the router's part: forward a checkpoint to every replica, answer once all have
+loaded it, hand it to replicas that register later, and keep it across a router restart."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from toolkit import protocol as P
+from toolkit.rundir import atomic_write, read_json
+
+if TYPE_CHECKING:
+    from toolkit.router.policy import Replica
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "weights.json"  # in the run dir: the latest UpdateWeights, for a restarted router
+
+
+class WeightsMixin:
+    """Part of :class:`toolkit.router.server.Router` (uses its sockets, replicas and run dir)."""
+
+    # Provided by Router.
+    frontend: Any
+    backend: Any
+    replicas: dict[bytes, Replica]
+    run_dir: Any
+    weights: P.UpdateWeights | None
+    weight_acks: dict[bytes, tuple[int, str]]
+    weight_waiters: dict[tuple[str, int], set[bytes]]
+
+    def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
+        """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
+        Clients resend until answered: a resend re-forwards to the replicas that have not acknowledged
+        and re-counts (a replica dropped meanwhile is no longer waited for)."""
+        key = (msg.path, msg.version)
+        if self.weights is None or (self.weights.path, self.weights.version) != key:
+            logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
+                        len(self.replicas))
+            atomic_write(self.run_dir.root / WEIGHTS_FILE, json.dumps({"path": msg.path, "version": msg.version}))
+        self.weights = msg
+        self.weight_waiters.setdefault(key, set()).add(client)
+        for r in self.replicas.values():
+            if self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
+                self._push_weights(r)
+        self._answer_weights()
+
+    def _adopt_weights(self) -> P.UpdateWeights | None:
+        """The latest weights a previous router of this run handed out (a restarted router gives them
+        to replicas that register with it, as the old one would have)."""
+        info = read_json(self.run_dir.root / WEIGHTS_FILE)
+        return P.UpdateWeights(info["path"], int(info["version"])) if info else None
+
+    def _push_weights(self, r: Replica) -> None:
+        """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
+        if self.weights is not None:
+            self.backend.send_multipart([r.identity, *P.encode(self.weights)])
+
+    def weights_updated(self, ident: bytes, msg: P.WeightsUpdated) -> None:
+        r = self.replicas.get(ident)
+        if r is None:
+            return
+        if msg.error:
+            logger.error("replica %s failed to load weights version %d: %s", r.replica_id, msg.version, msg.error)
+        else:
+            logger.info("replica %s has weights version %d", r.replica_id, msg.version)
+        self.weight_acks[ident] = (msg.version, msg.error)
+        self._answer_weights()
+
+    def _answer_weights(self) -> None:
+        for gone in [i for i in self.weight_acks if i not in self.replicas]:
+            del self.weight_acks[gone]
+        ready = [r for r in self.replicas.values() if r.ready]
+        for key in list(self.weight_waiters):
+            version = key[1]
+            acks = [self.weight_acks.get(r.identity) for r in ready]
+            errors = [f"{r.replica_id}: {a[1]}" for r, a in zip(ready, acks, strict=True)
+                      if a is not None and a[0] == version and a[1]]
+            done = sum(1 for a in acks if a is not None and a[0] == version and not a[1])
+            if not errors and done < len(ready):
+                continue
+            answer = P.WeightsUpdated(version, error="; ".join(errors), replicas=done)
+            for client in self.weight_waiters.pop(key):
+                self.frontend.send_multipart([client, *P.encode(answer)])
