@@ -321,22 +321,19 @@ def register_configs() -> None:
     cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
 
 
-def engine_schema(type_name: str) -> type:
+def _schema(kind: str, types: dict[str, type], type_name: str) -> type:
     try:
-        return ENGINE_TYPES[type_name]
+        return types[type_name]
     except KeyError:
-        raise ConfigError(
-            [FieldError("engine.type", type_name, f"one of {sorted(ENGINE_TYPES)}")]
-        ) from None
+        raise ConfigError([FieldError(f"{kind}.type", type_name, f"one of {sorted(types)}")]) from None
+
+
+def engine_schema(type_name: str) -> type:
+    return _schema("engine", ENGINE_TYPES, type_name)
 
 
 def cluster_schema(type_name: str) -> type:
-    try:
-        return CLUSTER_TYPES[type_name]
-    except KeyError:
-        raise ConfigError(
-            [FieldError("cluster.type", type_name, f"one of {list(CLUSTERS)}")]
-        ) from None
+    return _schema("cluster", CLUSTER_TYPES, type_name)
 
 
 def from_dictconfig(cfg: DictConfig | dict) -> Config:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from toolkit.cluster.base import Cluster, Component
+from toolkit.cluster.local import ProcessGroupComponent
 from toolkit.cluster.slurmctl import hostnames, need, scancel
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.errors import ComponentFailed
@@ -116,25 +117,17 @@ def plan_allocation(cfg: Config) -> Plan:
 
 
 # ---- the backend ---------------------------------------------------------------------------
-class SrunStep(Component):
+class SrunStep(ProcessGroupComponent):
     """An ``srun`` process (in its own session) and the job step it created."""
 
     def __init__(self, name: str, proc: subprocess.Popen[bytes], job_id: str, step_name: str) -> None:
-        super().__init__(name)
-        self.proc = proc
+        super().__init__(name, proc)
         self.job_id = job_id
         self.step_name = step_name
-        self._ref = ProcessRef.of(proc.pid, name)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def state(self) -> str:
         code = self.proc.poll()
         return "RUNNING (srun step)" if code is None else f"exited {code}"
-
-    def exit_code(self) -> int | None:
-        return self.proc.poll()
 
     def _step_ids(self) -> list[str]:
         out = subprocess.run([need("squeue"), "-h", "-s", "-j", self.job_id, "-o", "%i|%j"], capture_output=True,
@@ -150,14 +143,8 @@ class SrunStep(Component):
 
     def kill(self) -> None:
         scancel(self._step_ids(), signal="KILL")
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._signal_group(signal.SIGKILL)
         self.proc.wait(timeout=10)
-
-    def refs(self) -> list[ProcessRef]:
-        return [self._ref]
 
 
 class AllocationCluster(Cluster):
