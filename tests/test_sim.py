@@ -44,7 +44,38 @@ def test_output_lengths_are_heavy_tailed_and_capped() -> None:
     assert p99 > 6 * median  # lognormal sigma 1: p99 / median = e^2.33 = 10.2
     capped = [plan_output(cfg, gen(str(i), [i + 1], 50)) for i in range(300)]
     assert max(len(t) for t, _, _ in capped) == 50
-    assert {f for t, _, f in capped if len(t) == 50} == {"length"}
+    # A natural length of exactly 50 ends on its own ("stop"); only longer ones are cut.
+    assert "length" in {f for t, _, f in capped if len(t) == 50}
+    assert {f for t, _, f in capped if len(t) < 50} == {"stop"}
+
+
+def test_a_moved_request_continues_its_planned_output() -> None:
+    cfg = SimEngineConfig(output_len_median=200)
+    whole = plan_output(cfg, gen("m", [3, 1, 4, 1, 5], 1000, seed=3))
+    tokens, logprobs, finish = whole
+    assert len(tokens) > 20
+    k = 17
+    cont = Generate("m", prompt_token_ids=[3, 1, 4, 1, 5, *tokens[:k]], resumed_tokens=k,
+                    sampling=Sampling(max_tokens=1000 - k, seed=3))
+    rest = plan_output(cfg, cont)
+    assert tokens[:k] + rest[0] == tokens and logprobs[:k] + rest[1] == logprobs and rest[2] == finish
+
+
+def test_session_share_makes_a_sessions_turns_alike() -> None:
+    def turn_lengths(share: float) -> list[tuple[int, int]]:
+        cfg = SimEngineConfig(output_len_median=100, output_len_session_share=share)
+        return [tuple(len(plan_output(cfg, Generate(f"s{i}/{t}", session_id=f"s{i}",
+                                                        prompt_token_ids=[i + 1, t + 7],
+                                                        sampling=Sampling(4000)))[0]) for t in (0, 1))
+                for i in range(400)]
+
+    def log_corr(pairs: list[tuple[int, int]]) -> float:
+        import numpy as np
+        a = np.log(np.array(pairs, dtype=float))
+        return float(np.corrcoef(a[:, 0], a[:, 1])[0, 1])
+
+    assert abs(log_corr(turn_lengths(0.0))) < 0.2
+    assert 0.35 < log_corr(turn_lengths(0.5)) < 0.65  # the shared share is the correlation of log lengths
 
 
 def test_prefix_cache_matches_block_prefixes_and_evicts_lru() -> None:

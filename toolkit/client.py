@@ -103,6 +103,16 @@ class RouterClient:
     async def abort(self, request_id: str) -> None:
         await self._send(P.Abort(request_id))
 
+    async def status(self, timeout_s: float = 5.0) -> P.Status:
+        """The router's view of its groups, queue and counters."""
+        fut: asyncio.Future[P.Status] = asyncio.get_running_loop().create_future()
+        self.status_waiters.append(fut)
+        await self._send(P.StatusRequest())
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise RouterUnavailable(f"router did not answer a status request within {timeout_s}s") from None
+
     async def step_begin(self, job: str, step: int, n_sessions: int, timeout_s: float = 30.0) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.step_acks[(job, step)] = fut

@@ -147,6 +147,9 @@ class SimEngineConfig:
     """Median of the lognormal natural output length, in tokens, before ``max_tokens`` cuts it."""
     output_len_sigma: float = 1.0
     """Sigma of that lognormal: 1.0 puts p99 at ~10x the median (a heavy tail)."""
+    output_len_session_share: float = 0.0
+    """Share of the log-length variance the turns of one session have in common (0 = independent
+    turns; a hard task makes every turn of its session long)."""
     fault_crash_token: int | None = None
     """Test hook: the replica process dies (exit 70) when it schedules a prompt holding this token id."""
     fault_hang_token: int | None = None
@@ -560,6 +563,8 @@ def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
         errors.append(FieldError("engine.tp_efficiency", e.tp_efficiency, "in (0, 1]"))
     if e.output_len_sigma < 0 or not math.isfinite(e.output_len_sigma):
         errors.append(FieldError("engine.output_len_sigma", e.output_len_sigma, ">= 0"))
+    if not 0 <= e.output_len_session_share <= 1:
+        errors.append(FieldError("engine.output_len_session_share", e.output_len_session_share, "in [0, 1]"))
 
 
 def save_run_config(cfg: Config, path: Path) -> None:

@@ -68,6 +68,10 @@ class Generate(Message):
     deadline: float = 0.0
     """Absolute time.time() after which the request fails as ``timeout``; 0 = none."""
     model: str = ""
+    resumed_tokens: int = 0
+    """Tokens at the end of ``prompt_token_ids`` that this request generated itself before it moved
+    to another replica (tail migration); ``sampling.max_tokens`` is what is left of its budget.
+    Engines read them as prompt; the sim continues the output it had planned."""
 
 
 class Result(Message):
@@ -123,6 +127,8 @@ class GroupStatus(Message):
     registered: int = 0
     ready: int = 0
     inflight: int = 0
+    generated_tokens: int = 0
+    """Tokens its registered replicas' engines report generated (as of their last heartbeat)."""
 
 
 class Status(Message):

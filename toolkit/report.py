@@ -76,15 +76,17 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 def report_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"run report: {report.get('run_dir', '')}")
-    for col in ("step", "wall s", "sessions", "tok/s", "reward", "prefix hit", "flip", "flip s",
+    for col in ("step", "wall s", "sessions", "last 10% of sessions", "tok/s", "reward", "prefix hit", "flip", "flip s",
                 "spillover", "after flip by group", "failed requests"):
         table.add_column(col)
     for s in report.get("steps", []):
         flip = s.get("flip") or {}
         hit = s.get("prefix_hit_rate")
         bad = {k: v for k, v in s.get("requests_by_status", {}).items() if k != "ok"}
+        tail10 = ((s.get("done_s") or {}).get("sessions") or {}).get("tail10_share")
         table.add_row(
-            str(s["step"]), _fmt(s.get("wall_s")), str(s.get("sessions")), _fmt(s.get("tokens_per_s"), ",.0f"),
+            str(s["step"]), _fmt(s.get("wall_s")), str(s.get("sessions")),
+            f"{100 * tail10:.0f}% of step" if tail10 is not None else "-", _fmt(s.get("tokens_per_s"), ",.0f"),
             _fmt(s.get("reward_mean"), ".3f"), f"{100 * hit:.1f}%" if hit is not None else "-",
             f"{flip.get('count')}/{flip.get('expected_count')}" if flip else "off",
             _fmt(flip.get("time_s")), _fmt(flip.get("spillover"), ".4f"),

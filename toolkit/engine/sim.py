@@ -16,7 +16,10 @@ context. Newly admitted sequences add ``uncached_prompt_tokens / prefill_tokens_
 An LRU cache over ``block_size``-token blocks (chained hashes, as vLLM's prefix caching) decides
 how many prompt tokens are cached. Output lengths are lognormal (median ``output_len_median``,
 sigma ``output_len_sigma``) cut at ``max_tokens`` and ``max_model_len``: the heavy tail of RL
-rollouts. ``time_scale`` multiplies every duration (tests run at 0.05-0.2).
+rollouts. ``output_len_session_share`` of the log-variance can be drawn once per session, so a hard
+task is long on every turn (RL systems report that requests of one prompt have similar lengths). A
+request continued elsewhere (``resumed_tokens``) keeps the length and tokens planned where it began.
+``time_scale`` multiplies every duration (tests run at 0.05-0.2).
 
 Fault hooks for tests: ``fault_crash_token`` makes the process exit when a prompt holding that
 token is scheduled (a poison request), ``fault_hang_token`` stops all generation from then on while
@@ -33,6 +36,7 @@ import os
 import signal
 from collections import OrderedDict, deque
 
+import msgspec
 import numpy as np
 
 from toolkit.config import SimEngineConfig
@@ -90,13 +94,32 @@ class _Seq:
         self.cached = 0
 
 
+def _rng(*material: bytes) -> np.random.Generator:
+    seed = int.from_bytes(hashlib.blake2b(b"|".join(material), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed)
+
+
 def plan_output(cfg: SimEngineConfig, req: Generate) -> tuple[list[int], list[float], str]:
-    """The tokens, logprobs and finish reason this request will get: a pure function of the request."""
+    """The tokens, logprobs and finish reason this request will get: a pure function of the request.
+
+    A request that moved (``resumed_tokens``) gets the rest of what it was planned to say where it
+    started: the same total length and tokens, so moving it changes where it runs, not what it is.
+    """
+    k = req.resumed_tokens
+    if k > 0:
+        origin = msgspec.structs.replace(
+            req, prompt_token_ids=req.prompt_token_ids[:-k], resumed_tokens=0,
+            sampling=msgspec.structs.replace(req.sampling, max_tokens=req.sampling.max_tokens + k))
+        tokens, logprobs, finish = plan_output(cfg, origin)
+        return tokens[k:], logprobs[k:], finish
     prompt = req.prompt_token_ids
-    seed_material = np.asarray(prompt, dtype=np.int64).tobytes() + str(req.sampling.seed).encode()
-    seed = int.from_bytes(hashlib.blake2b(seed_material, digest_size=8).digest(), "little")
-    rng = np.random.default_rng(seed)
-    natural = max(1, math.ceil(rng.lognormal(math.log(cfg.output_len_median), cfg.output_len_sigma)))
+    seed = str(req.sampling.seed).encode()
+    rng = _rng(np.asarray(prompt, dtype=np.int64).tobytes(), seed)
+    z = rng.standard_normal()
+    share = cfg.output_len_session_share
+    if share > 0 and req.session_id:
+        z = math.sqrt(share) * _rng(req.session_id.encode(), seed).standard_normal() + math.sqrt(1 - share) * z
+    natural = max(1, math.ceil(cfg.output_len_median * math.exp(cfg.output_len_sigma * z)))
     budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"

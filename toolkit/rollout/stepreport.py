@@ -22,11 +22,13 @@ class RequestLog:
     """One row per generation request of this rank's sessions (gathered as flat arrays)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[float, float, float, str, int, int, int, int]] = []
+        self.rows: list[tuple[float, float, float, float, str, int, int, int, int]] = []
+        self.sessions_done_at: list[float] = []
 
-    def add(self, res: Result, route: Route | None, prompt_len: int, latency_s: float) -> None:
+    def add(self, res: Result, route: Route | None, prompt_len: int, sent_at: float, done_at: float) -> None:
         self.rows.append((
-            latency_s,
+            done_at - sent_at,
+            done_at,
             route.queue_s if route else 0.0,
             route.dispatched_at if route else 0.0,
             res.group,
@@ -41,18 +43,35 @@ class RequestLog:
         code = {g: i for i, g in enumerate(group_names)}
         return {
             "latency_s": np.array([r[0] for r in rows], dtype=np.float64),
-            "queue_s": np.array([r[1] for r in rows], dtype=np.float64),
-            "dispatched_at": np.array([r[2] for r in rows], dtype=np.float64),
-            "group": np.array([code.get(r[3], -1) for r in rows], dtype=np.int16),
-            "status": np.array([r[4] for r in rows], dtype=np.int8),
-            "prompt_tokens": np.array([r[5] for r in rows], dtype=np.int64),
-            "cached_tokens": np.array([r[6] for r in rows], dtype=np.int64),
-            "output_tokens": np.array([r[7] for r in rows], dtype=np.int64),
+            "done_at": np.array([r[1] for r in rows], dtype=np.float64),
+            "queue_s": np.array([r[2] for r in rows], dtype=np.float64),
+            "dispatched_at": np.array([r[3] for r in rows], dtype=np.float64),
+            "group": np.array([code.get(r[4], -1) for r in rows], dtype=np.int16),
+            "status": np.array([r[5] for r in rows], dtype=np.int8),
+            "prompt_tokens": np.array([r[6] for r in rows], dtype=np.int64),
+            "cached_tokens": np.array([r[7] for r in rows], dtype=np.int64),
+            "output_tokens": np.array([r[8] for r in rows], dtype=np.int64),
+            # Its own length (one per session), gathered like the rest.
+            "session_done_at": np.array(self.sessions_done_at, dtype=np.float64),
         }
 
 
 def _pct(a: np.ndarray, q: float) -> float | None:
     return float(np.percentile(a, q)) if a.size else None
+
+
+def completion(done_at: np.ndarray, t0: float) -> dict[str, float | None]:
+    """When the step's sessions (or requests) ended, in seconds after the step began, and
+    ``tail10_share``: the share of that span spent on the last 10% of them (the measure RL systems
+    papers use for the long tail, e.g. Seer, arXiv:2511.14617, where it reaches ~50%)."""
+    if not done_at.size:
+        return {"p50": None, "p90": None, "p95": None, "p100": None, "tail10_share": None}
+    t = np.sort(done_at - t0)
+    # The time the k-th of n ended, k = ceil(q * n): an order statistic, as the flip counts them.
+    at = {q: float(t[max(0, math.ceil(q * t.size - 1e-9) - 1)]) for q in (0.5, 0.9, 0.95, 1.0)}
+    end = at[1.0]
+    return {"p50": at[0.5], "p90": at[0.9], "p95": at[0.95], "p100": end,
+            "tail10_share": (end - at[0.9]) / end if end > 0 else 0.0}
 
 
 def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns, group_names: list[str],
@@ -82,6 +101,8 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "latency_s": {"p50": _pct(req["latency_s"], 50), "p99": _pct(req["latency_s"], 99)},
         "queue_wait_s": {cfg.job: {"p50": _pct(req["queue_s"], 50), "p99": _pct(req["queue_s"], 99)}},
         "prefix_hit_rate": (int(req["cached_tokens"].sum()) / prompt_all) if prompt_all else None,
+        "done_s": {"sessions": completion(req["session_done_at"], t0),
+                   "requests": completion(req["done_at"], t0)},
         "groups": by_group,
         "flip": None,
     }

@@ -170,7 +170,7 @@ class RankRunner:
                 )
                 sent = time.time()
                 res, route = await self.client.generate(msg)
-                log.add(res, route, len(context), time.time() - sent)
+                log.add(res, route, len(context), sent, time.time())
                 if res.status != "ok":
                     sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
                     break
@@ -189,6 +189,7 @@ class RankRunner:
                 sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
             if self.tokenizer is not None:
                 sample.decode_response(self.tokenizer)
+        log.sessions_done_at.append(time.time())
         await self.client.session_done(cfg.job, step, sid)
         return sample
 

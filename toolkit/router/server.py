@@ -249,6 +249,7 @@ class Router(WeightsMixin):
                 registered=len(members),
                 ready=sum(r.ready for r in members),
                 inflight=sum(r.load for r in members),
+                generated_tokens=sum(r.generated for r in members),
             )
         return P.Status(groups=groups, queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),
@@ -449,6 +450,7 @@ class Router(WeightsMixin):
         cont = msgspec.structs.replace(
             m, prompt_token_ids=m.prompt_token_ids + out, group=self.tail.group,
             sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),
+            resumed_tokens=m.resumed_tokens + len(out),
         )
         req.msg = cont
         req.payload = _enc.encode(cont)
