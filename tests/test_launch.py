@@ -59,6 +59,13 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
     assert {"router.log", "replica-throughput-0.log", "replica-throughput-1.log", "replica-tail-0.log",
             "rank-0.log", "rank-1.log"} <= logs
     assert_no_process_left(run)
+    # The same run dir again: refused at setup (the old router address would mislead the new run's
+    # components), and the first run's outputs are left as they were.
+    before = {p: p.stat().st_mtime_ns for p in (run / "steps").iterdir()}
+    again = launch([f"hydra.run.dir={run}", *FAST], timeout_s=60)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert "already holds a run" in again.stdout and str(run) in again.stdout.replace("\n", "")
+    assert {p: p.stat().st_mtime_ns for p in (run / "steps").iterdir()} == before
 
 
 def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> None:

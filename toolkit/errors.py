@@ -38,3 +38,7 @@ class ReadinessTimeout(ToolkitError):
 
 class RouterUnavailable(ToolkitError):
     """The router's address file did not appear or the router does not answer."""
+
+
+class RunDirInUse(ToolkitError):
+    """The run directory already holds another run's state or outputs."""

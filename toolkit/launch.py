@@ -38,6 +38,7 @@ def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
     """Run a validated config in ``run_dir``; always tears down what it started."""
     from toolkit.run import Run
 
+    run_dir.ensure_unused()
     run_dir.make()
     save_run_config(cfg, run_dir.config)
     with Run(cfg, run_dir, console) as r:
@@ -81,6 +82,7 @@ def main(dcfg: DictConfig) -> None:
         cfg = from_dictconfig(dcfg)
         validate(cfg)
         preflight(cfg, run_dir.root)
+        run_dir.ensure_unused()
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(2)

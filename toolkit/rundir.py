@@ -88,6 +88,17 @@ class RunDir:
         """The tail-flip sentinel of a job: present once the job's current step has flipped."""
         return self.sentinels / f"{job}.flip.json"
 
+    def ensure_unused(self) -> None:
+        """Refuse a directory another run has used: its router address would mislead the new run's
+        components, and its step files would be overwritten or mixed with the new ones."""
+        from toolkit.errors import RunDirInUse
+
+        found = [p for p in (self.router_address, self.report, self.pids, self.steps) if p.exists()]
+        if found:
+            names = ", ".join(str(p.relative_to(self.root)) for p in found)
+            raise RunDirInUse(f"run dir {self.root} already holds a run ({names}): pass a new "
+                              "hydra.run.dir, or remove that directory to run there again")
+
     def make(self) -> None:
         for d in (self.root, self.logs, self.pids, self.steps, self.sentinels):
             d.mkdir(parents=True, exist_ok=True)

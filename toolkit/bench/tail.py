@@ -15,6 +15,10 @@ Sensitivity (``moderate_tail``): the same three arms with the cut at 1,024 = 5.7
 thinner tail (last 10% of requests ~40% of the step); the flip then comes later in the step and
 leaves less to speed up.
 
+Sensitivity (``tail_at_cap``): the main workload with the tail group at the issue's cap, 3x the
+throughput group per token (TP 4 at 2/3 efficiency; more than the sim's TP model would credit an 8B
+model, whose all-reduces cost tens of microseconds per layer).
+
 Fleet (``conf/groups/default.yaml``): a throughput group of 2 replicas (TP 1, up to 64 requests in
 flight each) and a tail group of 1 replica with tensor parallel 2 (up to 16 in flight). The sim's
 decode step reads all weights plus every running sequence's KV cache: 16 GB of bf16 weights and 128
@@ -29,7 +33,8 @@ another: ``off`` (tail.threshold null: every group serves the whole step under c
 ``steer`` (threshold 0.95: after ceil(0.95 * 128) = 122 sessions, every request of the step, queued
 ones included, goes to the tail group) and ``migrate`` (steer + ``tail.migrate_inflight``: the
 step's requests running on the throughput group move to the tail group with their tokens). Step
-time is the step report's ``wall_s`` (step begin to the step's Parquet file written).
+time is the step report's ``wall_s`` (step begin to the step's Parquet file written), averaged over
+4 steps per arm after one warm-up step; step ``k`` has the same sessions in every arm.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ from toolkit.rundir import RunDir
 
 CONF = Path(toolkit.__file__).resolve().parent.parent / "conf"
 THRESHOLD = 0.95
+WARMUP_STEPS = 1
+# The tail group at the issue's cap, 3x the throughput group per token: TP 4 at 2/3 efficiency.
+TAIL_AT_CAP = ("groups.tail.engine.tensor_parallel_size=4", "+groups.tail.engine.tp_efficiency=0.6667")
 
 
 def _config(overrides: list[str]):  # type: ignore[no-untyped-def]
@@ -69,10 +77,13 @@ def _arm(name: str, overrides: list[str], root: Path) -> list[dict[str, Any]]:
     return json.loads((root / name / "report.json").read_text())["steps"]
 
 
-def _measure(sessions: int, steps: int, max_tokens: int, root: Path) -> dict[str, Any]:
+def _measure(
+    sessions: int, steps: int, max_tokens: int, root: Path, fleet: tuple[str, ...] = ()
+) -> dict[str, Any]:
     base = [
+        *fleet,
         f"sessions_per_step={sessions}",
-        f"steps={steps}",
+        f"steps={steps + WARMUP_STEPS}",
         "engine.time_scale=0.25",
         f"workload.max_tokens={max_tokens}",
         "seed=7",
@@ -82,7 +93,11 @@ def _measure(sessions: int, steps: int, max_tokens: int, root: Path) -> dict[str
         "steer": [*base, f"tail.threshold={THRESHOLD}"],
         "migrate": [*base, f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"],
     }
-    results = {name: _arm(f"{name}-{max_tokens}", overrides, root) for name, overrides in arms.items()}
+    tag = f"{max_tokens}-{len(fleet)}"
+    # Every arm's first step also pays for first use (imports, Parquet writer, caches): not counted.
+    results = {
+        name: _arm(f"{name}-{tag}", overrides, root)[WARMUP_STEPS:] for name, overrides in arms.items()
+    }
 
     def mean(arm: str, key: str) -> float:
         return statistics.fmean(s[key] for s in results[arm])
@@ -125,11 +140,11 @@ def _measure(sessions: int, steps: int, max_tokens: int, root: Path) -> dict[str
 
 def run(quick: bool = False) -> dict[str, Any]:
     sessions = 32 if quick else 128
-    steps = 1 if quick else 3
+    steps = 1 if quick else 4
     with tempfile.TemporaryDirectory(prefix="bench-tail-") as tmp:
         out = _measure(sessions, steps, 2048, Path(tmp))
-        moderate = _measure(sessions, steps, 1024, Path(tmp)) if not quick else None
+        if not quick:
+            out["moderate_tail"] = _measure(sessions, steps, 1024, Path(tmp))
+            out["tail_at_cap"] = _measure(sessions, steps, 2048, Path(tmp), TAIL_AT_CAP)
     out.update({"sessions_per_step": sessions, "steps_per_arm": steps, "threshold": THRESHOLD})
-    if moderate is not None:
-        out["moderate_tail"] = moderate
     return out
