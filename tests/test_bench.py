@@ -42,6 +42,10 @@ def test_tail_bench_reports_its_fields(tmp_path: Path) -> None:
     assert fields <= set(r)
     assert r["flip_at"] == r["expected_flip_at"]  # a count, exact by construction (not a timing)
     assert 0 <= r["spillover"] <= 1
+    assert 0 < r["tail10_share_requests_off"] < 1 and 0 < r["tail10_share_sessions_off"] < 1
+    assert 0 < r["flip_share_of_step_off"] <= 1
+    for lo, hi in r["ci95"].values():
+        assert lo <= hi
 
 
 def test_unknown_benchmark_names_the_choices(tmp_path: Path) -> None:

@@ -34,7 +34,8 @@ another: ``off`` (tail.threshold null: every group serves the whole step under c
 ones included, goes to the tail group) and ``migrate`` (steer + ``tail.migrate_inflight``: the
 step's requests running on the throughput group move to the tail group with their tokens). Step
 time is the step report's ``wall_s`` (step begin to the step's Parquet file written), averaged over
-4 steps per arm after one warm-up step; step ``k`` has the same sessions in every arm.
+12 steps per arm (6 for the sensitivity runs) after one warm-up step; step ``k`` has the same sessions
+in every arm. ``ci95`` gives paired-bootstrap 95% intervals over the steps.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from hydra import compose, initialize_config_dir
 from rich.console import Console
 
@@ -77,6 +79,21 @@ def _arm(name: str, overrides: list[str], root: Path) -> list[dict[str, Any]]:
     return json.loads((root / name / "report.json").read_text())["steps"]
 
 
+def _ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a.mean(axis=-1) / b.mean(axis=-1)
+
+
+def _mean_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a.mean(axis=-1) - b.mean(axis=-1)
+
+
+def _ci95(a: np.ndarray, b: np.ndarray, stat: Any, resamples: int = 4000) -> list[float]:
+    """Paired bootstrap over steps: a 95% interval of ``stat(a, b)``."""
+    idx = np.random.default_rng(0).integers(0, a.size, size=(resamples, a.size))
+    lo, hi = np.percentile(stat(a[idx], b[idx]), [2.5, 97.5])
+    return [round(float(lo), 4), round(float(hi), 4)]
+
+
 def _measure(
     sessions: int, steps: int, max_tokens: int, root: Path, fleet: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -101,6 +118,9 @@ def _measure(
 
     def mean(arm: str, key: str) -> float:
         return statistics.fmean(s[key] for s in results[arm])
+
+    def column(arm: str, key: str) -> np.ndarray:
+        return np.array([s[key] for s in results[arm]], dtype=np.float64)
 
     def hit(arm: str) -> float:
         return statistics.fmean(s["prefix_hit_rate"] for s in results[arm])
@@ -133,6 +153,15 @@ def _measure(
             ),
             3,
         ),
+        # Step k holds the same sessions in every arm, but where its longest sessions land (a TP 1 or
+        # the TP 2 replica) depends on timing: identical runs differ by up to ~30% on one step.
+        "ci95": {
+            "speedup_steer": _ci95(column("off", "wall_s"), column("steer", "wall_s"), _ratio_of_means),
+            "speedup_migrate": _ci95(column("off", "wall_s"), column("migrate", "wall_s"), _ratio_of_means),
+            "prefix_hit_steer_minus_off": _ci95(
+                column("steer", "prefix_hit_rate"), column("off", "prefix_hit_rate"), _mean_difference
+            ),
+        },
         "max_tokens": max_tokens,
         "step_times_s": {arm: [round(s["wall_s"], 3) for s in steps_] for arm, steps_ in results.items()},
     }
@@ -140,11 +169,11 @@ def _measure(
 
 def run(quick: bool = False) -> dict[str, Any]:
     sessions = 32 if quick else 128
-    steps = 1 if quick else 4
+    steps = 1 if quick else 12
     with tempfile.TemporaryDirectory(prefix="bench-tail-") as tmp:
         out = _measure(sessions, steps, 2048, Path(tmp))
         if not quick:
-            out["moderate_tail"] = _measure(sessions, steps, 1024, Path(tmp))
-            out["tail_at_cap"] = _measure(sessions, steps, 2048, Path(tmp), TAIL_AT_CAP)
+            out["moderate_tail"] = _measure(sessions, steps // 2, 1024, Path(tmp))
+            out["tail_at_cap"] = _measure(sessions, steps // 2, 2048, Path(tmp), TAIL_AT_CAP)
     out.update({"sessions_per_step": sessions, "steps_per_arm": steps, "threshold": THRESHOLD})
     return out
