@@ -9,6 +9,7 @@ import math
 import time
 
 import pytest
+from hydra.errors import ConfigCompositionException
 
 from tests.conftest import compose_config, wait_for, with_client
 from toolkit.client import RouterClient
@@ -159,3 +160,7 @@ def test_each_tail_validation_error_is_reported_at_setup() -> None:
     with pytest.raises(ConfigError) as info:
         validate(compose_config(["tail.threshold=2", "groups.tail.replicas=0", "job="]))
     assert {"tail.threshold", "groups.tail.replicas", "job"} <= {e.field for e in info.value.errors}
+    # There is always a router: the structured config refuses to drop it, at composition.
+    with pytest.raises(ConfigCompositionException, match="router=null") as composed:
+        compose_config(["tail.threshold=0.9", "router=null"])
+    assert "not Optional" in str(composed.value.__cause__)
