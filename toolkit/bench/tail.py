@@ -3,8 +3,9 @@
 Workload (seeded, identical in every arm): 128 multi-turn sessions per step (the built-in tool-call
 task, 3 turns, 24-token observations), prompts of 64-384 tokens behind a shared 32-token system
 prompt. Turn lengths are lognormal with median 180 tokens and sigma 1.0 (p90 ~650, p99 ~1,850),
-cut at 2,048 = 11x the median (RL runs cap reasoning at 10-30x their median length: Seer's
-production workloads cap at 40k-98k tokens), turns independent of each other. Why it is realistic:
+cut at 2,048 = 11x the median (RL runs set the cap far above the typical answer: Seer's
+production workloads cap at 40k-98k tokens), turns independent of each other (a conservative
+choice: a session-level share, ``engine.output_len_session_share``, makes the tail heavier). Why it is realistic:
 it is calibrated on the one published measure of the long tail we know, Seer (Moonshot AI,
 arXiv:2511.14617): in a synchronous baseline the last 10% of requests take up to ~50% of the rollout
 time. The bench reports the same measure for its own ``off`` arm (``tail10_share_requests_off``; the
@@ -12,7 +13,7 @@ step report's ``done_s``), 0.5-0.6 here; the sessions' (``tail10_share_sessions_
 session sums three independent turns. Scaled down so a step takes seconds on a CPU.
 
 Sensitivity (``moderate_tail``): the same three arms with the cut at 1,024 = 5.7x the median, a
-thinner tail (last 10% of requests ~40% of the step); the flip then comes later in the step and
+thinner tail (last 10% of requests ~40-45% of the step); the flip then comes later in the step and
 leaves less to speed up.
 
 Sensitivity (``tail_at_cap``): the main workload with the tail group at the issue's cap, 3x the
