@@ -118,15 +118,12 @@ class ConsistentHash(Policy):
 
     A session maps to the first replica clockwise on a ring of virtual nodes whose load is below
     its share of ``load_factor * (group_load + 1)``, the share being its ``max_inflight`` over the
-    group's total. Replicas of different sizes get both bounds and ring shares in proportion: a
-    16-slot replica that owned as many sessions as a 64-slot one would be full most of the time and
-    send its sessions' turns elsewhere, away from their cached prefixes. Sessions stay on one
+    group's total (replicas of different sizes get bounds in proportion). Sessions stay on one
     replica (prefix cache) unless that replica is overloaded, which plain consistent hashing lets
     happen.
     """
 
     VNODES = 64
-    """Virtual nodes per replica of average size."""
     WALK = 64
 
     def __init__(self, replicas: list[Replica], load_factor: float = 1.25) -> None:
@@ -139,15 +136,12 @@ class ConsistentHash(Policy):
 
     def update(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
-        self._capacity = max(1, sum(r.max_inflight for r in replicas))
-        mean = self._capacity / max(1, len(replicas))
         points = sorted(
-            (_hash64(f"{r.replica_id}#{v}"), i)
-            for i, r in enumerate(replicas)
-            for v in range(max(1, round(self.VNODES * r.max_inflight / mean)))
+            (_hash64(f"{r.replica_id}#{v}"), i) for i, r in enumerate(replicas) for v in range(self.VNODES)
         )
         self._ring = [p for p, _ in points]
         self._owners = [replicas[i] for _, i in points]
+        self._capacity = max(1, sum(r.max_inflight for r in replicas))
 
     def bound(self, r: Replica, group_load: int) -> int:
         return math.ceil(self.load_factor * (group_load + 1) * r.max_inflight / self._capacity)
