@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,3 +69,31 @@ def launch(args: list[str], timeout_s: float = 180, **kw) -> subprocess.Complete
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "toolkit.launch", *args], capture_output=True, text=True,
                           timeout=timeout_s, env=env, **kw)
+
+
+def start_launch(args: list[str]) -> subprocess.Popen[str]:
+    """``launch`` in the background (stdout and stderr together), for tests that act on it mid-run."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.Popen([sys.executable, "-m", "toolkit.launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
+    """Launch's output once it exits. If it does not exit in time, it gets SIGINT (its teardown:
+    stop by pid, scancel) and, failing that, SIGKILL."""
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    return output
+
+
+def ranks_started(run: Path) -> bool:
+    pids = run / "pids"
+    return pids.exists() and any(pids.glob("rank-*.pid"))

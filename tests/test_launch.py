@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import launch, wait_for
+from tests.conftest import finish, launch, ranks_started, start_launch, wait_for
 from toolkit.lifecycle import read_pidfiles
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -95,17 +95,12 @@ def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> N
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = start_launch([f"hydra.run.dir={run}", "steps=50"])
     try:
-        wait_for(lambda: any((run / "pids").glob("rank-*.pid")) if (run / "pids").exists() else False,
-                 90, "ranks to start")
+        wait_for(lambda: ranks_started(run), 90, "ranks to start")
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        output = finish(proc, 60)
     assert proc.returncode == 130, output
     assert "interrupted" in output
     assert json.loads((run / "report.json").read_text())["status"] == "failed"
@@ -123,17 +118,13 @@ def test_a_crashing_rank_fails_the_run_and_leaves_nothing(tmp_path: Path) -> Non
 
 
 def _kill_router_after_first_step(run: Path, extra: list[str]) -> tuple[int, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = start_launch([f"hydra.run.dir={run}", *extra])
     try:
         wait_for(lambda: (run / "steps" / "step_00000.json").exists(), 120, "the first step")
         router = next(r for r in read_pidfiles(run / "pids") if r.name == "router")
         os.kill(router.pid, signal.SIGKILL)  # mid-step: step 1 has just begun
-        output, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        output = finish(proc, 120)
     return proc.returncode, output
 
 
@@ -159,19 +150,13 @@ def test_lost_router_without_restart_fails_the_run_cleanly(tmp_path: Path) -> No
 
 def test_a_killed_replica_is_replaced_and_no_session_is_lost(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=3",
-                             "router.heartbeat_s=0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = start_launch([f"hydra.run.dir={run}", "steps=3", "router.heartbeat_s=0.2"])
     try:
-        wait_for(lambda: any((run / "pids").glob("rank-*.pid")) if (run / "pids").exists() else False,
-                 90, "ranks to start")
+        wait_for(lambda: ranks_started(run), 90, "ranks to start")
         victim = next(r for r in read_pidfiles(run / "pids") if r.name == "replica-throughput-0")
         os.kill(victim.pid, signal.SIGKILL)
-        output, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        output = finish(proc, 120)
     assert proc.returncode == 0, output
     check_outputs(run, steps=3, sessions=32)
     report = json.loads((run / "report.json").read_text())
@@ -184,8 +169,7 @@ def test_kill_9_of_launch_leaves_no_orphan(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: any((run / "pids").glob("rank-*.pid")) if (run / "pids").exists() else False,
-                 90, "ranks to start")
+        wait_for(lambda: ranks_started(run), 90, "ranks to start")
         proc.kill()  # no teardown can run: every component must notice its owner is gone
         proc.wait(10)
         refs = [r for r in read_pidfiles(run / "pids") if r.pid != proc.pid]

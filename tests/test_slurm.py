@@ -2,7 +2,8 @@
 real slurmctld/slurmd, accounting (sacct), srun --mpi=pmi2 ranks, sim engines.
 
 Run dirs must be on storage every node sees, so they live under $TOOLKIT_SHARED_TMP (default:
-.slurm-test-runs in the repo), not under pytest's /tmp; each test removes its own. Every test gives
+.slurm-test-runs in the repo, or ~/.cache/rollout-toolkit/slurm-test-runs when the repo itself is
+under a temporary directory), not under pytest's /tmp; each test removes its own. Every test gives
 its run a unique ``job`` name (the prefix of its Slurm job names) and checks at the end that squeue
 lists none of its jobs. Without a Slurm these tests skip, unless TOOLKIT_REQUIRE_SLURM=1 (CI).
 """
@@ -22,13 +23,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch, wait_for
+from tests.conftest import finish, launch, start_launch, wait_for
 from tests.test_launch import assert_no_process_left, check_outputs
+from toolkit.cluster.storage import check_shared
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("TOOLKIT_SHARED_TMP") or ROOT / ".slurm-test-runs")
+
+
+def _shared_root() -> Path:
+    if env := os.environ.get("TOOLKIT_SHARED_TMP"):
+        return Path(env)
+    # A checkout under /tmp would put run dirs on node-local storage, which launch refuses on Slurm.
+    inside = ROOT / ".slurm-test-runs"
+    if check_shared(inside, "test run dirs", nodes=1) is None:
+        return inside
+    return Path.home() / ".cache" / "rollout-toolkit" / "slurm-test-runs"
+
+
+SHARED = _shared_root()
 FAST = ["cluster=slurm", "engine.time_scale=0.2"]
 
 
@@ -115,22 +129,6 @@ def registrations(run: Path, replica: str) -> set[str]:
             if f"replica {replica}@" in line and " registered " in line}
 
 
-def start(args: list[str]) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "toolkit.launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # launch tears down (scancel) on SIGINT
-            proc.communicate(timeout=120)
-    return output
-
-
 def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, str]) -> None:
     d, job = run
     out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST], timeout_s=300)
@@ -163,7 +161,7 @@ def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, s
 def test_killing_a_replica_job_mid_step_loses_no_session(run: tuple[Path, str]) -> None:
     d, job = run
     r = d / "run"
-    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "router.heartbeat_s=0.2"])
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "router.heartbeat_s=0.2"])
     try:
         wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
         victim = job_id(job, "replica-throughput", array_index=0)
@@ -182,7 +180,7 @@ def test_a_requeued_replica_reregisters_and_the_run_goes_on(run: tuple[Path, str
     d, job = run
     r = d / "run"
     # Enough steps (under a second each here) for the requeued job to run again well before the last.
-    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=30", "router.heartbeat_s=0.2"])
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=30", "router.heartbeat_s=0.2"])
     try:
         wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
         victim = job_id(job, "replica-throughput", array_index=1)
@@ -207,7 +205,7 @@ def test_a_requeued_replica_reregisters_and_the_run_goes_on(run: tuple[Path, str
 def test_a_run_that_loses_its_router_job_restarts_it(run: tuple[Path, str]) -> None:
     d, job = run
     r = d / "run"
-    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "tail.threshold=0.9"])
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "tail.threshold=0.9"])
     try:
         wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
         subprocess.run(["scancel", job_id(job, "router")], check=True, timeout=30)
@@ -223,15 +221,13 @@ def test_a_run_that_loses_its_router_job_restarts_it(run: tuple[Path, str]) -> N
 def test_ctrl_c_cancels_every_job(run: tuple[Path, str]) -> None:
     d, job = run
     r = d / "run"
-    proc = start([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=100"])
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=100"])
     try:
         wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
         assert len(our_jobs(job)) == 5  # router, 2 + 1 replicas, ranks
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        output = finish(proc, 120)
     assert proc.returncode == 130, output
     assert "interrupted" in output
     assert our_jobs(job) == []  # squeue: nothing of the run is left
