@@ -15,7 +15,7 @@ def req(job: str, name: str, group: str | None = None) -> Request:
 def drain(q: FairQueue, can=lambda r: True) -> list[str]:  # type: ignore[no-untyped-def]
     out = []
     while True:
-        got = [r.request_id for r in q.pop_round(can)]
+        got = [r.request_id for r, _ in q.pop_round(lambda r: "here" if can(r) else None)]
         if not got:
             return out
         out.extend(got)
@@ -63,3 +63,17 @@ def test_discard_and_group_buckets_do_not_block() -> None:
     q.discard(a0)
     assert q.size == 1
     assert drain(q) == ["a2"]
+
+
+def test_the_place_comes_with_the_request_it_was_chosen_for() -> None:
+    # A younger head gets a place, then an older head in another bucket finds none: the younger
+    # one is returned with its own place (the router once kept only the last choice and crashed).
+    q = FairQueue()
+    old = req("A", "old", group="tail")
+    young = req("A", "young")
+    q.push(young)  # its bucket is looked at first; the older head's bucket after it
+    q.push(old)
+    places = {"young": "replica-1", "old": None}
+    got = list(q.pop_round(lambda r: places[r.request_id]))
+    assert [(r.request_id, place) for r, place in got] == [("young", "replica-1")]
+    assert q.size == 1

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from toolkit.protocol import Generate
+
+T = TypeVar("T")
 
 
 class Request:
@@ -66,17 +69,20 @@ class JobQueue:
             self.size -= 1
         return bucket[0] if bucket else None
 
-    def pop_dispatchable(self, can_take: Callable[[Request], bool]) -> Request | None:
-        """Remove and return the oldest head request (over buckets) that ``can_take`` accepts."""
-        best: Request | None = None
+    def pop_dispatchable(self, choose: Callable[[Request], T | None]) -> tuple[Request, T] | None:
+        """Remove and return the oldest head request (over buckets) that ``choose`` finds a place
+        for, with that place."""
+        best: tuple[Request, T] | None = None
         best_bucket: deque[Request] | None = None
         for bucket in self.buckets.values():
             head = self._clean_head(bucket)
             if head is None:
                 continue
             # Put-back requests carry their original seq, so "oldest" stays the submission order.
-            if (best is None or head.seq < best.seq) and can_take(head):
-                best, best_bucket = head, bucket
+            if best is None or head.seq < best[0].seq:
+                pick = choose(head)
+                if pick is not None:
+                    best, best_bucket = (head, pick), bucket
         if best is None or best_bucket is None:
             return None
         best_bucket.popleft()
@@ -114,20 +120,21 @@ class FairQueue:
             req.done = True
             self.size -= 1
 
-    def pop_round(self, can_take: Callable[[Request], bool]) -> Iterator[Request]:
-        """One pass over the jobs, longest-unserved first, yielding at most one request per job."""
+    def pop_round(self, choose: Callable[[Request], T | None]) -> Iterator[tuple[Request, T]]:
+        """One pass over the jobs, longest-unserved first, yielding at most one request per job,
+        with the place ``choose`` found for it."""
         for name in list(self.jobs):
             q = self.jobs[name]
             if q.size == 0:
                 continue
-            req = q.pop_dispatchable(can_take)
-            if req is None:
+            got = q.pop_dispatchable(choose)
+            if got is None:
                 continue
             self.size -= 1
             # Served now: to the back of the line. Empty jobs keep their place in the order, so a
             # job that submits one turn at a time is not treated as never served.
             self.jobs.move_to_end(name)
-            yield req
+            yield got
         if len(self.jobs) > 1024:
             for name in [n for n, q in self.jobs.items() if q.size == 0]:
                 del self.jobs[name]

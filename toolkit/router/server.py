@@ -82,6 +82,8 @@ class Router(WeightsMixin):
         self.groups: dict[str | None, list[Replica]] = {None: []}
         self.policies: dict[str | None, Policy] = {}
         self.free: Counter[str | None] = Counter()
+        self.capacity: Counter[str | None] = Counter()
+        """Slots of the ready replicas per group (None: all groups); changes only when one joins or leaves."""
         # Smallest max_model_len and vocab over each group's ready replicas (None = all groups).
         self.limits: dict[str | None, tuple[int, int]] = {}
         # Ready replicas with a free slot, per group and overall (None): insertion-ordered sets.
@@ -98,7 +100,6 @@ class Router(WeightsMixin):
         self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
         self._seq = 0
         self._probe_n = 0
-        self._pick: Replica | None = None
         self._deadlines = 0
         self.frontend_addr = ""
         self.backend_addr = ""
@@ -134,12 +135,16 @@ class Router(WeightsMixin):
             if self.backend in events:
                 self._drain(self.backend, self._on_backend)
                 self.dispatch()
+            changed = False
             if self.frontend in events:
                 self._drain(self.frontend, self._on_frontend)
+                changed = True
             if time.monotonic() >= next_sweep:
                 self.sweep()
                 next_sweep = time.monotonic() + sweep_every
-            self.dispatch()
+                changed = True
+            if changed:  # else the dispatch after the backend drain has already seen this state
+                self.dispatch()
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes, bytes], None]) -> bool:
         """Handle up to _DRAIN messages; True if the socket may hold more."""
@@ -264,19 +269,17 @@ class Router(WeightsMixin):
             return self.tail.group
         return None
 
-    def _can_take(self, req: Request) -> bool:
+    def _choose(self, req: Request) -> Replica | None:
+        """The replica this request would go to now, or None if it must wait."""
         g = self.target_group(req)
         if self.free[g] <= 0:
-            return False
+            return None
         if req.deaths:
-            pick = self._pick_for_suspect(g)
-        else:
-            policy = self.policies.get(g)
-            if policy is None:
-                return False
-            pick = policy.choose(req.msg.session_id or req.request_id, self._group_load(g), self.free_sets[g])
-        self._pick = pick
-        return pick is not None
+            return self._pick_for_suspect(g)
+        policy = self.policies.get(g)
+        if policy is None:
+            return None
+        return policy.choose(req.msg.session_id or req.request_id, self._group_load(g), self.free_sets[g])
 
     def _pick_for_suspect(self, g: str | None) -> Replica | None:
         """A request that was in flight at a death goes where no other suspect runs (least loaded)."""
@@ -288,16 +291,12 @@ class Router(WeightsMixin):
         return best
 
     def _group_load(self, g: str | None) -> int:
-        members = self.groups.get(g, [])
-        return sum(r.max_inflight for r in members) - self.free[g]
+        return self.capacity[g] - self.free[g]
 
     def dispatch(self) -> None:
         while self.queue.size and self.free[None] > 0:
             sent = 0
-            for req in self.queue.pop_round(self._can_take):
-                replica = self._pick
-                assert replica is not None
-                self._pick = None
+            for req, replica in self.queue.pop_round(self._choose):
                 error = _limit_error(req, replica.max_model_len, replica.vocab_size)
                 if error:
                     self._fail(req, "client_error", error)
@@ -474,6 +473,7 @@ class Router(WeightsMixin):
     def _set_ready(self, r: Replica) -> None:
         r.ready = True
         for g in (r.group, None):
+            self.capacity[g] += r.max_inflight
             members = self.groups.setdefault(g, [])
             members.append(r)
             if g in self.policies:
@@ -499,6 +499,7 @@ class Router(WeightsMixin):
         if r.ready:
             self._take_slot(r, -(r.max_inflight - r.load))
             for g in (r.group, None):
+                self.capacity[g] -= r.max_inflight
                 members = self.groups[g]
                 members.remove(r)
                 self.policies[g].update(members)
