@@ -12,20 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from toolkit.client import RouterClient
-from toolkit.config import Config, from_dictconfig, register_configs, validate
+from toolkit.config import CONF_DIR, Config, compose_config, register_configs, validate
 from toolkit.rundir import RunDir
 from toolkit.stack import LocalStack
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = CONF_DIR
 register_configs()
 
 
-def compose_config(overrides: list[str] | None = None) -> Config:
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return from_dictconfig(compose(config_name="config", overrides=overrides or []))
 
 
 @pytest.fixture

@@ -49,6 +49,16 @@ def test_all_errors_reported_at_once() -> None:
     assert "'random'" in text and "least_loaded" in text
 
 
+def test_a_groups_sim_engine_overrides_are_checked_like_the_engine() -> None:
+    cfg = compose_config(["groups.tail.engine.tensor_parallel_size=0", "+groups.tail.engine.tp_efficiency=1.5",
+                          "engine.time_scale=0"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    errors = {e.field: e.value for e in info.value.errors}
+    assert errors == {"groups.tail.engine.tensor_parallel_size": 0, "groups.tail.engine.tp_efficiency": 1.5,
+                      "engine.time_scale": 0}  # the group's other fields come from engine: not reported twice
+
+
 def test_tail_group_missing_and_without_other_group() -> None:
     cfg = compose_config(["tail.threshold=0.9", "tail.group=fast"])
     with pytest.raises(ConfigError) as info:

@@ -358,6 +358,18 @@ def from_dictconfig(cfg: DictConfig | dict) -> Config:
     return obj
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose_config(overrides: list[str] | None = None) -> Config:
+    """The config ``launch`` gets for these overrides (composed from ``conf/``; not yet validated)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return from_dictconfig(compose(config_name="config", overrides=overrides or []))
+
+
 def group_engine(cfg: Config, group: str) -> Any:
     """The engine config of one group: ``engine`` with the group's overrides applied."""
     return dataclasses.replace(cfg.engine, **cfg.groups[group].engine)
@@ -514,57 +526,65 @@ def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
                                          f"at most cluster.gpus_per_node = {c.gpus_per_node}"))
 
 
-def _validate_vllm(cfg: Config, errors: list[FieldError]) -> None:
-    """The engine and every group's version of it (``groups.<g>.engine`` overrides), all errors at once."""
+def _engine_variants(cfg: Config) -> list[tuple[str, Any, set[str]]]:
+    """The engine and every group's version of it (``groups.<g>.engine`` overrides), each with the
+    fields it sets: a group is checked only on the fields it overrides."""
     names = {f.name for f in dataclasses.fields(cfg.engine)}
     variants: list[tuple[str, Any, set[str]]] = [("engine", cfg.engine, names)]
     for gname, group in cfg.groups.items():
         if group.engine and set(group.engine) <= names:  # unknown keys are reported by validate()
             variants.append((f"groups.{gname}.engine", group_engine(cfg, gname), set(group.engine)))
-    for prefix, e, mine in variants:
-        checks = [
-            ("model", e.model, bool(e.model), "a model directory, or tiny (the built-in test model)"),
-            ("cache_dir", e.cache_dir, bool(e.cache_dir), "a directory"),
-            ("max_model_len", e.max_model_len, e.max_model_len >= 1, "an integer >= 1"),
-            ("vocab_size", e.vocab_size, e.vocab_size >= 1, "an integer >= 1"),
-            ("tensor_parallel_size", e.tensor_parallel_size, e.tensor_parallel_size >= 1, "an integer >= 1"),
-            ("kv_cache_gib", e.kv_cache_gib, e.kv_cache_gib is None or e.kv_cache_gib > 0, "> 0, or null"),
-            ("max_restarts", e.max_restarts, e.max_restarts >= 0, "an integer >= 0"),
-            ("adapter_poll_s", e.adapter_poll_s, e.adapter_poll_s > 0, "> 0"),
-            ("adapter_wait_s", e.adapter_wait_s, e.adapter_wait_s >= 0, ">= 0"),
-            ("adapter_margin_s", e.adapter_margin_s, e.adapter_margin_s >= 0, ">= 0"),
-        ]
-        for name, value, ok, allowed in checks:
-            if not ok and name in mine:
-                errors.append(FieldError(f"{prefix}.{name}", value, allowed))
-        for key in e.args if "args" in mine else ():
-            if key in VLLM_OWN_ARGS:
-                errors.append(FieldError(f"{prefix}.args.{key}", e.args[key],
-                                         "not an engine.args key: use engine.model, engine.max_model_len, "
-                                         "engine.tensor_parallel_size or engine.kv_cache_gib (disable_log_stats "
-                                         "is the backend's: it keeps its own stat logger)"))
+    return variants
+
+
+def _vllm_checks(e: VllmEngineConfig) -> list[tuple[str, Any, bool, str]]:
+    return [
+        ("model", e.model, bool(e.model), "a model directory, or tiny (the built-in test model)"),
+        ("cache_dir", e.cache_dir, bool(e.cache_dir), "a directory"),
+        ("max_model_len", e.max_model_len, e.max_model_len >= 1, "an integer >= 1"),
+        ("vocab_size", e.vocab_size, e.vocab_size >= 1, "an integer >= 1"),
+        ("tensor_parallel_size", e.tensor_parallel_size, e.tensor_parallel_size >= 1, "an integer >= 1"),
+        ("kv_cache_gib", e.kv_cache_gib, e.kv_cache_gib is None or e.kv_cache_gib > 0, "> 0, or null"),
+        ("max_restarts", e.max_restarts, e.max_restarts >= 0, "an integer >= 0"),
+        ("adapter_poll_s", e.adapter_poll_s, e.adapter_poll_s > 0, "> 0"),
+        ("adapter_wait_s", e.adapter_wait_s, e.adapter_wait_s >= 0, ">= 0"),
+        ("adapter_margin_s", e.adapter_margin_s, e.adapter_margin_s >= 0, ">= 0"),
+    ]
+
+
+def _sim_checks(e: SimEngineConfig) -> list[tuple[str, Any, bool, str]]:
+    positive = ("time_scale", "weight_bytes", "hbm_bandwidth", "prefill_tokens_per_s", "output_len_median")
+    counts = ("max_num_seqs", "max_model_len", "vocab_size", "block_size", "tensor_parallel_size")
+    return [
+        *((name, getattr(e, name), getattr(e, name) > 0, "> 0") for name in positive),
+        *((name, getattr(e, name), getattr(e, name) >= 1, "an integer >= 1") for name in counts),
+        ("tp_efficiency", e.tp_efficiency, 0 < e.tp_efficiency <= 1, "in (0, 1]"),
+        ("output_len_sigma", e.output_len_sigma, e.output_len_sigma >= 0 and math.isfinite(e.output_len_sigma),
+         ">= 0"),
+        ("output_len_session_share", e.output_len_session_share, 0 <= e.output_len_session_share <= 1,
+         "in [0, 1]"),
+    ]
 
 
 def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
+    """The engine and every group's overrides of it, all errors at once."""
     if isinstance(cfg.engine, VllmEngineConfig):
-        _validate_vllm(cfg, errors)
+        checks: Any = _vllm_checks
+    elif isinstance(cfg.engine, SimEngineConfig):
+        checks = _sim_checks
+    else:
         return
-    if not isinstance(cfg.engine, SimEngineConfig):
-        return
-    e = cfg.engine
-    positive = ("time_scale", "weight_bytes", "hbm_bandwidth", "prefill_tokens_per_s", "output_len_median")
-    for name in positive:
-        if not getattr(e, name) > 0:
-            errors.append(FieldError(f"engine.{name}", getattr(e, name), "> 0"))
-    for name in ("max_num_seqs", "max_model_len", "vocab_size", "block_size", "tensor_parallel_size"):
-        if not getattr(e, name) >= 1:
-            errors.append(FieldError(f"engine.{name}", getattr(e, name), "an integer >= 1"))
-    if not 0 < e.tp_efficiency <= 1:
-        errors.append(FieldError("engine.tp_efficiency", e.tp_efficiency, "in (0, 1]"))
-    if e.output_len_sigma < 0 or not math.isfinite(e.output_len_sigma):
-        errors.append(FieldError("engine.output_len_sigma", e.output_len_sigma, ">= 0"))
-    if not 0 <= e.output_len_session_share <= 1:
-        errors.append(FieldError("engine.output_len_session_share", e.output_len_session_share, "in [0, 1]"))
+    for prefix, e, mine in _engine_variants(cfg):
+        for name, value, ok, allowed in checks(e):
+            if not ok and name in mine:
+                errors.append(FieldError(f"{prefix}.{name}", value, allowed))
+        if isinstance(e, VllmEngineConfig):
+            for key in e.args if "args" in mine else ():
+                if key in VLLM_OWN_ARGS:
+                    errors.append(FieldError(f"{prefix}.args.{key}", e.args[key],
+                                             "not an engine.args key: use engine.model, engine.max_model_len, "
+                                             "engine.tensor_parallel_size or engine.kv_cache_gib (disable_log_stats "
+                                             "is the backend's: it keeps its own stat logger)"))
 
 
 def save_run_config(cfg: Config, path: Path) -> None:

@@ -47,25 +47,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from hydra import compose, initialize_config_dir
 from rich.console import Console
 
-import toolkit
-from toolkit.config import from_dictconfig, register_configs, validate
+from toolkit.config import Config, compose_config, validate
 from toolkit.router.tail import flip_count
 from toolkit.rundir import RunDir
 
-CONF = Path(toolkit.__file__).resolve().parent.parent / "conf"
 THRESHOLD = 0.95
 WARMUP_STEPS = 1
 # The tail group at the cap, 3x the throughput group per token: TP 4 at 2/3 efficiency.
 TAIL_AT_CAP = ("groups.tail.engine.tensor_parallel_size=4", "+groups.tail.engine.tp_efficiency=0.6667")
 
 
-def _config(overrides: list[str]):  # type: ignore[no-untyped-def]
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = from_dictconfig(compose(config_name="config", overrides=overrides))
+def _config(overrides: list[str]) -> Config:
+    cfg = compose_config(overrides)
     validate(cfg)
     return cfg
 

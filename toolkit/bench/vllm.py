@@ -34,20 +34,15 @@ from toolkit.protocol import Generate, Result, Sampling
 
 logger = logging.getLogger(__name__)
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 IDLE_S = 1.5  # vLLM's worker busy-polls its queue for 1 s after its last step
 
 
 def bench_config(cache_dir: str) -> Any:
     """``model=tiny`` as launch composes it, one group of one replica."""
-    from hydra import compose, initialize_config_dir
+    from toolkit.config import compose_config, validate
 
-    from toolkit.config import from_dictconfig, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = from_dictconfig(compose(config_name="config", overrides=[
-            "model=tiny", "groups=single", "groups.throughput.replicas=1", f"engine.cache_dir={cache_dir}"]))
+    cfg = compose_config(["model=tiny", "groups=single", "groups.throughput.replicas=1",
+                          f"engine.cache_dir={cache_dir}"])
     cfg.groups["throughput"].max_inflight = 2 * int(cfg.engine.args.get("max_num_seqs", 64))
     validate(cfg)
     return cfg

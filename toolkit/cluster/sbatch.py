@@ -22,7 +22,6 @@ from toolkit.cluster.allocation import Plan, plan_allocation
 from toolkit.config import Config, SlurmClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
 SLURM_DIR = ROOT / "slurm"
 
 # slurm/<name>.sbatch -> the overrides it is rendered from.
@@ -94,14 +93,9 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
 
 def compose(overrides: list[str]) -> Config:
     """The config ``launch`` would run inside the allocation for these overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from toolkit.config import compose_config, validate
 
-    from toolkit.config import from_dictconfig, register_configs, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = from_dictconfig(hydra_compose(config_name="config", overrides=["cluster=allocation", *overrides]))
+    cfg = compose_config(["cluster=allocation", *overrides])
     validate(cfg)
     return cfg
 
