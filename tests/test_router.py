@@ -204,23 +204,31 @@ class _NoStatus:
 P_none = _NoStatus()
 
 
+def bad_among_good(rd, bad_prompt: list[int], n_good: int):  # type: ignore[no-untyped-def]
+    """Send ``n_good`` ordinary requests, then one with ``bad_prompt``; return the bad one's Result
+    and the good ones' statuses."""
+    out: dict = {}  # type: ignore[type-arg]
+
+    async def body(c: RouterClient) -> None:
+        good = [asyncio.create_task(c.generate(g(f"ok{i}", [1, 2, 100 + i], max_tokens=64)))
+                for i in range(n_good)]
+        await asyncio.sleep(0.05)
+        out["bad"], _ = await c.generate(g("bad", bad_prompt))
+        out["good"] = [res.status for res, _ in await asyncio.gather(*good)]
+
+    asyncio.run(with_client(rd, body))
+    return out["bad"], out["good"]
+
+
 @pytest.mark.slow
 def test_poison_request_fails_after_max_engine_deaths_and_the_rest_succeed(make_run) -> None:  # type: ignore[no-untyped-def]
     cfg, rd, procs, reps, address = start_cluster(
         make_run, ["groups=single", "groups.throughput.replicas=3", "engine.fault_crash_token=7",
                    "engine.time_scale=0.2", "router.policy=round_robin"])
-
-    async def body(c: RouterClient) -> None:
-        innocent = [asyncio.create_task(c.generate(g(f"ok{i}", [1, 2, 100 + i], max_tokens=64)))
-                    for i in range(30)]
-        await asyncio.sleep(0.05)
-        poison, _ = await c.generate(g("poison", [1, 7, 3]))
-        assert poison.status == "engine_dead"
-        assert "2 engine deaths" in poison.error
-        outs = await asyncio.gather(*innocent)
-        assert [res.status for res, _ in outs] == ["ok"] * 30
-
-    asyncio.run(with_client(rd, body))
+    poison, good = bad_among_good(rd, [1, 7, 3], 30)
+    assert poison.status == "engine_dead"
+    assert "2 engine deaths" in poison.error
+    assert good == ["ok"] * 30
     dead = [p for p in reps.values() if p.poll() is not None]
     assert len(dead) == 2 and all(p.returncode == 70 for p in dead)
 
@@ -230,17 +238,9 @@ def test_hung_engine_is_dropped_and_its_requests_move(make_run) -> None:  # type
     cfg, rd, procs, reps, address = start_cluster(
         make_run, ["groups=single", "groups.throughput.replicas=3", "engine.fault_hang_token=9",
                    "router.stall_timeout_s=1.0", "router.policy=round_robin"])
-
-    async def body(c: RouterClient) -> None:
-        others = [asyncio.create_task(c.generate(g(f"ok{i}", [1, 2, 100 + i], max_tokens=64)))
-                  for i in range(12)]
-        await asyncio.sleep(0.05)
-        hang, _ = await c.generate(g("hang", [1, 9, 3]))
-        assert hang.status == "engine_dead"
-        outs = await asyncio.gather(*others)
-        assert [res.status for res, _ in outs] == ["ok"] * 12
-
-    asyncio.run(with_client(rd, body))
+    hang, good = bad_among_good(rd, [1, 9, 3], 12)
+    assert hang.status == "engine_dead"
+    assert good == ["ok"] * 12
     stats = router_status(address)
     assert stats is not None and stats.groups["throughput"].ready == 1  # two hung, dropped, not ready again
 
