@@ -10,11 +10,13 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,15 @@ class ProcessRef:
     def decode(cls, text: str) -> ProcessRef:
         d = json.loads(text)
         return cls(int(d["pid"]), d.get("start"), d.get("name", ""))
+
+
+def popen_logged(cmd: list[str], log: Path, **popen_kw: Any) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` with stdout and stderr appended to ``log`` and no stdin; the child keeps the file."""
+    out = open(log, "ab")  # noqa: SIM115 - the child owns it
+    try:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen_kw)
+    finally:
+        out.close()
 
 
 def write_pidfile(pid_dir: Path, name: str) -> ProcessRef:

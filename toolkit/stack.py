@@ -15,7 +15,7 @@ from pathlib import Path
 from toolkit.client import router_status
 from toolkit.config import Config, save_run_config
 from toolkit.errors import ReadinessTimeout
-from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes
+from toolkit.lifecycle import ProcessRef, popen_logged, read_pidfiles, stop_processes
 from toolkit.rundir import RunDir
 
 
@@ -36,12 +36,7 @@ class LocalStack:
         self.stop()
 
     def spawn(self, *args: str, log: str) -> subprocess.Popen[bytes]:
-        out = open(self.run_dir.logs / log, "ab")  # noqa: SIM115 - the child owns it
-        try:
-            p = subprocess.Popen([sys.executable, "-u", *args], stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL)
-        finally:
-            out.close()
+        p = popen_logged([sys.executable, "-u", *args], self.run_dir.logs / log)
         self.procs.append(p)
         return p
 

@@ -27,7 +27,7 @@ from toolkit.cluster.local import ProcessGroupComponent
 from toolkit.cluster.slurmctl import hostnames, need, scancel
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.errors import ComponentFailed
-from toolkit.lifecycle import ProcessRef
+from toolkit.lifecycle import ProcessRef, popen_logged
 from toolkit.rundir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -176,12 +176,7 @@ class AllocationCluster(Cluster):
         if step.gpus:
             cmd.append(f"--gpus-per-node={step.gpus}")
         cmd += [self.python, "-u", *args]
-        out = open(self.run_dir.logs / log, "ab")  # noqa: SIM115 - owned by the child
-        try:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=self.env, start_new_session=True)
-        finally:
-            out.close()
+        proc = popen_logged(cmd, self.run_dir.logs / log, env=self.env, start_new_session=True)
         return self.track(SrunStep(name, proc, self.job_id, name))
 
     def start_router(self) -> Component:

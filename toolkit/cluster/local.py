@@ -16,7 +16,7 @@ from toolkit import router
 from toolkit.cluster.base import Cluster, Component
 from toolkit.engine import replica
 from toolkit.errors import ComponentFailed
-from toolkit.lifecycle import ProcessRef
+from toolkit.lifecycle import ProcessRef, popen_logged
 
 
 class SubmititComponent(Component):
@@ -120,10 +120,5 @@ class LocalCluster(Cluster):
         cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",
                "toolkit.rollout.worker", str(self.run_dir.root),
                "--owner", f"{self.owner.pid}:{self.owner.start}"]
-        log = open(self.run_dir.logs / "ranks.out", "ab")  # noqa: SIM115 - owned by the child
-        try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        finally:
-            log.close()
+        proc = popen_logged(cmd, self.run_dir.logs / "ranks.out", start_new_session=True)
         return self.track(ProcessGroupComponent("ranks", proc))
