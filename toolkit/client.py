@@ -224,6 +224,11 @@ class RouterClient:
                 await self._send(msg)
 
 
+def ready_counts(status: P.Status, want: dict[str, int]) -> dict[str, int]:
+    """Ready replicas per wanted group (0 for a group the router has not heard of)."""
+    return {g: status.groups[g].ready if g in status.groups else 0 for g in want}
+
+
 def router_status(address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None,
                   curve: ClientCurve | None = None) -> P.Status | None:
     """Blocking status query (used by ``launch`` while it waits for readiness)."""

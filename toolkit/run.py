@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
-from toolkit.client import router_status
+from toolkit.client import ready_counts, router_status
 from toolkit.cluster import Cluster, Component, make_cluster
 from toolkit.config import Config
 from toolkit.errors import ComponentFailed, ReadinessTimeout
@@ -65,12 +65,10 @@ class Run:
         self.curve = client_curve(self.run_dir.root)
         self.router = self.cluster.start_router()
         deadline = time.monotonic() + cfg.cluster.ready_timeout_s
-        while not (info := read_json(self.run_dir.router_address)):
-            self._check_alive(self.router, self.run_dir.logs / "router.log")
-            if time.monotonic() > deadline:
-                raise ReadinessTimeout(f"router wrote no address in {cfg.cluster.ready_timeout_s:.0f}s; "
-                                       f"state {self.router.state()}")
-            time.sleep(0.05)
+        info = self.run_dir.poll_router_address(deadline, check=self._check_router)
+        if info is None:
+            raise ReadinessTimeout(f"router wrote no address in {cfg.cluster.ready_timeout_s:.0f}s; "
+                                   f"state {self.router.state()}")
         self.address = info
         for group in cfg.groups:
             for i, comp in enumerate(self.cluster.start_group(group)):
@@ -82,13 +80,12 @@ class Run:
         want = {g: c.replicas for g, c in self.cfg.groups.items()}
         have: dict[str, int] = {}
         while True:
-            assert self.router is not None
-            self._check_alive(self.router, self.run_dir.logs / "router.log")
+            self._check_router()
             for (g, i), comp in self.replicas.items():
                 self._check_alive(comp, self.run_dir.logs / f"replica-{g}-{i}.log")
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
             if status is not None:
-                have = {g: status.groups[g].ready if g in status.groups else 0 for g in want}
+                have = ready_counts(status, want)
                 if all(have[g] >= n for g, n in want.items()):
                     return
             if time.monotonic() > deadline:
@@ -101,6 +98,10 @@ class Run:
                 raise ReadinessTimeout(f"replicas not ready in {self.cfg.cluster.ready_timeout_s:.0f}s: "
                                        + ", ".join(lines) + "\n  " + "\n  ".join(states))
             time.sleep(0.1)
+
+    def _check_router(self) -> None:
+        assert self.router is not None
+        self._check_alive(self.router, self.run_dir.logs / "router.log")
 
     def _check_alive(self, comp: Component, log: Path) -> None:
         if not comp.alive():
@@ -147,11 +148,9 @@ class Run:
         old = self.address.get("frontend")
         self.router = self.cluster.start_router()
         deadline = time.monotonic() + self.cfg.cluster.ready_timeout_s
-        while (info := read_json(self.run_dir.router_address)) is None or info.get("frontend") == old:
-            self._check_alive(self.router, self.run_dir.logs / "router.log")
-            if time.monotonic() > deadline:
-                raise ReadinessTimeout("the restarted router wrote no new address")
-            time.sleep(0.05)
+        info = self.run_dir.poll_router_address(deadline, not_frontend=old, check=self._check_router)
+        if info is None:
+            raise ReadinessTimeout("the restarted router wrote no new address")
         self.address = info
 
     def _replace_dead_replicas(self) -> None:

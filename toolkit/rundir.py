@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,13 +104,25 @@ class RunDir:
         for d in (self.root, self.logs, self.pids, self.steps, self.sentinels):
             d.mkdir(parents=True, exist_ok=True)
 
+    def poll_router_address(self, deadline: float, not_frontend: str | None = None,
+                            check: Callable[[], None] | None = None) -> dict[str, str] | None:
+        """The router's address once it is written (and differs from ``not_frontend``, the address of
+        a router that died), or None at ``deadline`` (``time.monotonic()``); ``check`` runs between
+        reads and may raise."""
+        while True:
+            info = read_json(self.router_address)
+            if info and info.get("frontend") != not_frontend:
+                return info
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
     def wait_router_address(self, timeout_s: float) -> dict[str, str]:
         from toolkit.errors import RouterUnavailable
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            info = read_json(self.router_address)
-            if info:
-                return info
-            time.sleep(0.05)
-        raise RouterUnavailable(f"no router address in {self.router_address} after {timeout_s:.0f}s")
+        info = self.poll_router_address(time.monotonic() + timeout_s)
+        if info is None:
+            raise RouterUnavailable(f"no router address in {self.router_address} after {timeout_s:.0f}s")
+        return info

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from toolkit.client import router_status
+from toolkit.client import ready_counts, router_status
 from toolkit.config import Config, save_run_config
 from toolkit.errors import ReadinessTimeout
 from toolkit.lifecycle import ProcessRef, popen_logged, read_pidfiles, stop_processes
@@ -65,7 +65,7 @@ class LocalStack:
         want = {g: c.replicas for g, c in self.cfg.groups.items()}
         while time.monotonic() < deadline:
             st = router_status(self.frontend, 1.0)
-            if st is not None and all(g in st.groups and st.groups[g].ready >= n for g, n in want.items()):
+            if st is not None and all(have >= want[g] for g, have in ready_counts(st, want).items()):
                 return
             time.sleep(0.05)
         raise ReadinessTimeout(f"replicas not ready after {timeout_s:.0f}s (logs in {self.run_dir.logs})")
