@@ -18,9 +18,9 @@ import zmq.asyncio
 
 from toolkit import protocol as P
 from toolkit.errors import RouterUnavailable, ToolkitError
-from toolkit.rundir import RunDir, read_json
+from toolkit.rundir import RunDir
 from toolkit.security import ClientCurve, client_curve
-from toolkit.sockets import make_socket
+from toolkit.sockets import RouterLink, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ class RouterClient:
         self.run_dir = run_dir
         self.watch_interval_s = watch_interval_s
         self.ctx = zmq.asyncio.Context()
-        self.sock: zmq.asyncio.Socket | None = None
-        self.address = ""
+        self.link = RouterLink(self.ctx, run_dir.router_address, "frontend", client_curve(run_dir.root))
         self.pending: dict[str, tuple[P.Generate, asyncio.Future[tuple[P.Result, P.Route | None]]]] = {}
         self.step_acks: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.status_waiters: list[asyncio.Future[P.Status]] = []
@@ -67,14 +66,8 @@ class RouterClient:
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         info = await asyncio.to_thread(self.run_dir.wait_router_address, timeout_s)
-        self._connect(info["frontend"])
+        self.link.connect(info["frontend"])
         self._tasks = [asyncio.create_task(self._receive(), name="client-recv")]
-
-    def _connect(self, address: str) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-        self.sock = _dealer(self.ctx, address, client_curve(self.run_dir.root))  # type: ignore[arg-type]
-        self.address = address
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -82,13 +75,11 @@ class RouterClient:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        if self.sock is not None:
-            self.sock.close(0)
+        self.link.close()
         self.ctx.term()
 
     async def _send(self, msg: P.Message) -> None:
-        assert self.sock is not None, "connect() first"
-        await self.sock.send_multipart(P.encode(msg))
+        await self.link.send(P.encode(msg))
 
     async def generate(self, msg: P.Generate) -> tuple[P.Result, P.Route | None]:
         """Submit one request; returns its Result and the router's Route facts (None for cached)."""
@@ -171,11 +162,9 @@ class RouterClient:
             if time.monotonic() >= next_check:
                 await self._follow_router()
                 next_check = time.monotonic() + self.watch_interval_s
-            sock = self.sock
-            assert sock is not None
-            if not await sock.poll(int(self.watch_interval_s * 1000), zmq.POLLIN):
+            frames = await self.link.recv(self.watch_interval_s)
+            if frames is None:
                 continue
-            frames = await sock.recv_multipart()
             try:
                 self._handle(frames)
             except P.ProtocolError as exc:
@@ -208,13 +197,11 @@ class RouterClient:
 
     async def _follow_router(self) -> None:
         """Follow the router to a new address and resend what it has not answered."""
-        info = await asyncio.to_thread(read_json, self.run_dir.router_address)
-        if not info or info["frontend"] == self.address:
+        if not await self.link.follow():
             return
         self.reconnects += 1
-        logger.warning("router moved to %s; resending %d outstanding request(s)", info["frontend"],
+        logger.warning("router moved to %s; resending %d outstanding request(s)", self.link.address,
                        len(self.pending))
-        self._connect(info["frontend"])
         if self.last_step_begin is not None:
             await self._send(self.last_step_begin)
         for done in self.dones:

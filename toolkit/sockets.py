@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+from pathlib import Path
 from typing import Protocol
 
 import zmq
+import zmq.asyncio
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +68,52 @@ def advertised(endpoint: str) -> str:
         if endpoint.startswith(wildcard):
             return f"tcp://{node_address()}:{endpoint[len(wildcard):]}"
     return endpoint
+
+
+class RouterLink:
+    """A DEALER to one of the router's two sockets (``side``: ``frontend`` or ``backend``) that
+    follows the router to a new address when the address file changes (a restarted router)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address_file: Path, side: str, curve: CurveSide | None = None,
+                 routing_id: str | None = None) -> None:
+        self.ctx = ctx
+        self.address_file = address_file
+        self.side = side
+        self.curve = curve
+        self.routing_id = routing_id
+        self.sock: zmq.asyncio.Socket | None = None
+        self.address = ""
+
+    def connect(self, address: str) -> None:
+        self.close()
+        s = make_socket(self.ctx, zmq.DEALER, self.routing_id, curve=self.curve)
+        s.connect(address)
+        self.sock = s  # type: ignore[assignment]
+        self.address = address
+
+    async def follow(self) -> bool:
+        """Reconnect if the router has moved; True if it did."""
+        from toolkit.rundir import read_json
+
+        info = await asyncio.to_thread(read_json, self.address_file)
+        if not info or info[self.side] == self.address:
+            return False
+        self.connect(info[self.side])
+        return True
+
+    async def send(self, frames: list[bytes]) -> None:
+        assert self.sock is not None, "connect() first"
+        await self.sock.send_multipart(frames)
+
+    async def recv(self, timeout_s: float) -> list[bytes] | None:
+        """The next message, or None if none came within ``timeout_s``."""
+        sock = self.sock
+        assert sock is not None, "connect() first"
+        if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        return await sock.recv_multipart()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None

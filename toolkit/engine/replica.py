@@ -31,9 +31,9 @@ from toolkit import protocol as P
 from toolkit.config import Config, group_engine, load_run_config
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
-from toolkit.rundir import RunDir, read_json
+from toolkit.rundir import RunDir
 from toolkit.security import client_curve
-from toolkit.sockets import make_socket
+from toolkit.sockets import RouterLink
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class ReplicaServer:
         self.replica_id = f"{group}-{index}@{socket.gethostname()}:{os.getpid()}"
         self.gcfg = cfg.groups[group]
         self.ctx = zmq.asyncio.Context()
-        self.sock: zmq.asyncio.Socket | None = None
-        self.address = ""
+        self.link = RouterLink(self.ctx, run_dir.router_address, "backend", client_curve(run_dir.root),
+                               routing_id=self.replica_id)
         self.info: EngineInfo | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.name = f"replica-{group}-{index}"
@@ -65,18 +65,8 @@ class ReplicaServer:
         self._weights_loading: tuple[str, int] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
-    def _connect(self, address: str) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-        s = make_socket(self.ctx, zmq.DEALER, self.replica_id, curve=client_curve(self.run_dir.root))
-        s.connect(address)
-        self.sock = s
-        self.address = address
-        logger.info("replica %s connected to %s", self.replica_id, address)
-
     async def _send(self, msg: P.Message) -> None:
-        assert self.sock is not None
-        await self.sock.send_multipart(P.encode(msg))
+        await self.link.send(P.encode(msg))
 
     async def _register(self) -> None:
         assert self.info is not None
@@ -91,7 +81,8 @@ class ReplicaServer:
         addr = await asyncio.to_thread(self.run_dir.wait_router_address, self.cfg.cluster.ready_timeout_s)
         self.info = await self.engine.start()
         self._record_engine_pids()
-        self._connect(addr["backend"])
+        self.link.connect(addr["backend"])
+        logger.info("replica %s connected to %s", self.replica_id, self.link.address)
         await self._register()
         beat = asyncio.create_task(self._heartbeats(), name="heartbeats")
         try:
@@ -103,8 +94,7 @@ class ReplicaServer:
             for t in list(self.tasks.values()):
                 t.cancel()
             await self.engine.close()
-            if self.sock is not None:
-                self.sock.close(0)
+            self.link.close()
             self.ctx.term()
 
     async def _heartbeats(self) -> None:
@@ -117,11 +107,9 @@ class ReplicaServer:
                                          s.generated_tokens))
 
     async def _follow_router(self) -> None:
-        info = await asyncio.to_thread(read_json, self.run_dir.router_address)
-        if not info or info["backend"] == self.address:
+        if not await self.link.follow():
             return
-        logger.warning("router moved to %s; reconnecting", info["backend"])
-        self._connect(info["backend"])
+        logger.warning("router moved to %s; reconnected", self.link.address)
         await self._register()
         # The new router does not know this replica's requests: their clients resend them there,
         # so the local copies are dropped rather than answered to nobody.
@@ -140,11 +128,9 @@ class ReplicaServer:
             if time.monotonic() >= next_check:
                 await self._follow_router()
                 next_check = time.monotonic() + interval
-            sock = self.sock
-            assert sock is not None
-            if not await sock.poll(int(interval * 1000), zmq.POLLIN):
+            frames = await self.link.recv(interval)
+            if frames is None:
                 continue
-            frames = await sock.recv_multipart()
             if len(frames) != 2:
                 logger.warning("dropped a message of %d frames", len(frames))
                 continue
