@@ -150,6 +150,10 @@ class SimEngineConfig:
     output_len_session_share: float = 0.0
     """Share of the log-length variance the turns of one session have in common (0 = independent
     turns; a hard task makes every turn of its session long)."""
+    tokenizer: Any = None
+    """Only for structured outputs (the gateway's ``tool_choice``/``response_format``): the tokenizer
+    (as ``workload.tokenizer``) that encodes the seeded instance of the schema the sim emits;
+    null = a structured request is a client error."""
     fault_crash_token: int | None = None
     """Test hook: the replica process dies (exit 70) when it schedules a prompt holding this token id."""
     fault_hang_token: int | None = None

@@ -20,6 +20,15 @@ class Message(msgspec.Struct, array_like=True, omit_defaults=True):
     """Base of every wire message."""
 
 
+class Structured(Message, frozen=True):
+    """A constraint on the output (vLLM's structured outputs): exactly one of the fields is set."""
+
+    json_schema: str = ""
+    """A JSON Schema (as JSON text): the output is one JSON value that matches it."""
+    choice: list[str] = []
+    """The output is exactly one of these strings."""
+
+
 class Sampling(Message, frozen=True):
     max_tokens: int = 256
     temperature: float = 1.0
@@ -32,6 +41,9 @@ class Sampling(Message, frozen=True):
     (``vllm``; the sim makes one)."""
     ignore_eos: bool = False
     """Generate ``max_tokens`` tokens even past the end-of-sequence token (``vllm``; benchmarks, tests)."""
+    structured: Structured | None = None
+    """Constrain the output (``tool_choice``, ``response_format`` of the gateway): vLLM's structured
+    outputs; the sim emits a seeded instance encoded with its ``tokenizer``."""
 
 
 class Register(Message):
