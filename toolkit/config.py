@@ -270,6 +270,10 @@ class RolloutConfig:
     """Decode each sample's response text on its rank (needs ``workload.tokenizer``); off: ``response = ""``."""
     request_timeout_s: float = 600.0
     """Deadline of each generation request, counted from its submission."""
+    max_failed_fraction: float | None = 0.1
+    """A step whose share of ``failed`` samples (an environment or agent that raised, hung past
+    ``workload.env_timeout_s`` or sent garbage) is above this fails the run, after its files are
+    written; null = never. Failed samples below it are rows with ``status = failed`` and the error."""
     weights_dir: str | None = None
     """Checkpoints between steps: before step ``s``, if ``<weights_dir>/step_XXXXX`` (``s`` in five
     digits) exists, every replica finishes its requests and loads it as weight version ``s``; null = off."""
@@ -291,7 +295,35 @@ class WorkloadConfig:
     """Nucleus sampling."""
     tokenizer: Any = None
     """For text prompts and ``rollout.decode_responses``: null, a path to a ``tokenizer.json`` (HF
-    ``tokenizers`` library), or a Hydra ``_target_`` with ``encode``/``decode`` (``toolkit/rollout/tokenizer.py``)."""
+    ``tokenizers`` library), or a Hydra ``_target_`` with ``encode``/``decode`` (``toolkit/rollout/tokenizer.py``).
+    With ``agent``: the model's directory (tokenizer files and chat template), or ``tiny``."""
+    agent: dict[str, Any] = field(default_factory=dict)
+    """Agents over HTTP instead of ``env``: a Hydra ``_target_`` of ``async def solve(base_url, task) ->
+    reward`` (extra keys are bound as keyword arguments), run once per session against the rank's
+    gateway (``toolkit/gateway``); ``toolkit.rollout.agents.run_command`` starts a harness program per
+    session. Empty = the in-process ``env``."""
+    env_timeout_s: float | None = 600.0
+    """Bound on one session's environment or agent (all its turns); past it the sample is ``failed``
+    and the step goes on. null = none."""
+    record_messages: bool = False
+    """Agent sessions: keep the conversation as JSON in the ``messages`` column."""
+
+
+@dataclass
+class GatewayConfig:
+    """The HTTP gateway each rank serves to agents (``workload.agent``; ``toolkit/gateway``)."""
+
+    host: str | None = None
+    """Address to bind; null = 127.0.0.1 with ``cluster=local``, else every interface (advertising
+    the node's hostname). Like the router, it admits only the run's token when ``router.curve`` is on."""
+    port: int = 0
+    """0 = a free port per rank; N = port N + rank (ranks that share a node need one each)."""
+    max_concurrent_requests: int = 1024
+    """Requests a rank's gateway serves at once; more are answered 429 (the SDKs retry with backoff)."""
+    max_body_mb: float = 32.0
+    """Largest request body; larger ones are answered 413."""
+    tool_parser: str = "hermes"
+    """How tool calls are found in generated text (``toolkit/gateway/toolcalls.py``): hermes | none."""
 
 
 @dataclass
@@ -306,6 +338,7 @@ class Config:
     router: RouterConfig = field(default_factory=RouterConfig)
     tail: TailConfig = field(default_factory=TailConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     steps: int = 2
     """Rollout steps to run."""
     sessions_per_step: int = 32
@@ -401,7 +434,8 @@ def _check_workload_sources(cfg: Config, errors: list[FieldError]) -> None:
     """The tokenizer spec, and the prompt source's own argument checks (files, keys) via ``check_spec``."""
     from toolkit.rollout.tokenizer import tokenizer_problem
 
-    why = tokenizer_problem(cfg.workload.tokenizer)
+    # An agent workload's tokenizer is a model directory with a chat template (validate_agent checks it).
+    why = None if cfg.workload.agent else tokenizer_problem(cfg.workload.tokenizer)
     if why is not None:
         errors.append(FieldError("workload.tokenizer", cfg.workload.tokenizer, why))
     target = cfg.workload.prompts.get("_target_")
@@ -469,11 +503,20 @@ def validate(cfg: Config) -> None:
     need(not cfg.rollout.decode_responses or cfg.workload.tokenizer is not None, "rollout.decode_responses",
          cfg.rollout.decode_responses, "needs workload.tokenizer (a tokenizer.json path or a `_target_`), or false")
     need(cfg.rollout.request_timeout_s > 0, "rollout.request_timeout_s", cfg.rollout.request_timeout_s, "> 0")
+    mff = cfg.rollout.max_failed_fraction
+    need(mff is None or 0 <= mff <= 1, "rollout.max_failed_fraction", mff, "a fraction in [0, 1], or null")
+    ets = cfg.workload.env_timeout_s
+    need(ets is None or ets > 0, "workload.env_timeout_s", ets, "> 0, or null")
+    if cfg.workload.agent:
+        from toolkit.gateway.config import validate_agent
+
+        validate_agent(cfg, errors)
 
     need(cfg.workload.max_tokens >= 1, "workload.max_tokens", cfg.workload.max_tokens, "an integer >= 1")
     need(cfg.workload.temperature >= 0, "workload.temperature", cfg.workload.temperature, ">= 0")
     need(0 < cfg.workload.top_p <= 1, "workload.top_p", cfg.workload.top_p, "in (0, 1]")
-    _check_target("workload.env", cfg.workload.env, errors)
+    if not cfg.workload.agent:
+        _check_target("workload.env", cfg.workload.env, errors)
     _check_target("workload.prompts", cfg.workload.prompts, errors)
     _check_workload_sources(cfg, errors)
 

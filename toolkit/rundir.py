@@ -85,6 +85,10 @@ class RunDir:
     def step_report(self, step: int) -> Path:
         return self.steps / f"step_{step:05d}.json"
 
+    def gateway_address(self, rank: int) -> Path:
+        """Where rank ``rank`` advertises its HTTP gateway (agents over HTTP): ``{"url", "rank", "pid"}``."""
+        return self.root / "gateways" / f"rank-{rank:05d}.json"
+
     def sentinel(self, job: str) -> Path:
         """The tail-flip sentinel of a job: present once the job's current step has flipped."""
         return self.sentinels / f"{job}.flip.json"

@@ -88,6 +88,7 @@ def from_row(row: dict[str, Any]) -> Sample:
         weight_versions=list(row["weight_versions"]), replicas=set(row.get("replicas") or ()),
         groups=set(row.get("groups") or ()), response=row.get("response") or "",
         response_decoded=bool(row.get("response_decoded", False)), error=row.get("error") or "",
+        branch=int(row.get("branch") or 0), messages=row.get("messages") or "",
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 ROUTER_CERT = "router"
 CLIENT_CERT = "client"
+# The bearer token the ranks' HTTP gateways admit (agents over HTTP; see toolkit/gateway/server.py).
+GATEWAY_TOKEN = "gateway.token"
 
 
 class KeysMissing(ToolkitError):
@@ -69,8 +72,19 @@ def generate_keys(run_dir: Path) -> Path:
         public, secret = zmq.curve_keypair()
         _write_cert(d / f"{name}.key", public, None)
         _write_cert(d / f"{name}.key_secret", public, secret)
+    if not (d / GATEWAY_TOKEN).exists():
+        fd = os.open(d / GATEWAY_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
     logger.info("CURVE keys in %s", d)
     return d
+
+
+def gateway_token(run_dir: Path) -> str | None:
+    """The token the run's gateways admit (``Authorization: Bearer`` or ``x-api-key``); None when the
+    run does not use CURVE (then the gateways, like the router, admit anyone on their address)."""
+    path = keys_dir(run_dir) / GATEWAY_TOKEN
+    return path.read_text().strip() if path.exists() else None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -23,12 +24,13 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from toolkit import protocol as P
-from toolkit.config import Config, group_engine, load_run_config
+from toolkit.config import Config, SimEngineConfig, group_engine, load_run_config
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
 from toolkit.rundir import RunDir
@@ -261,6 +263,21 @@ class ReplicaServer:
                 (self.run_dir.pids / f"{self.name}-engine.{pid}.pid").write_text(ref.encode())
 
 
+def engine_config(cfg: Config, group: str) -> Any:
+    """The engine config of a replica of ``group``. An agent workload's sim speaks the workload's
+    tokenizer: it emits ids of that vocabulary and encodes structured outputs (tool calls, JSON) with it."""
+    ecfg = group_engine(cfg, group)
+    if isinstance(ecfg, SimEngineConfig) and cfg.workload.agent and ecfg.tokenizer is None:
+        from tokenizers import Tokenizer
+
+        from toolkit.gateway.chat import chat_tokenizer_dir
+
+        path = chat_tokenizer_dir(cfg)
+        vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        ecfg = dataclasses.replace(ecfg, tokenizer=str(path), vocab_size=min(ecfg.vocab_size, vocab))
+    return ecfg
+
+
 def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None) -> None:
     """Entry point of one replica process (a submitit job)."""
     rd = RunDir(Path(run_dir))
@@ -270,7 +287,7 @@ def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None)
     write_pidfile(rd.pids, name)
     watch_owner(owner)
     cfg = load_run_config(rd.root)
-    engine = make_engine(group_engine(cfg, group))
+    engine = make_engine(engine_config(cfg, group))
     try:
         asyncio.run(ReplicaServer(cfg, rd, group, index, engine).run())
     except (KeyboardInterrupt, SystemExit):

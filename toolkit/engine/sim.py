@@ -21,6 +21,12 @@ task is long on every turn (RL systems report that requests of one prompt have s
 request continued elsewhere (``resumed_tokens``) keeps the length and tokens planned where it began.
 ``time_scale`` multiplies every duration (tests run at 0.05-0.2).
 
+The sim honours structured outputs (``sampling.structured``, the gateway's ``tool_choice`` and
+``response_format``): the output is ``engine.tokenizer``'s encoding of a seeded instance of the JSON
+Schema (a subset: ``toolkit/engine/structured.py``) or of one of the choices, with seeded logprobs;
+it ends there (``stop``), or is cut at the budget (``length``). Without ``engine.tokenizer`` such a
+request is a ``client_error``.
+
 Fault hooks for tests: ``fault_crash_token`` makes the process exit when a prompt holding that
 token is scheduled (a poison request), ``fault_hang_token`` stops all generation from then on while
 heartbeats continue (a hung engine that looks healthy), and SIGUSR1 makes it crash at once.
@@ -41,7 +47,10 @@ import numpy as np
 
 from toolkit.config import SimEngineConfig
 from toolkit.engine.base import Engine, EngineInfo, EngineStats
-from toolkit.protocol import Generate, Result
+from toolkit.engine.structured import instance_text
+from toolkit.errors import ToolkitError
+from toolkit.protocol import Generate, Result, Structured
+from toolkit.rollout.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -99,33 +108,53 @@ def _rng(*material: bytes) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def plan_output(cfg: SimEngineConfig, req: Generate) -> tuple[list[int], list[float], str]:
+def plan_output(cfg: SimEngineConfig, req: Generate,
+                tokenizer: Tokenizer | None = None) -> tuple[list[int], list[float], str]:
     """The tokens, logprobs and finish reason this request will get: a pure function of the request.
 
     A request that moved (``resumed_tokens``) gets the rest of what it was planned to say where it
     started: the same total length and tokens, so moving it changes where it runs, not what it is.
+    A structured request needs ``tokenizer`` (``engine.tokenizer``); ToolkitError for one it cannot serve.
     """
     k = req.resumed_tokens
     if k > 0:
         origin = msgspec.structs.replace(
             req, prompt_token_ids=req.prompt_token_ids[:-k], resumed_tokens=0,
             sampling=msgspec.structs.replace(req.sampling, max_tokens=req.sampling.max_tokens + k))
-        tokens, logprobs, finish = plan_output(cfg, origin)
+        tokens, logprobs, finish = plan_output(cfg, origin, tokenizer)
         return tokens[k:], logprobs[k:], finish
     prompt = req.prompt_token_ids
     seed = str(req.sampling.seed).encode()
     rng = _rng(np.asarray(prompt, dtype=np.int64).tobytes(), seed)
+    budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
+    if req.sampling.structured is not None:
+        return _plan_structured(cfg, req.sampling.structured, tokenizer, rng, budget)
     z = rng.standard_normal()
     share = cfg.output_len_session_share
     if share > 0 and req.session_id:
         z = math.sqrt(share) * _rng(req.session_id.encode(), seed).standard_normal() + math.sqrt(1 - share) * z
     natural = max(1, math.ceil(cfg.output_len_median * math.exp(cfg.output_len_sigma * z)))
-    budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"
     tokens = rng.integers(1, cfg.vocab_size, size=n).tolist()
     logprobs = (-rng.exponential(0.7, size=n)).astype(np.float32).tolist()
     return tokens, logprobs, finish
+
+
+def _plan_structured(cfg: SimEngineConfig, structured: Structured, tokenizer: Tokenizer | None,
+                     rng: np.random.Generator, budget: int) -> tuple[list[int], list[float], str]:
+    """The encoded instance, cut at ``budget``; its logprobs are drawn for the whole of it, so a cut
+    (or a continuation elsewhere) keeps the same prefix."""
+    if tokenizer is None:
+        raise ToolkitError("a structured request (sampling.structured) needs a tokenizer on a sim engine: "
+                           "set engine.tokenizer (as workload.tokenizer)")
+    tokens = list(tokenizer.encode(instance_text(structured, rng)))
+    if tokens and (min(tokens) < 0 or max(tokens) >= cfg.vocab_size):
+        raise ToolkitError(f"engine.tokenizer encodes the structured output with token ids outside "
+                           f"engine.vocab_size {cfg.vocab_size} (ids {min(tokens)}..{max(tokens)})")
+    logprobs = (-rng.exponential(0.7, size=len(tokens))).astype(np.float32).tolist()
+    finish = "stop" if len(tokens) <= budget else "length"
+    return tokens[:budget], logprobs[:budget], finish
 
 
 class SimEngine(Engine):
@@ -144,6 +173,8 @@ class SimEngine(Engine):
         self.steps = 0
         self.generated_tokens = 0
         self.hung = False
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_error = ""
 
     def step_time(self, context_tokens: int, prefill_tokens: int = 0) -> float:
         """Modelled seconds of one step (before ``time_scale``)."""
@@ -152,6 +183,18 @@ class SimEngine(Engine):
         return c.step_overhead_s + read / (c.hbm_bandwidth * self._speedup) + prefill_tokens / (
             c.prefill_tokens_per_s * self._speedup
         )
+
+    def tokenizer(self) -> Tokenizer | None:
+        """``engine.tokenizer``, loaded on first use (a structured request); a failure to load is kept."""
+        if self._tokenizer is None and self.cfg.tokenizer is not None and not self._tokenizer_error:
+            try:
+                self._tokenizer = load_tokenizer(self.cfg.tokenizer)
+            except Exception as exc:  # a bad path, an unimportable _target_: every structured request says so
+                self._tokenizer_error = (f"engine.tokenizer = {self.cfg.tokenizer!r} did not load: "
+                                         f"{type(exc).__name__}: {exc}")
+        if self._tokenizer_error:
+            raise ToolkitError(self._tokenizer_error)
+        return self._tokenizer
 
     async def start(self) -> EngineInfo:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._crash, "SIGUSR1")
@@ -164,7 +207,11 @@ class SimEngine(Engine):
             return Result(request_id=req.request_id, status="client_error",
                           error=f"prompt of {len(prompt)} tokens outside limits (max_model_len "
                                 f"{self.cfg.max_model_len}, vocab {self.cfg.vocab_size})")
-        tokens, logprobs, finish = plan_output(self.cfg, req)
+        try:
+            tok = self.tokenizer() if req.sampling.structured is not None else None
+            tokens, logprobs, finish = plan_output(self.cfg, req, tok)
+        except ToolkitError as exc:
+            return Result(request_id=req.request_id, status="client_error", error=str(exc))
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         seq = _Seq(req, future, tokens, logprobs, finish)
         self.by_id[req.request_id] = seq

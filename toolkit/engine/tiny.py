@@ -7,7 +7,15 @@ head_dim 16), not a model of anything: its outputs are noise.
 
 Also here, for tests and the weight-reload path: another checkpoint of the same architecture (other
 seed) and a PEFT-style LoRA adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
-The builders need torch, transformers, tokenizers and safetensors: vLLM's own dependencies.
+The builders need torch, transformers, tokenizers and safetensors: vLLM's own dependencies; the
+tokenizer alone (:func:`build_tokenizer`, :func:`ensure_tiny_tokenizer`) needs only tokenizers and
+transformers.
+
+The tokenizer ships a ChatML-style chat template (:data:`CHAT_TEMPLATE`, our own): ``<|im_start|>``,
+``<|im_end|>`` (also the EOS), ``<tool_call>`` and ``</tool_call>`` are single ids. Tools are listed
+in the system turn, each call of an assistant turn as a ``<tool_call>`` block holding
+``{"name": ..., "arguments": ...}`` (what the gateway's ``hermes`` parser reads back), tool results
+as a user turn of ``<tool_response>`` blocks.
 
 ``python -m toolkit.engine.tiny OUT`` writes ``OUT/base``, ``OUT/ckpt``, ``OUT/lora``.
 """
@@ -23,7 +31,7 @@ import random
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -36,8 +44,66 @@ INTERMEDIATE = 256
 MAX_POSITIONS = 2048
 LORA_RANK = 8
 # Bump when the builders change, so an old cache is not reused.
-VERSION = 1
+VERSION = 2
 MARKER = ".tiny-complete"
+# Ids 0..6 in this order. The tool-call tags are added as non-special tokens, so that decoding with
+# ``skip_special_tokens`` (vLLM's default) keeps them in the text the tool-call parser reads.
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+TEXT_TOKENS = ["<tool_call>", "</tool_call>"]
+
+# ChatML turns. Every tag trims whitespace: the only text emitted is in the string literals.
+# Tools: dicts ``{"type": "function", "function": {...}}`` (what transformers passes) or bare
+# ``{"name", "description", "parameters"}``. A call: ``{"type": "function", "function": {"name",
+# "arguments"}}`` (OpenAI/HF) or the gateway's flat ``{"id", "name", "arguments"}``; ``arguments`` a dict
+# (rendered with tojson) or JSON text (inserted as is). Consecutive tool results share one user turn.
+CHAT_TEMPLATE = (
+    "{%- macro text(c) -%}"
+    "{%- if c is string -%}{{- c -}}"
+    "{%- elif c is iterable and c is not mapping -%}"
+    "{%- for part in c -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set has_system = messages and messages[0].role == 'system' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if has_system -%}{{- text(messages[0].content) + '\\n\\n' -}}{%- endif -%}"
+    "{{- 'Functions you may call, one JSON signature per line inside <tools></tools>:\\n<tools>' -}}"
+    "{%- for t in tools -%}"
+    "{{- '\\n' + ((t.function if t.function is defined else t) | tojson) -}}"
+    "{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call functions, reply with one block per call:\\n<tool_call>\\n'"
+    " + '{\"name\": <function name>, \"arguments\": <JSON object of arguments>}\\n'"
+    " + '</tool_call><|im_end|>\\n' -}}"
+    "{%- elif has_system -%}"
+    "{{- '<|im_start|>system\\n' + text(messages[0].content) + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if loop.first and has_system -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.previtem is not defined or loop.previtem.role != 'tool' -%}"
+    "{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + text(m.content) + '\\n</tool_response>' -}}"
+    "{%- if loop.nextitem is not defined or loop.nextitem.role != 'tool' -%}"
+    "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- set body = text(m.content) -%}"
+    "{{- '<|im_start|>assistant\\n' + body -}}"
+    "{%- for call in (m.tool_calls or []) -%}"
+    "{%- set f = call.function if call.function is defined else call -%}"
+    "{%- if body or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' -}}"
+    "{%- if f.arguments is string -%}{{- f.arguments -}}"
+    "{%- elif f.arguments is defined and f.arguments is not none -%}{{- f.arguments | tojson -}}"
+    "{%- else -%}{{- '{}' -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + text(m.content) + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 def _corpus(n: int = 4000, seed: int = 0) -> Iterator[str]:
@@ -51,20 +117,32 @@ def _corpus(n: int = 4000, seed: int = 0) -> Iterator[str]:
 
 
 def build_tokenizer(out: Path) -> object:
-    """A byte-level BPE of exactly :data:`VOCAB` tokens (``<s>``=0, ``</s>``=1, ``<pad>``=2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE of exactly :data:`VOCAB` tokens, :data:`SPECIAL_TOKENS` first, with the chat
+    template, saved to ``out``; returns the ``PreTrainedTokenizerFast``. Needs no torch."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    # Same ids, no longer special: kept by decode(skip_special_tokens=True).
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
+    assert tok.get_vocab_size() == VOCAB, f"tokenizer has {tok.get_vocab_size()} tokens, not {VOCAB}"
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="<pad>")
     fast.model_max_length = MAX_POSITIONS
-    fast.save_pretrained(str(out))
+    fast.chat_template = CHAT_TEMPLATE
+    _save_tokenizer(fast, out)
     return fast
+
+
+def _save_tokenizer(tok: object, out: Path) -> None:
+    # The chat template goes into tokenizer_config.json (not chat_template.jinja): one file, read by all.
+    tok.save_pretrained(str(out), save_jinja_files=False)  # type: ignore[attr-defined]
 
 
 def build_model(out: Path, seed: int = 0, tokenizer: object | None = None) -> Path:
@@ -89,7 +167,7 @@ def build_model(out: Path, seed: int = 0, tokenizer: object | None = None) -> Pa
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
     model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))  # type: ignore[attr-defined]
+    _save_tokenizer(tok, out)
     return out
 
 
@@ -127,24 +205,24 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_tiny(cache_dir: str | Path) -> Path:
-    """The tiny model's directory under ``cache_dir``, built there first if it is missing.
+def _ensure(cache_dir: str | Path, name: str, build: Callable[[Path], object]) -> Path:
+    """``cache_dir/name``, built there first by ``build(dir)`` if it is missing.
 
-    Replicas starting together build it once: the first takes a file lock and builds into a temp dir
+    Processes starting together build it once: the first takes a file lock and builds into a temp dir
     that is renamed into place; the others wait on the lock and find it complete.
     """
     root = Path(cache_dir).expanduser()
-    target = root / f"tiny-v{VERSION}"
+    target = root / name
     if (target / MARKER).exists():
         return target
-    with _locked(root / f".tiny-v{VERSION}.lock"):
+    with _locked(root / f".{name}.lock"):
         if (target / MARKER).exists():
             return target
-        logger.info("building the tiny model into %s", target)
+        logger.info("building %s into %s", name, target)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=root))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; other users' runs may share the cache
-            build_model(tmp, seed=0)
+            build(tmp)
             (tmp / MARKER).write_text("ok\n")
             if target.exists():
                 shutil.rmtree(target)  # an incomplete build of a crashed process
@@ -153,6 +231,17 @@ def ensure_tiny(cache_dir: str | Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def ensure_tiny(cache_dir: str | Path) -> Path:
+    """The tiny model's directory under ``cache_dir`` (``tiny-v{VERSION}``), built there once."""
+    return _ensure(cache_dir, f"tiny-v{VERSION}", lambda out: build_model(out, seed=0))
+
+
+def ensure_tiny_tokenizer(cache_dir: str | Path) -> Path:
+    """The tiny model's tokenizer alone under ``cache_dir`` (``tiny-tokenizer-v{VERSION}``), built
+    there once; needs no torch. Same tokens and chat template as the model's directory."""
+    return _ensure(cache_dir, f"tiny-tokenizer-v{VERSION}", build_tokenizer)
 
 
 def build_all(out: Path) -> dict[str, Path]:

@@ -27,11 +27,11 @@ Columns = dict[str, np.ndarray]
 LIST_COLUMNS = {"tokens": np.int32, "loss_mask": np.int8, "rollout_logprobs": np.float32,
                 "weight_versions": np.int64}
 # Strings travel the same way, as UTF-8 bytes (uint8 values + lengths); replica ids joined by "\n".
-TEXT_COLUMNS = ("response", "error", "replicas")
+TEXT_COLUMNS = ("response", "error", "replicas", "messages")
 SCALAR_COLUMNS = {"index": np.int64, "reward": np.float64, "status": np.int8, "prompt_length": np.int32,
                   "response_length": np.int32, "generated_tokens": np.int32, "num_turns": np.int32,
                   "num_replicas": np.int32, "cached_tokens": np.int64, "groups_mask": np.int64,
-                  "response_decoded": np.int8}
+                  "response_decoded": np.int8, "branch": np.int32}
 # What the step report needs: with rollout.output=shards only these travel to rank 0.
 STAT_COLUMNS = tuple(SCALAR_COLUMNS)
 # Tokens per Parquet row group (about 9 MB of tokens, mask and logprobs before compression): small
@@ -88,7 +88,7 @@ class ColumnBuilder:
             "prompt_length": s.prompt_length, "response_length": s.response_length,
             "generated_tokens": s.generated_tokens, "num_turns": s.num_turns, "num_replicas": len(s.replicas),
             "cached_tokens": s.cached_tokens, "groups_mask": sum(self.bit.get(g, 0) for g in s.groups),
-            "response_decoded": int(s.response_decoded),
+            "response_decoded": int(s.response_decoded), "branch": s.branch,
         }
         for name, value in row.items():
             self._scalars[name].append(value)
@@ -168,6 +168,7 @@ def to_table(cols: Columns, group_names: list[str], session_ids: list[str] | Non
     data["response_decoded"] = decoded
     data["metadata"] = pa.StructArray.from_arrays([decoded], names=["response_decoded"])
     data["error"] = _string_array(cols["error"], cols["error__len"])
+    data["messages"] = _string_array(cols["messages"], cols["messages__len"])
     table = pa.table(data)
     return _sorted(table) if sort else table
 

@@ -63,6 +63,19 @@ class SyntheticPrompts(PromptSource):
         return Prompt(self.system + body, {"step": step, "index": index})
 
 
+class SyntheticTasks(PromptSource):
+    """Tasks for agents (``workload=agent``): no tokens, a seeded ``{"a", "b"}`` per session in
+    ``Prompt.metadata`` (what :func:`toolkit.rollout.agents.add_numbers` asks the model to add)."""
+
+    def __init__(self, seed: int = 0, high: int = 999) -> None:
+        self.seed, self.high = seed, high
+
+    def get(self, step: int, index: int) -> Prompt:
+        rng = np.random.default_rng([self.seed, step, index])
+        a, b = (int(x) for x in rng.integers(0, self.high + 1, size=2))
+        return Prompt([], {"a": a, "b": b, "step": step, "index": index})
+
+
 class FilePrompts(PromptSource):
     """Prompts from a file: JSONL (``.jsonl``, one JSON object per line) or Parquet (``.parquet``, one row each).
 

@@ -44,6 +44,11 @@ class Sample:
     response: str = ""
     response_decoded: bool = False
     error: str = ""
+    branch: int = 0
+    """0 for a session's sample; 1, 2, ... for the branches a gateway session split off (a harness that
+    rewrote its history, or the other choices of an ``n > 1`` turn), in the order they started."""
+    messages: str = ""
+    """The conversation as JSON (gateway sessions with ``workload.record_messages``), else ``""``."""
 
     @classmethod
     def start(cls, index: int, session_id: str, prompt: list[int]) -> Sample:

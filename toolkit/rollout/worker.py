@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
+import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -20,20 +23,30 @@ from hydra.utils import instantiate
 
 from toolkit.client import RouterClient, weights_for_step
 from toolkit.config import Config, group_engine, load_run_config
+from toolkit.errors import ToolkitError
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
 from toolkit.protocol import Generate, Sampling
 from toolkit.rollout.columns import STAT_COLUMNS, Columns, gather_columns, pack, to_table, write_parquet
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.prompts import PromptSource
-from toolkit.rollout.sample import NonPrefixTurn, Sample
+from toolkit.rollout.sample import SAMPLE_STATUSES, NonPrefixTurn, Sample
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
 from toolkit.rollout.stepreport import RequestLog, step_report, write_step_report
 from toolkit.rollout.tokenizer import load_tokenizer
-from toolkit.rundir import RunDir, read_json
+from toolkit.rundir import RunDir, atomic_write, read_json
 
 logger = logging.getLogger(__name__)
 
 MAX_TURNS_HARD = 256
+
+
+class FailureBudgetExceeded(ToolkitError):
+    """More of a step's samples failed than ``rollout.max_failed_fraction`` allows."""
+
+
+async def _maybe(value: Any) -> Any:
+    """An environment's answer, awaited if it is async (a slow tool never blocks the other sessions)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 class TailWatch:
@@ -76,13 +89,16 @@ class RankRunner:
         self.group_names = sorted(cfg.groups)
         self.max_model_len = min(group_engine(cfg, g).max_model_len for g in cfg.groups)
         self.prompts: PromptSource = instantiate(cfg.workload.prompts)
-        self.env_factory = instantiate(cfg.workload.env, _partial_=True)
+        self.agent = instantiate(cfg.workload.agent, _partial_=True) if cfg.workload.agent else None
+        self.env_factory = None if self.agent is not None else instantiate(cfg.workload.env, _partial_=True)
+        self.gateway: Any = None
         self.sampling = Sampling(max_tokens=cfg.workload.max_tokens, temperature=cfg.workload.temperature,
                                  top_p=cfg.workload.top_p)
         self.tail = TailWatch(run_dir, cfg.job, cfg.tail.group, cfg.tail.threshold is not None)
         self.client = RouterClient(run_dir)
         # Responses stay token ids unless asked: decoding is the costliest thing a rank could do per token.
-        self.tokenizer = load_tokenizer(cfg.workload.tokenizer) if cfg.rollout.decode_responses else None
+        self.tokenizer = (load_tokenizer(cfg.workload.tokenizer)
+                          if cfg.rollout.decode_responses and self.agent is None else None)
 
     def _my_cap(self) -> int:
         cap = self.cfg.rollout.max_concurrent_rollouts
@@ -94,10 +110,31 @@ class RankRunner:
     async def run(self) -> None:
         await self.client.connect(self.cfg.cluster.ready_timeout_s)
         try:
+            if self.agent is not None:
+                await self._start_gateway()
             for step in range(self.cfg.steps):
                 await self.run_step(step)
         finally:
+            if self.gateway is not None:
+                await self.gateway.close()
             await self.client.close()
+
+    async def _start_gateway(self) -> None:
+        from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
+        from toolkit.gateway.server import Gateway, gateway_settings
+
+        cfg = self.cfg
+        chat = await asyncio.to_thread(ChatTokenizer, chat_tokenizer_dir(cfg))
+        settings = gateway_settings(cfg, self.run_dir, self.rank, self.max_model_len)
+        self.gateway = Gateway(settings, chat, self.client, self.tail.group_for)
+        url = await self.gateway.start()
+        if cfg.rollout.decode_responses:
+            self.tokenizer = chat
+        # The SDKs read their key from the environment: harnesses run unchanged, and get in.
+        for var in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+            os.environ[var] = settings.token or "toolkit"
+        atomic_write(self.run_dir.gateway_address(self.rank),
+                     json.dumps({"url": url, "rank": self.rank, "pid": os.getpid()}))
 
     async def run_step(self, step: int) -> None:
         cfg = self.cfg
@@ -111,7 +148,10 @@ class RankRunner:
         sem = asyncio.Semaphore(self._my_cap())
         log = RequestLog()
         mine = range(self.rank, n, self.size)
-        samples = await asyncio.gather(*(self.session(step, i, sem, log) for i in mine))
+        run = self.agent_session if self.agent is not None else self.session
+        per_session = await asyncio.gather(*(run(step, i, sem, log) for i in mine))
+        samples = [s for group in per_session for s in group]
+        del per_session
         cols = pack(samples, self.group_names)
         del samples  # their Python lists take ~60 B per token, the packed columns 9 B
         shard: tuple[int, int] | None = None
@@ -132,7 +172,8 @@ class RankRunner:
             self._write_step(step, t0, gathered, requests, shards)
 
     def _session_ids(self, step: int, cols: Columns) -> list[str]:
-        return [f"{self.cfg.job}/{step}/{i}" for i in cols["index"].tolist()]
+        return [f"{self.cfg.job}/{step}/{i}" + (f"#{b}" if b else "")
+                for i, b in zip(cols["index"].tolist(), cols["branch"].tolist(), strict=True)]
 
     def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns,
                     shards: np.ndarray | None = None) -> None:
@@ -148,50 +189,108 @@ class RankRunner:
             flip = None
         report = step_report(step, wall, t0, cols, requests, self.group_names, cfg, flip)
         write_step_report(self.run_dir.step_report(step), report)
+        self._check_failures(step, cols)
 
-    async def session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> Sample:
-        cfg = self.cfg
-        sid = f"{cfg.job}/{step}/{index}"
+    def _check_failures(self, step: int, cols: Columns) -> None:
+        """The user's failure budget: past it every rank ends (the step's files are written first)."""
+        budget = self.cfg.rollout.max_failed_fraction
+        failed = int((cols["status"] == SAMPLE_STATUSES.index("failed")).sum())
+        rows = len(cols["status"])
+        if budget is None or not rows or failed / rows <= budget:
+            return
+        errors = ""
+        if "error" in cols:  # rollout.output=gather: the errors are here; shards: in the shard files
+            lens = cols["error__len"]
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            bad = np.flatnonzero(cols["status"] == SAMPLE_STATUSES.index("failed"))[:3]
+            texts = [bytes(cols["error"][starts[i]:starts[i] + lens[i]]).decode(errors="replace") for i in bad]
+            errors = "; first errors: " + " | ".join(f"session {int(cols['index'][i])}: {t}" for i, t in zip(bad, texts, strict=True))
+        raise FailureBudgetExceeded(
+            f"step {step}: {failed} of {rows} samples failed ({failed / rows:.1%}), more than "
+            f"rollout.max_failed_fraction = {budget}{errors}")
+
+    async def session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> list[Sample]:
+        sid = f"{self.cfg.job}/{step}/{index}"
         async with sem:
-            env: Environment = self.env_factory()
-            context = env.reset(self.prompts.get(step, index))
-            sample = Sample.start(index, sid, context)
-            for turn in range(MAX_TURNS_HARD):
-                budget = min(self.sampling.max_tokens, self.max_model_len - len(context))
-                if budget < 1:
-                    sample.mark("truncated", "context reached max_model_len")
-                    break
-                msg = Generate(
-                    request_id=f"{sid}/{turn}", job=cfg.job, session_id=sid, step=step,
-                    prompt_token_ids=context,
-                    sampling=Sampling(budget, self.sampling.temperature, self.sampling.top_p),
-                    group=self.tail.group_for(step),
-                    deadline=time.time() + cfg.rollout.request_timeout_s,
-                )
-                sent = time.time()
-                res, route = await self.client.generate(msg)
-                log.add(res, route, len(context), sent, time.time())
-                if res.status != "ok":
-                    sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
-                    break
-                try:
-                    sample.add_turn(context, res)
-                except NonPrefixTurn as exc:
-                    sample.mark("failed", str(exc))
-                    break
-                outcome = env.step(res.output_token_ids, res.finish_reason)
-                sample.reward += outcome.reward
-                if outcome.done:
-                    break
-                sample.extend_observation(outcome.observation)
-                context = list(sample.tokens)
-            else:
-                sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
+            sample = Sample.start(index, sid, [])
+            try:
+                await asyncio.wait_for(self._turns(step, sid, sample, log), self.cfg.workload.env_timeout_s)
+            except asyncio.TimeoutError:
+                sample.mark("failed", f"environment timed out after workload.env_timeout_s = "
+                                      f"{self.cfg.workload.env_timeout_s}s")
+            except Exception as exc:  # the user's environment: its sample fails, the step goes on
+                logger.warning("session %s: environment failed: %r", sid, exc)
+                sample.mark("failed", f"environment raised {type(exc).__name__}: {exc}")
             if self.tokenizer is not None:
                 sample.decode_response(self.tokenizer)
         log.sessions_done_at.append(time.time())
+        await self.client.session_done(self.cfg.job, step, sid)
+        return [sample]
+
+    async def _turns(self, step: int, sid: str, sample: Sample, log: RequestLog) -> None:
+        cfg = self.cfg
+        assert self.env_factory is not None
+        env: Environment = self.env_factory()
+        context = list(await _maybe(env.reset(self.prompts.get(step, sample.index))))
+        sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
+        sample.prompt_length = len(context)
+        for turn in range(MAX_TURNS_HARD):
+            budget = min(self.sampling.max_tokens, self.max_model_len - len(context))
+            if budget < 1:
+                sample.mark("truncated", "context reached max_model_len")
+                return
+            msg = Generate(
+                request_id=f"{sid}/{turn}", job=cfg.job, session_id=sid, step=step,
+                prompt_token_ids=context,
+                sampling=Sampling(budget, self.sampling.temperature, self.sampling.top_p),
+                group=self.tail.group_for(step),
+                deadline=time.time() + cfg.rollout.request_timeout_s,
+            )
+            sent = time.time()
+            res, route = await self.client.generate(msg)
+            log.add(res, route, len(context), sent, time.time())
+            if res.status != "ok":
+                sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
+                return
+            try:
+                sample.add_turn(context, res)
+            except NonPrefixTurn as exc:
+                sample.mark("failed", str(exc))
+                return
+            outcome = await _maybe(env.step(res.output_token_ids, res.finish_reason))
+            sample.reward += outcome.reward
+            if outcome.done:
+                return
+            sample.extend_observation([int(t) for t in outcome.observation])
+            context = list(sample.tokens)
+        sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
+
+    async def agent_session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> list[Sample]:
+        """One session of an agent over HTTP: the agent runs against its own base URL on this rank's
+        gateway; whatever it does, the session ends with its samples and a SessionDone."""
+        cfg = self.cfg
+        sid = f"{cfg.job}/{step}/{index}"
+        async with sem:
+            key, sess = self.gateway.open_session(step, index, sid, log, cfg.workload.record_messages)
+            status, error, reward = "completed", "", 0.0
+            try:
+                task = dict(self.prompts.get(step, index).metadata)
+                got = await asyncio.wait_for(self.agent(self.gateway.base_url(key), task), cfg.workload.env_timeout_s)
+                reward = float(got) if got is not None else (sess.reward or 0.0)
+            except asyncio.TimeoutError:
+                status, error = "failed", f"agent timed out after workload.env_timeout_s = {cfg.workload.env_timeout_s}s"
+            except Exception as exc:  # the user's agent or harness: its sample fails, the step goes on
+                logger.warning("session %s: agent failed: %r", sid, exc)
+                status, error = "failed", f"agent raised {type(exc).__name__}: {exc}"
+            finally:
+                await self.gateway.close_session(key)
+            samples = sess.samples(status, error, reward)
+            if self.tokenizer is not None:
+                for s in samples:
+                    s.decode_response(self.tokenizer)
+        log.sessions_done_at.append(time.time())
         await self.client.session_done(cfg.job, step, sid)
-        return sample
+        return samples
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,150 @@
+"""The model's chat template and tokenizer, as the model files define them (transformers).
+
+The gateway never re-tokenizes what the model generated: it renders only the messages that are new
+since the last turn and appends their ids to the session's ids. Two facts about a template make that
+exact, and both are taken from the template itself, not assumed:
+
+- *append-only*: rendering ``messages + new`` starts with the rendering of ``messages``; the new
+  messages' text is the difference;
+- *the closing of an assistant turn*: what the template writes after an assistant message's content
+  (``<|im_end|>\\n`` in ChatML). The engine stops on the end token, so the session's ids already
+  hold part of it; :meth:`ChatTokenizer.glue` gives the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import ToolkitError
+from toolkit.gateway.types import Message
+
+logger = logging.getLogger(__name__)
+
+_PLACEHOLDER = "\u2063TOOLKIT-ASSISTANT-CONTENT\u2063"
+
+
+def resolve_chat_tokenizer(spec: Any, cache_dir: str = "~/.cache/rollout-toolkit") -> Path:
+    """The directory a ``workload.tokenizer`` names for chat: a model/tokenizer directory, or ``tiny``
+    (the built-in test model's tokenizer, built into ``cache_dir`` once)."""
+    if spec == "tiny":
+        from toolkit.engine.tiny import ensure_tiny_tokenizer
+
+        return ensure_tiny_tokenizer(cache_dir)
+    return Path(str(spec)).expanduser()
+
+
+def chat_tokenizer_dir(cfg: Any) -> Path:
+    """The agent workload's tokenizer directory (``workload.tokenizer``; ``tiny`` is built into the
+    engine's ``cache_dir``, or the default cache for engines without one)."""
+    return resolve_chat_tokenizer(cfg.workload.tokenizer, getattr(cfg.engine, "cache_dir", "~/.cache/rollout-toolkit"))
+
+
+def chat_tokenizer_problem(spec: Any) -> str | None:
+    """Why ``spec`` cannot be the agent workload's tokenizer, checked without loading it."""
+    if spec == "tiny":
+        return None
+    if not isinstance(spec, str | Path):
+        return "a model or tokenizer directory with a chat template (tokenizer_config.json), or tiny"
+    p = Path(str(spec)).expanduser()
+    if not (p / "tokenizer_config.json").is_file():
+        return f"a directory holding tokenizer_config.json (and the tokenizer files); {p} has none"
+    has_template = (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file()
+    if not has_template:
+        try:
+            has_template = bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+        except (OSError, ValueError) as exc:
+            return f"a readable tokenizer_config.json ({exc})"
+    if not has_template:
+        return f"a tokenizer with a chat template: {p} has no chat_template in tokenizer_config.json"
+    return None
+
+
+def _hf_message(m: Message) -> dict[str, Any]:
+    """A canonical message in the shape HF chat templates take."""
+    out: dict[str, Any] = {"role": m["role"], "content": m.get("content", "")}
+    calls = m.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                             for c in calls]
+    if m["role"] == "tool":
+        out["tool_call_id"] = m.get("tool_call_id", "")
+        if m.get("name"):
+            out["name"] = m["name"]
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _hf_tools(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                              "parameters": t.get("parameters") or {"type": "object"}}}
+            for t in tools]
+
+
+class ChatTokenizer:
+    """A model's tokenizer and chat template (``AutoTokenizer`` over the model's own files)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.path = Path(path)
+        self.tok = AutoTokenizer.from_pretrained(str(self.path))
+        if not getattr(self.tok, "chat_template", None):
+            raise ToolkitError(f"tokenizer {self.path} has no chat template (tokenizer_config.json "
+                               "chat_template): the gateway renders messages with the model's own template")
+        self.vocab_size = len(self.tok)
+        eos = self.tok.eos_token_id
+        self.eos_ids: set[int] = {eos} if eos is not None else set()
+        self.closing = self._assistant_closing()
+
+    def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]],
+               add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template([_hf_message(m) for m in messages], tools=_hf_tools(tools),
+                                            tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as the template wrote it: special tokens in it are parsed, none are added."""
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def content_text(self, ids: Sequence[int]) -> str:
+        """The text of a generation for the harness: without the end token the engine stopped on."""
+        end = len(ids)
+        while end and ids[end - 1] in self.eos_ids:
+            end -= 1
+        return self.decode(ids[:end])
+
+    def _assistant_closing(self) -> str:
+        """What the template writes after an assistant message's content."""
+        convo: list[Message] = [{"role": "user", "content": "x"}]
+        head = self.render(convo, (), True)
+        full = self.render([*convo, {"role": "assistant", "content": _PLACEHOLDER}], (), False)
+        if not full.startswith(head) or _PLACEHOLDER not in full:
+            raise ToolkitError(f"the chat template of {self.path} does not render an assistant message after "
+                               "its generation prompt: the gateway cannot keep the model's ids exactly")
+        return full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
+
+    def glue(self, generated: Sequence[int]) -> str:
+        """The part of the assistant turn's closing that the generated ids do not already hold: after
+        an end token the engine stopped on, what the template writes after that token (``"\\n"`` in
+        ChatML); after a generation cut by its budget, the whole closing."""
+        close = self.closing
+        if generated and generated[-1] in self.eos_ids:
+            end = self.decode(generated[-1:])
+            if close.startswith(end):
+                return close[len(end):]
+        return close

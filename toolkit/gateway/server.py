@@ -1,0 +1,318 @@
+"""The rank's HTTP gateway: agents speak an LLM API, the rank speaks token ids to the router.
+
+An aiohttp server inside the rank's event loop. Each session has its own base URL,
+``http://host:port/sessions/<key>/v1`` (OpenAI SDKs; Anthropic SDKs take it without ``/v1``), so a
+harness that only takes a base URL needs nothing else. Every call of a session becomes ``Generate``
+messages with the session's id, job and step (affinity, fairness, tail routing and migration apply
+as to any request); the answer's text is decoded from the engine's ids, and the session keeps the
+ids themselves (``toolkit/gateway/session.py``).
+
+Errors come back in the protocol's own error body: 400 malformed, 401 without the run's token (when
+the router uses CURVE), 404 unknown or ended session, 413 body or conversation too long, 429 over the
+rank's ``gateway.max_concurrent_requests``, 503/504 when the engines could not answer. Nothing a
+client sends can raise out of a handler into the rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from toolkit.client import RouterClient
+from toolkit.config import Config
+from toolkit.gateway.chat import ChatTokenizer
+from toolkit.gateway.protocols import PROTOCOLS
+from toolkit.gateway.protocols.base import Protocol
+from toolkit.gateway.session import GatewaySession
+from toolkit.gateway.toolcalls import get_parser, parse_constrained_call, tool_call_schema
+from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError
+from toolkit.protocol import Generate, Result, Sampling, Structured
+from toolkit.rollout.stepreport import RequestLog
+from toolkit.rundir import RunDir
+from toolkit.security import gateway_token
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_STATUS = {"client_error": 400, "timeout": 504}
+
+
+@dataclass
+class Settings:
+    """What the gateway needs of the run's config (``toolkit/config.py`` ``GatewayConfig`` and friends)."""
+
+    job: str
+    model: str
+    max_model_len: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    request_timeout_s: float
+    tool_parser: str = "hermes"
+    host: str = "127.0.0.1"
+    advertise: str = "127.0.0.1"
+    port: int = 0
+    max_concurrent_requests: int = 1024
+    max_body_bytes: int = 32 << 20
+    token: str | None = None
+
+
+@dataclass
+class Entry:
+    """A live session: its state, its step's request log, and the requests it has in flight."""
+
+    session: GatewaySession
+    step: int
+    log: RequestLog
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    attempts: int = 0
+    inflight: set[str] = field(default_factory=set)
+    closed: bool = False
+
+
+def gateway_settings(cfg: Config, run_dir: RunDir, rank: int, max_model_len: int) -> Settings:
+    """The gateway of rank ``rank``: bound like the router (loopback locally, every interface on a
+    cluster, advertising the hostname), admitting only the run's token where the router uses CURVE."""
+    g = cfg.gateway
+    host = g.host or ("127.0.0.1" if cfg.cluster.type == "local" else "0.0.0.0")
+    return Settings(
+        job=cfg.job, model=str(cfg.engine.model), max_model_len=max_model_len, max_tokens=cfg.workload.max_tokens,
+        temperature=cfg.workload.temperature, top_p=cfg.workload.top_p,
+        request_timeout_s=cfg.rollout.request_timeout_s, tool_parser=g.tool_parser, host=host,
+        advertise=socket.gethostname() if host == "0.0.0.0" else host, port=g.port + rank if g.port else 0,
+        max_concurrent_requests=g.max_concurrent_requests, max_body_bytes=int(g.max_body_mb * (1 << 20)),
+        token=gateway_token(run_dir.root),
+    )
+
+
+class Gateway:
+    def __init__(self, settings: Settings, chat: ChatTokenizer, client: RouterClient,
+                 tail_group: Callable[[int], str | None] = lambda step: None) -> None:
+        self.s = settings
+        self.chat = chat
+        self.client = client
+        self.tail_group = tail_group
+        self.parser = get_parser(settings.tool_parser)
+        self.sessions: dict[str, Entry] = {}
+        self.inflight = 0
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> str:
+        app = web.Application(client_max_size=self.s.max_body_bytes, middlewares=[self._guard])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/sessions/{key}/v1/models", self._models)
+        app.router.add_post("/sessions/{key}/reward", self._reward)
+        app.router.add_get("/health", self._health)
+        for proto in PROTOCOLS.values():
+            app.router.add_post(f"/sessions/{{key}}/v1/{proto.route}", self._handler(proto))
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.s.host, self.s.port, reuse_address=False, backlog=4096)
+        await site.start()
+        sock: socket.socket = site._server.sockets[0]  # type: ignore[union-attr]
+        self.url = f"http://{self.s.advertise}:{sock.getsockname()[1]}"
+        logger.info("gateway serving %s", self.url)
+        return self.url
+
+    async def close(self) -> None:
+        for key in list(self.sessions):
+            await self.close_session(key)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open_session(self, step: int, index: int, session_id: str, log: RequestLog,
+                     record_messages: bool = False) -> tuple[str, GatewaySession]:
+        key = f"{step}-{index}-{secrets.token_hex(4)}"
+        sess = GatewaySession(index, session_id, self.chat, record_messages)
+        self.sessions[key] = Entry(sess, step, log)
+        return key, sess
+
+    async def close_session(self, key: str) -> None:
+        """End a session: later calls get 404, and what it still has in the engines is aborted."""
+        entry = self.sessions.pop(key, None)
+        if entry is None:
+            return
+        entry.closed = True
+        for rid in list(entry.inflight):
+            await self.client.abort(rid)
+
+    def base_url(self, key: str) -> str:
+        return f"{self.url}/sessions/{key}/v1"
+
+    # ---- HTTP --------------------------------------------------------------------------------
+    @staticmethod
+    def _protocol_of(path: str) -> Protocol:
+        for proto in PROTOCOLS.values():
+            if path.endswith("/" + proto.route):
+                return proto
+        return PROTOCOLS["chat"]
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Only the run's token gets in; no exception leaves a handler as anything but an answer."""
+        proto = self._protocol_of(request.path)
+        token = self.s.token
+        if token is not None:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not secrets.compare_digest(given.encode(), token.encode()):
+                return _error(proto, GatewayError(401, "a valid API key is required (the run's gateway token)"))
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            return _error(proto, GatewayError(exc.status, exc.reason or "error"))
+        except GatewayError as exc:
+            return _error(proto, exc)
+        except Exception as exc:  # a bug of ours: the caller gets a 500, the rank goes on
+            logger.exception("gateway error on %s", request.path)
+            return _error(proto, GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.s.model, "object": "model", "created": 0, "owned_by": "rollout-toolkit"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self.sessions), "inflight": self.inflight})
+
+    def _entry(self, request: web.Request) -> Entry:
+        entry = self.sessions.get(request.match_info["key"])
+        if entry is None:
+            raise GatewayError(404, f"no live session {request.match_info['key']!r} on this gateway (it ended, "
+                                    "or never existed)")
+        return entry
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise GatewayError(413, f"request body over gateway.max_body_mb ({self.s.max_body_bytes >> 20} MB)") from None
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise GatewayError(400, f"the request body is not valid JSON: {exc}") from None
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        entry = self._entry(request)
+        body = await self._body(request)
+        value = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise GatewayError(400, 'expected {"reward": <number>}', "reward")
+        entry.session.reward = float(value)
+        return web.json_response({"ok": True})
+
+    def _handler(self, proto: Protocol) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            entry = self._entry(request)
+            if self.inflight >= self.s.max_concurrent_requests:
+                raise GatewayError(429, f"this rank's gateway is serving gateway.max_concurrent_requests = "
+                                        f"{self.s.max_concurrent_requests} requests; retry later")
+            self.inflight += 1
+            try:
+                req = proto.parse(await self._body(request))
+                result = await self.turn(entry, req)
+            finally:
+                self.inflight -= 1
+            if not req.stream:
+                return web.json_response(proto.respond(req, result), dumps=_dumps)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+            await resp.prepare(request)
+            for frame in proto.stream(req, result):
+                await resp.write(frame)
+            await resp.write_eof()
+            return resp
+        return handle
+
+    # ---- one turn ----------------------------------------------------------------------------
+    def _constraint(self, req: ChatRequest) -> tuple[Structured | None, bool]:
+        """The engine constraint a request asks for, and whether its output is a bare tool call."""
+        choice = req.tool_choice
+        if req.tools and (choice == "required" or isinstance(choice, dict)):
+            name = choice.get("name") if isinstance(choice, dict) else None
+            return Structured(json_schema=json.dumps(tool_call_schema(req.tools, name))), True
+        fmt = req.response_format
+        if fmt and fmt.get("type") == "json_schema":
+            return Structured(json_schema=json.dumps(fmt.get("schema") or {})), False
+        if fmt and fmt.get("type") == "json_object":
+            return Structured(json_schema='{"type": "object"}'), False
+        return None, False
+
+    async def turn(self, entry: Entry, req: ChatRequest) -> ChatResult:
+        """Generate one answer for a session (its calls are taken one at a time, in order)."""
+        s = self.s
+        async with entry.lock:
+            sess = entry.session
+            plan = sess.plan(req.messages, req.tools)
+            budget = min(req.max_tokens or s.max_tokens, s.max_model_len - len(plan.prompt))
+            if budget < 1:
+                raise GatewayError(413, f"the conversation is {len(plan.prompt)} tokens and the model's context "
+                                        f"{s.max_model_len}: no room to generate")
+            structured, bare_call = self._constraint(req)
+            entry.attempts += 1
+            temperature = s.temperature if req.temperature is None else req.temperature
+            top_p = s.top_p if req.top_p is None else req.top_p
+            gens = [Generate(
+                request_id=f"{sess.session_id}/{entry.attempts}" + (f"/{k}" if k else ""), job=s.job,
+                session_id=sess.session_id, step=entry.step, prompt_token_ids=plan.prompt,
+                sampling=Sampling(budget, temperature, top_p,
+                                  req.seed + k if req.seed is not None else (k or None), True,
+                                  structured=structured),
+                group=self.tail_group(entry.step), deadline=time.time() + s.request_timeout_s,
+            ) for k in range(req.n)]
+            entry.inflight.update(g.request_id for g in gens)
+            sent = time.time()
+            try:
+                outs = await asyncio.gather(*(self.client.generate(g) for g in gens))
+            finally:
+                entry.inflight.difference_update(g.request_id for g in gens)
+            done = time.time()
+            for res, route in outs:
+                entry.log.add(res, route, len(plan.prompt), sent, done)
+            if entry.closed:
+                raise GatewayError(404, "the session ended while this call ran")
+            for res, _ in outs:
+                if res.status != "ok":
+                    raise GatewayError(_ENGINE_STATUS.get(res.status, 503), f"engine: {res.status}: {res.error}")
+            results = [r for r, _ in outs]
+            choices = [self._choice(k, r, req, bare_call) for k, r in enumerate(results)]
+            sess.commit(plan, req.messages, req.tools, results, choices)
+        return ChatResult(id=secrets.token_hex(12), model=req.model or s.model, created=int(sent), choices=choices,
+                          prompt_tokens=len(plan.prompt), completion_tokens=sum(len(c.token_ids) for c in choices),
+                          cached_tokens=results[0].cached_tokens)
+
+    def _choice(self, k: int, res: Result, req: ChatRequest, bare_call: bool) -> Choice:
+        ids = res.output_token_ids
+        text = self.chat.content_text(ids)
+        calls = []
+        if bare_call:
+            call = parse_constrained_call(text)
+            content, calls = ("", [call]) if call is not None else (text, [])
+        elif req.tools and req.tool_choice != "none":
+            content, calls = self.parser.parse(text)
+        else:
+            content = text
+        finish = res.finish_reason if res.finish_reason in ("stop", "length") else "stop"
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        tokens_text = [self.chat.decode([t]) for t in ids] if req.logprobs else []
+        return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text)
+
+
+def _dumps(obj: Any) -> str:
+    return msgspec.json.encode(obj).decode()
+
+
+def _error(proto: Protocol, err: GatewayError) -> web.Response:
+    headers = {"retry-after": "1"} if err.status in (429, 503) else None
+    return web.json_response(proto.error_body(err), status=err.status, headers=headers)
