@@ -162,7 +162,9 @@ def _number(s: dict[str, Any], integer: bool, rng: np.random.Generator) -> int |
         raise ToolkitError(f"JSON Schema {'integer' if integer else 'number'}: no value within its bounds {s}")
     if integer:
         return int(rng.integers(a, b + 1))
-    x = round(float(rng.uniform(a, b)), 3)
+    x = float(rng.uniform(a, b))
+    if b - a >= 0.1 and ok(round(x, 3)):
+        x = round(x, 3)  # short numbers where the range leaves room for them
     return x if ok(x) else (a + b) / 2
 
 

@@ -7,6 +7,12 @@ reason out. vLLM is imported only when this backend starts (the sim never pays f
 - Sampling maps one to one (``n``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``;
   ``logprobs`` asks for the sampled token's logprob); outputs come back once, final (no per-token streaming),
   and are never detokenized.
+- Structured outputs: ``Sampling.structured`` becomes ``SamplingParams.structured_outputs``
+  (``StructuredOutputsParams(json=schema)`` or ``(choice=[...])``) on vLLM's ``auto`` backend (xgrammar,
+  falling back to guidance or outlines; all three work on the CPU build). vLLM validates the schema
+  when the request is added, before the engine core sees it: a bad one is a ``client_error`` and the
+  engine goes on; a grammar that still fails to compile in the engine finishes its request with
+  ``error``, also a ``client_error``.
 - Start ends with a warm-up generation with logprobs (the first one takes seconds), so the router's
   readiness probe, a real generation, finds a warm engine.
 - Heartbeat numbers come from vLLM's own scheduler stats through a stat logger: running and waiting
@@ -27,6 +33,7 @@ reason out. vLLM is imported only when this backend starts (the sim never pays f
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -35,7 +42,7 @@ from typing import Any
 
 from toolkit.config import VllmEngineConfig
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, EngineStats
-from toolkit.protocol import Completion, Generate, Result, Sampling
+from toolkit.protocol import Completion, Generate, Result, Sampling, Structured
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +100,14 @@ def _vllm() -> SimpleNamespace:
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
     from vllm.platforms import current_platform
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
 
     return SimpleNamespace(SamplingParams=SamplingParams, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
                            TokensPrompt=TokensPrompt, LoRARequest=LoRARequest, FINAL=RequestOutputKind.FINAL_ONLY,
                            VLLMClientError=VLLMClientError, EngineDeadError=EngineDeadError,
-                           platform=current_platform)
+                           StructuredOutputsParams=StructuredOutputsParams, platform=current_platform)
 
 
 def adapter_present(path: str) -> bool:
@@ -125,6 +132,21 @@ def cpu_thread_binding(tp: int, cpus: list[int]) -> str | None:
         return None
     per = len(cpus) // tp
     return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+
+
+def structured_outputs(v: SimpleNamespace, st: Structured | None) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for ``st`` (None for None); ValueError for a malformed one."""
+    if st is None:
+        return None
+    if bool(st.json_schema) == bool(st.choice):
+        raise ValueError("sampling.structured: set exactly one of json_schema and choice")
+    if st.choice:
+        return v.StructuredOutputsParams(choice=list(st.choice))
+    try:
+        json.loads(st.json_schema)
+    except ValueError as exc:
+        raise ValueError(f"sampling.structured.json_schema is not JSON: {exc}") from None
+    return v.StructuredOutputsParams(json=st.json_schema)
 
 
 def _client_error(request_id: str, exc: BaseException) -> Result:
@@ -245,7 +267,7 @@ class VllmEngine(Engine):
         assert v is not None
         return v.SamplingParams(n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                 seed=s.seed, logprobs=0 if s.logprobs else None, ignore_eos=s.ignore_eos,
-                                detokenize=False,
+                                detokenize=False, structured_outputs=structured_outputs(v, s.structured),
                                 output_kind=v.FINAL)
 
     async def generate(self, req: Generate) -> Result:
@@ -281,7 +303,12 @@ class VllmEngine(Engine):
         except Exception as exc:  # EngineGenerateError and the like: this request failed in the engine
             logger.exception("request %s failed in vLLM", rid)
             return Result(request_id=rid, status="engine_dead", error=f"{type(exc).__name__}: {exc}")
-        return self.to_result(rid, final)
+        res = self.to_result(rid, final)
+        if req.sampling.structured is not None and res.finish_reason == "error":
+            # The only request-level error of a plain engine: its grammar did not compile (vLLM logs why).
+            return Result(request_id=rid, status="client_error", finish_reason="error",
+                          error="the structured-output constraint did not compile in the engine (see its log)")
+        return res
 
     @staticmethod
     def to_result(rid: str, final: Any) -> Result:

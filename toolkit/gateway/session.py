@@ -67,6 +67,8 @@ class Line:
     tools: list[dict[str, Any]]
     last_generated: list[int] = field(default_factory=list)
     """The ids of the line's last generation (their end decides the glue)."""
+    choice: int = 0
+    """Which choice of its last turn this line took (``n > 1``)."""
 
 
 @dataclass
@@ -84,8 +86,9 @@ class GatewaySession:
         self.chat = chat
         self.record_messages = record_messages
         self.line: Line | None = None
-        self.alternatives: list[tuple[Line, str]] = []
-        """Other choices of the line's last ``n > 1`` turn, each with its note, until the harness picks."""
+        self.alternatives: list[Line] = []
+        """Other choices of the line's last ``n > 1`` turn, until the harness picks one."""
+        self._choice_note = ""
         self.finished: list[Sample] = []
         self.branches = 0
         self.turns = 0
@@ -98,10 +101,15 @@ class GatewaySession:
         if self.line is None:
             return Plan(self._fresh(messages, tools))
         line = self._pick(messages)
+        # A call without tools (a final answer, say) continues a line that has them: they stay in
+        # the context the engine sees. Other tools than the line's are another context: a branch.
+        tools = tools or line.tools
         why = "the tools changed" if line.tools != tools else divergence(line.messages, messages)
         if why is None:
+            # The held messages stand for the sent ones (equal as turns, maybe not as text: JSON
+            # spacing of tool arguments), so both renderings start from the held ones.
             held = self.chat.render(line.messages, tools, False)
-            full = self.chat.render(messages, tools, True)
+            full = self.chat.render([*line.messages, *messages[len(line.messages):]], tools, True)
             if not full.startswith(held):
                 why = "the chat template did not render the conversation as an extension of the session's"
             else:
@@ -115,10 +123,9 @@ class GatewaySession:
     def _pick(self, messages: list[Message]) -> Line:
         """After an ``n > 1`` turn: the choice the harness continues with becomes the line."""
         if self.alternatives and self.line is not None and divergence(self.line.messages, messages) is not None:
-            for i, (alt, _) in enumerate(self.alternatives):
+            for i, alt in enumerate(self.alternatives):
                 if divergence(alt.messages, messages) is None:
-                    self.alternatives[i] = (self.line, self.alternatives[i][1])
-                    self.line = alt
+                    self.alternatives[i], self.line = self.line, alt
                     break
         return self.line  # type: ignore[return-value]
 
@@ -141,21 +148,22 @@ class GatewaySession:
         else:
             base = self.line
         lines = [base if k == len(choices) - 1 else copy.deepcopy(base) for k in range(len(choices))]
-        for line, result, choice in zip(lines, results, choices, strict=True):
+        for k, (line, result, choice) in enumerate(zip(lines, results, choices, strict=True)):
+            line.choice = k
             line.sample.add_turn(plan.prompt, result)
             line.messages = [*messages, assistant_message(choice)]
-            line.tools = tools
+            line.tools = tools or line.tools
             line.last_generated = list(result.output_token_ids)
         self.line = lines[0]
-        self.alternatives = [(line, f"choice {k} of {len(choices)} at turn {self.turns - 1}, not continued")
-                             for k, line in enumerate(lines[1:], 1)]
+        self.alternatives = lines[1:]
+        self._choice_note = f"of {len(choices)} at turn {self.turns - 1}, not continued"
 
     def _settle(self) -> None:
         """Keep the choices the harness did not continue with as samples of their own."""
-        for line, note in self.alternatives:
+        for line in self.alternatives:
             self.branches += 1
             line.sample.branch = self.branches
-            line.sample.error = note
+            line.sample.error = f"choice {line.choice} {self._choice_note}"
             self._close(line)
         self.alternatives = []
 

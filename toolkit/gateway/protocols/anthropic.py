@@ -43,7 +43,7 @@ from toolkit.gateway.types import ChatRequest, ChatResult, GatewayError, Message
 KNOWN = {"model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "stream",
          "metadata", "service_tier", "thinking", "output_config"}
 REJECTED = {"top_k": "top_k is not supported; omit it",
-            "stop_sequences": "stop sequences are not supported; omit stop_sequences"}
+            "stop_sequences": "stop sequences are not supported; omit stop_sequences or send []"}
 TEXT = ("text",)
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
                "not_found": "not_found_error", "request_too_large": "request_too_large",
@@ -134,7 +134,7 @@ def _format(f: Fields) -> dict[str, Any] | None:
     config = f.object("output_config")
     if config is None:
         return None
-    config.only({"format"}, {"effort": "effort is not supported"})
+    config.only({"format"}, {"effort": "effort is not supported; omit it"})
     fmt = config.object("format")
     if fmt is None:
         return None

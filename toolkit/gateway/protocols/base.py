@@ -153,17 +153,18 @@ class Fields:
         return Fields(self.get(key, required=True), self.param(key))
 
     def only(self, known: Collection[str], rejected: Mapping[str, str] | None = None) -> None:
-        """400 for a field outside ``known`` and for a ``rejected`` field (the value says why) whose
-        value is not a no-op (see :func:`is_noop`)."""
+        """400 for a field outside ``known`` and for a ``rejected`` field whose value is not a no-op
+        (see :func:`is_noop`); ``rejected`` maps each to the message, e.g. "stop sequences are not
+        supported; omit stop"."""
         rejected = rejected or {}
         for key, value in self.data.items():
             if value is None or key in known:
                 continue
             if key in rejected:
                 if not is_noop(value):
-                    raise bad(self.param(key), f"is not supported by this gateway: {rejected[key]}")
+                    raise bad(self.param(key), f"{rejected[key]} (got {show(value)})")
                 continue
-            raise bad(self.param(key), f"is not a supported field; supported: {', '.join(sorted(known))}")
+            raise bad(self.param(key), f"is not supported by this gateway; supported fields: {', '.join(sorted(known))}")
 
 
 def text_parts(value: Any, param: str, types: Collection[str], *, required: bool = True) -> str | None:

@@ -39,18 +39,18 @@ KNOWN = {"model", "messages", "tools", "tool_choice", "response_format", "max_to
          "safety_identifier", "modalities"}
 REJECTED = {
     "stop": "stop sequences are not supported; omit stop",
-    "logit_bias": "logit_bias is not supported",
-    "presence_penalty": "only 0 is supported",
-    "frequency_penalty": "only 0 is supported",
-    "top_logprobs": "only 0 is supported (the sampled token's logprob is returned with logprobs: true)",
-    "functions": "deprecated; use tools",
-    "function_call": "deprecated; use tool_choice",
-    "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning effort is not supported",
-    "verbosity": "verbosity is not supported",
-    "moderation": "moderation is not supported",
+    "logit_bias": "logit_bias is not supported; omit it",
+    "presence_penalty": "penalties are not supported; omit presence_penalty or send 0",
+    "frequency_penalty": "penalties are not supported; omit frequency_penalty or send 0",
+    "top_logprobs": "only the sampled token's logprob is returned (logprobs: true); send top_logprobs 0",
+    "functions": "functions is deprecated and not supported; use tools",
+    "function_call": "function_call is deprecated and not supported; use tool_choice",
+    "audio": "audio output is not supported; omit audio",
+    "prediction": "predicted outputs are not supported; omit prediction",
+    "web_search_options": "web search is not supported; omit web_search_options",
+    "reasoning_effort": "reasoning effort is not supported; omit reasoning_effort",
+    "verbosity": "verbosity is not supported; omit it",
+    "moderation": "moderation is not supported; omit it",
 }
 TEXT = ("text",)
 

@@ -50,14 +50,15 @@ KNOWN = {"model", "input", "instructions", "tools", "tool_choice", "max_output_t
          "include", "prompt_cache_key", "prompt_cache_retention", "safety_identifier", "stream_options",
          "max_tool_calls"}
 REJECTED = {
-    "previous_response_id": "the gateway keeps no responses; send the whole conversation in input",
-    "conversation": "the gateway keeps no conversations; send the whole conversation in input",
-    "background": "background responses are not supported",
-    "prompt": "prompt templates are not supported",
-    "reasoning": "reasoning options are not supported",
-    "top_logprobs": "only 0 is supported (include message.output_text.logprobs for the sampled token's)",
-    "context_management": "context management is not supported",
-    "moderation": "moderation is not supported",
+    "previous_response_id": "the gateway keeps no responses: send the whole conversation in input",
+    "conversation": "the gateway keeps no conversations: send the whole conversation in input",
+    "background": "background responses are not supported; omit background",
+    "prompt": "prompt templates are not supported; omit prompt",
+    "reasoning": "reasoning options are not supported; omit reasoning",
+    "top_logprobs": "only the sampled token's logprob is returned (include message.output_text.logprobs); "
+                    "send top_logprobs 0",
+    "context_management": "context management is not supported; omit it",
+    "moderation": "moderation is not supported; omit it",
 }
 TEXT = ("input_text", "output_text")
 LOGPROBS = "message.output_text.logprobs"
@@ -127,7 +128,7 @@ def _format(f: Fields) -> dict[str, Any] | None:
     text = f.object("text")
     if text is None:
         return None
-    text.only({"format"}, {"verbosity": "verbosity is not supported"})
+    text.only({"format"}, {"verbosity": "verbosity is not supported; omit it"})
     fmt = text.object("format")
     if fmt is None:
         return None

@@ -1,0 +1,202 @@
+"""The gateway with real harness clients: the ``openai`` SDK (Chat Completions with tools, streaming,
+``n``, logprobs; the Responses API) and the ``anthropic`` SDK against a real router and sim replicas.
+Every sample's generated ids are checked against the Results the engines returned."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from toolkit.client import RouterClient
+from toolkit.config import group_engine
+from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
+from toolkit.gateway.server import Gateway, gateway_settings
+from toolkit.protocol import Generate, Result, Route
+from toolkit.rollout.stepreport import RequestLog
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+AGENT = ["workload=agent", "engine.time_scale=0.05", "router.heartbeat_s=0.2", "workload.max_tokens=48"]
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "Weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+class RecordingClient(RouterClient):
+    """The real client, keeping every Result it got, by request id."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.results: dict[str, Result] = {}
+
+    async def generate(self, msg: Generate) -> tuple[Result, Route | None]:
+        res, route = await super().generate(msg)
+        self.results[msg.request_id] = res
+        return res, route
+
+
+async def serve(cfg, rd, fn, **settings: Any):  # type: ignore[no-untyped-def]
+    """Run ``fn(gateway, client)`` against a gateway on 127.0.0.1 in front of the run's router."""
+    client = RecordingClient(rd)
+    await client.connect(10)
+    chat = ChatTokenizer(chat_tokenizer_dir(cfg))
+    base = gateway_settings(cfg, rd, 0, group_engine(cfg, "throughput").max_model_len)
+    gw = Gateway(dataclasses.replace(base, **settings), chat, client)
+    await gw.start()
+    try:
+        return await asyncio.wait_for(fn(gw, client), 120)
+    finally:
+        await gw.close()
+        await client.close()
+
+
+def generated(sample) -> list[int]:  # type: ignore[no-untyped-def]
+    return [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
+
+
+def test_openai_chat_tools_streaming_n_and_logprobs_keep_the_engines_ids(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run(AGENT)
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, sess = gw.open_session(0, 7, "rollout/0/7", RequestLog())
+        oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=30)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = await oai.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required")
+        call = first.choices[0].message.tool_calls[0]
+        assert first.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        # Streaming: the deltas add up to the whole answer.
+        stream = await oai.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True,
+                                                   stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens > 0
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Pick one."}]
+        two = await oai.chat.completions.create(model="m", messages=messages, n=2, logprobs=True)
+        assert len(two.choices) == 2
+        lp = two.choices[1].logprobs.content
+        assert len(lp) == two.usage.completion_tokens // 2 or lp  # per-token logprobs are there
+        messages += [{"role": "assistant", "content": two.choices[1].message.content},
+                     {"role": "user", "content": "Thanks."}]
+        await oai.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        await gw.close_session(key)
+        samples = sess.samples("completed", "", 1.0)
+        # The line the harness continued: its generated ids are the engine's, turn by turn.
+        final = next(s for s in samples if s.reward == 1.0)
+        rid = "rollout/0/7"
+        expected = (client.results[f"{rid}/1"].output_token_ids + client.results[f"{rid}/2"].output_token_ids
+                    + client.results[f"{rid}/3/1"].output_token_ids + client.results[f"{rid}/4"].output_token_ids)
+        assert [(s.branch, s.error, s.num_turns) for s in samples] == [(0, "", 4), (1, "choice 0 of 2 at turn 2, not continued", 3)], [(s.branch, s.error) for s in samples]
+        assert generated(final) == expected and final.num_turns == 4 and final.branch == 0
+        other = next(s for s in samples if s is not final)
+        assert other.error == "choice 0 of 2 at turn 2, not continued"
+        assert generated(other)[-len(client.results[f"{rid}/3"].output_token_ids):] == \
+            client.results[f"{rid}/3"].output_token_ids
+        # The answer text is the decoding of those ids (without the end token).
+        assert two.choices[1].message.content == gw.chat.content_text(client.results[f"{rid}/3/1"].output_token_ids)
+
+    asyncio.run(serve(cfg, rd, body))
+
+
+def test_responses_api_and_anthropic_messages_with_tools(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run(AGENT)
+    stack.start()
+    fn_tool = {"type": "function", "name": "weather", "description": "Weather of a city.",
+               "parameters": TOOLS[0]["function"]["parameters"]}
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, sess = gw.open_session(0, 1, "rollout/0/1", RequestLog())
+        oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=30)
+        r1 = await oai.responses.create(model="m", instructions="Be brief.", input="Weather in Rome?",
+                                        tools=[fn_tool], tool_choice="required")
+        calls = [o for o in r1.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "weather"
+        follow = [{"role": "user", "content": "Weather in Rome?"},
+                  {"type": "function_call", "call_id": calls[0].call_id, "name": "weather",
+                   "arguments": calls[0].arguments},
+                  {"type": "function_call_output", "call_id": calls[0].call_id, "output": "rainy"}]
+        events = []
+        async with await oai.responses.create(model="m", instructions="Be brief.", input=follow,
+                                              tools=[fn_tool], stream=True) as stream:
+            async for ev in stream:
+                events.append(ev.type)
+        assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+        await gw.close_session(key)
+        [sample] = sess.samples("completed", "", 0.0)
+        assert generated(sample) == (client.results["rollout/0/1/1"].output_token_ids
+                                     + client.results["rollout/0/1/2"].output_token_ids)
+
+        key, sess = gw.open_session(0, 2, "rollout/0/2", RequestLog())
+        ant = anthropic.AsyncAnthropic(base_url=gw.base_url(key)[:-3], api_key="x", max_retries=0, timeout=30)
+        a_tools = [{"name": "weather", "description": "Weather of a city.",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+        m1 = await ant.messages.create(model="m", max_tokens=200, messages=msgs, tools=a_tools,
+                                       tool_choice={"type": "tool", "name": "weather"})
+        use = next(b for b in m1.content if b.type == "tool_use")
+        assert m1.stop_reason == "tool_use" and use.input["city"] in ("Paris", "Rome")
+        msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "warm"}]}]
+        async with ant.messages.stream(model="m", max_tokens=40, messages=msgs, tools=a_tools) as stream:
+            final = await stream.get_final_message()
+        assert final.usage.output_tokens > 0
+        await gw.close_session(key)
+        [sample] = sess.samples("completed", "", 0.0)
+        assert sample.branch == 0 and sample.error == ""
+        assert generated(sample) == (client.results["rollout/0/2/1"].output_token_ids
+                                     + client.results["rollout/0/2/2"].output_token_ids)
+
+    asyncio.run(serve(cfg, rd, body))
+
+
+def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run([*AGENT, "engine.max_model_len=400"])
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, sess = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        url = gw.base_url(key)
+        auth = {"authorization": "Bearer sekrit"}
+        good = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as http:
+            async def post(path: str, body: Any, headers: dict | None = None) -> tuple[int, Any]:
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                async with http.post(url + path, data=data, headers=auth if headers is None else headers) as r:
+                    return r.status, await r.json()
+            st, err = await post("/chat/completions", b'{"model": "m", "messages": [')
+            assert st == 400 and err["error"]["type"] == "invalid_request_error"
+            st, err = await post("/chat/completions", {"model": "m", "messages": "hi"})
+            assert st == 400 and err["error"]["param"] == "messages"
+            st, err = await post("/chat/completions", good, headers={"authorization": "Bearer wrong"})
+            assert st == 401
+            st, err = await post("/messages", {"model": "m", "max_tokens": 4, "messages": []}, headers={})
+            assert st == 401 and err["type"] == "error" and err["error"]["type"] == "authentication_error"
+            async with http.post(url.replace(key, "nope") + "/chat/completions", json=good, headers=auth) as r:
+                assert r.status == 404
+            st, err = await post("/chat/completions", {**good, "messages": [{"role": "user", "content": "x" * 5000}]})
+            assert st == 413, err  # the conversation does not fit the model's context
+            st, err = await post("/chat/completions", {**good, "pad": "y" * 70000})
+            assert st == 413  # the body is over gateway.max_body_mb
+            gw.s.max_concurrent_requests = 1
+            both = await asyncio.gather(post("/chat/completions", good), post("/chat/completions", good))
+            assert sorted(s for s, _ in both) == [200, 429]
+            gw.s.max_concurrent_requests = 8
+            st, ok = await post("/chat/completions", good)
+            assert st == 200 and ok["choices"][0]["message"]["role"] == "assistant"
+            async with http.get(url + "/models", headers=auth) as r:
+                assert r.status == 200 and (await r.json())["data"][0]["id"] == "sim-8b"
+
+    asyncio.run(serve(cfg, rd, body, token="sekrit", max_body_bytes=64 << 10))

@@ -1,0 +1,131 @@
+"""The gateway's session logic with the tiny model's real tokenizer and chat template: the engine's ids
+are kept verbatim, new messages are rendered alone, rewrites and ``n > 1`` choices become branches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from toolkit.gateway.session import GatewaySession
+from toolkit.gateway.types import Choice, ToolCall
+from toolkit.protocol import Result
+
+pytest.importorskip("transformers")
+
+from toolkit.engine.tiny import ensure_tiny_tokenizer  # noqa: E402
+from toolkit.gateway.chat import ChatTokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    return ChatTokenizer(ensure_tiny_tokenizer(tmp_path_factory.mktemp("cache")))
+
+
+def _generated(chat: ChatTokenizer, seed: int, n: int = 40, eos: bool = True) -> list[int]:
+    """Random ids (the kind a sampled model emits) that do not survive decode + encode."""
+    rnd = random.Random(seed)
+    while True:
+        ids = [rnd.randrange(10, chat.vocab_size) for _ in range(n)]
+        if chat.encode(chat.decode(ids)) != ids:
+            break
+    return ids + sorted(chat.eos_ids)[:1] if eos else ids
+
+
+def _turn(chat: ChatTokenizer, sess: GatewaySession, messages: list[dict], ids: list[int],
+          calls: list[ToolCall] | None = None) -> dict:
+    plan = sess.plan(messages, [])
+    res = Result(request_id="r", output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
+    choice = Choice(0, chat.content_text(ids), calls or [], "stop", ids, res.logprobs)
+    sess.commit(plan, messages, [], [res], [choice])
+    return {"role": "assistant", "content": choice.content}, plan
+
+
+def test_turns_keep_the_engines_ids_and_render_only_new_messages(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(0, "job/0/0", chat)
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    g1, g2 = _generated(chat, 1), _generated(chat, 2, eos=False)
+    reply, plan1 = _turn(chat, sess, convo, g1)
+    assert plan1.prompt == chat.encode(chat.render(convo, [], True))
+    convo += [reply, {"role": "user", "content": "and then?"}]
+    reply2, plan2 = _turn(chat, sess, convo, g2)
+    assert plan2.branch_reason is None
+    # The second prompt is the first prompt, the engine's ids verbatim, then only the new text.
+    n = len(plan1.prompt) + len(g1)
+    assert plan2.prompt[:n] == plan1.prompt + g1
+    assert chat.decode(plan2.prompt[n:]) == "\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+    # Re-tokenizing the conversation would not give the engine's ids: the property that matters.
+    assert chat.encode(chat.render(convo, [], True))[:n] != plan2.prompt[:n]
+    # A generation cut by its budget (no end token) gets the template's whole closing.
+    convo += [reply2, {"role": "user", "content": "ok"}]
+    plan3 = sess.plan(convo, [])
+    m = len(plan2.prompt) + len(g2)
+    assert plan3.prompt[:m] == plan2.prompt + g2
+    assert chat.decode(plan3.prompt[m:]).startswith("<|im_end|>\n<|im_start|>user\nok")
+
+    [sample] = sess.samples("completed", "", 1.0)
+    assert sample.tokens == plan2.prompt + g2
+    assert [t for t, m in zip(sample.tokens, sample.loss_mask, strict=True) if m] == g1 + g2
+    assert sample.prompt_length == len(plan1.prompt) and sample.num_turns == 2 and sample.reward == 1.0
+    sample.check()
+
+
+def test_tool_calls_echoed_with_other_json_spacing_still_extend_the_session(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(0, "job/0/1", chat)
+    convo = [{"role": "user", "content": "add 2 and 3"}]
+    call = ToolCall("call_1", "add", '{"a":2,"b":3}')
+    _, plan1 = _turn(chat, sess, convo, _generated(chat, 3), [call])
+    echo = {"role": "assistant", "content": chat.content_text(sess.line.sample.tokens[len(plan1.prompt):]),
+            "tool_calls": [{"id": "call_1", "name": "add", "arguments": '{"b": 3, "a": 2}'}]}
+    convo += [echo, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    assert sess.plan(convo, []).branch_reason is None
+
+
+def test_a_rewritten_history_starts_a_branch_recorded_with_its_reason(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(3, "job/0/3", chat)
+    convo = [{"role": "user", "content": "hi"}]
+    reply, _ = _turn(chat, sess, convo, _generated(chat, 4))
+    edited = [*convo, {**reply, "content": "I rewrote this"}, {"role": "user", "content": "go on"}]
+    plan = sess.plan(edited, [])
+    assert plan.branch_reason is not None and "message 1 (assistant)" in plan.branch_reason
+    assert plan.prompt == chat.encode(chat.render(edited, [], True))
+    _turn(chat, sess, edited, _generated(chat, 5))
+    dropped = sess.plan([{"role": "user", "content": "hi"}], [])
+    assert "dropped" in dropped.branch_reason
+    tools = sess.plan([*edited, {"role": "user", "content": "x"}], [{"name": "f", "parameters": {}}])
+    assert tools.branch_reason == "the tools changed"
+    first, second = sess.samples("completed", "", 0.5)
+    assert (first.branch, second.branch) == (0, 1)
+    assert first.error == "" and second.error.startswith("branch 1 at turn 1: message 1 (assistant) differs")
+    assert second.reward == 0.5 and first.reward == 0.0
+
+
+def test_n_choices_the_continued_one_stays_the_others_become_branches(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(0, "job/0/4", chat)
+    convo = [{"role": "user", "content": "pick"}]
+    plan = sess.plan(convo, [])
+    ids = [_generated(chat, 10 + k) for k in range(3)]
+    results = [Result(request_id=f"r{k}", output_token_ids=i, logprobs=[-1.0] * len(i), finish_reason="stop")
+               for k, i in enumerate(ids)]
+    choices = [Choice(k, chat.content_text(i), [], "stop", i, r.logprobs)
+               for k, (i, r) in enumerate(zip(ids, results, strict=True))]
+    sess.commit(plan, convo, [], results, choices)
+    chosen = [*convo, {"role": "assistant", "content": choices[2].content}, {"role": "user", "content": "more"}]
+    nxt = sess.plan(chosen, [])
+    assert nxt.branch_reason is None and nxt.prompt[:len(plan.prompt) + len(ids[2])] == plan.prompt + ids[2]
+    out = sess.samples("completed", "", 1.0)
+    assert len(out) == 3
+    final = next(s for s in out if s.reward == 1.0)
+    assert final.tokens == plan.prompt + ids[2]
+    notes = sorted(s.error for s in out if s is not final)
+    assert notes == ["choice 0 of 3 at turn 0, not continued", "choice 1 of 3 at turn 0, not continued"]
+
+
+def test_a_failed_session_keeps_what_it_generated(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(0, "job/0/5", chat, record_messages=True)
+    _turn(chat, sess, [{"role": "user", "content": "hi"}], _generated(chat, 6))
+    [s] = sess.samples("failed", "agent raised ValueError: boom", 0.0)
+    assert s.status == "failed" and s.error == "agent raised ValueError: boom" and s.num_turns == 1
+    assert '"role": "assistant"' in s.messages
+    empty = GatewaySession(1, "job/0/6", chat).samples("failed", "agent timed out", 0.0)
+    assert len(empty) == 1 and empty[0].tokens == [] and empty[0].status == "failed"
