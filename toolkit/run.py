@@ -124,8 +124,7 @@ class Run:
             code = self.ranks.exit_code()
             if code is not None:
                 if code != 0:
-                    raise ComponentFailed(f"rollout ranks exited with {code}; last lines of "
-                                          f"{self.run_dir.logs / 'ranks.out'}:\n{_tail(self.run_dir.logs / 'ranks.out')}")
+                    raise ComponentFailed(f"rollout ranks exited with {code}; {self._ranks_failure()}")
                 if next_step < cfg.steps and read_json(self.run_dir.step_report(next_step)) is None:
                     raise ComponentFailed(f"ranks exited 0 but step {next_step} has no report")
                 if next_step >= cfg.steps:
@@ -135,6 +134,18 @@ class Run:
             self._replace_dead_replicas()
             time.sleep(0.1)
         return self.summary()
+
+    def _ranks_failure(self) -> str:
+        """What the failing rank said: its own log holds the error, written before it aborted (the
+        launcher's forwarded output can lag behind the exit, or end before the message)."""
+        for log in sorted(self.run_dir.logs.glob("rank-*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            start = next((i for i in range(len(lines) - 1, -1, -1)
+                          if " ERROR " in lines[i] and f"{log.stem.replace('-', ' ')} failed" in lines[i]), None)
+            if start is not None:
+                return f"{log}:\n" + "\n".join(lines[start:start + 25])
+        out = self.run_dir.logs / "ranks.out"
+        return f"last lines of {out}:\n{_tail(out)}"
 
     def _keep_router(self) -> None:
         assert self.router is not None

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
         # One rank failing must end the step on every rank, never leave the others in a collective.
-        logger.error("rank %d failed:\n%s", comm.Get_rank(), traceback.format_exc())
+        logger.error("rank %d failed: %s\n%s", comm.Get_rank(), exc, traceback.format_exc())
         print(f"rank {comm.Get_rank()} failed: {exc!r}", file=sys.stderr, flush=True)
         comm.Abort(1)
     return 0

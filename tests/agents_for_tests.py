@@ -1,0 +1,49 @@
+"""Agents for the launch tests: real harnesses over HTTP (the ``openai`` SDK), and ones that fail in the
+ways real ones do (raise, hang, send malformed JSON)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"word": {"enum": ["cat", "dog", "fox"]}},
+                   "required": ["word"], "additionalProperties": False}}}]
+
+
+async def openai_tools(base_url: str, task: dict[str, Any], turns: int = 3, tool_latency_s: float = 0.05) -> float:
+    """``turns - 1`` forced tool calls (each answered after a slow tool), then a free answer."""
+    client = openai.AsyncOpenAI(base_url=base_url, timeout=60, max_retries=2)  # key from OPENAI_API_KEY
+    messages: list[Any] = [{"role": "user", "content": f"Task {task['index']}: look words up."}]
+    for turn in range(turns):
+        last = turn == turns - 1
+        out = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                   tool_choice="none" if last else "required", max_tokens=64)
+        msg = out.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls or []:
+            await asyncio.sleep(tool_latency_s)  # the rank's other sessions go on meanwhile
+            word = json.loads(call.function.arguments)["word"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{word}: an animal"})
+    await client.close()
+    return 1.0
+
+
+async def flaky(base_url: str, task: dict[str, Any]) -> float:
+    """Session 3 raises, 5 hangs, 6 sends malformed JSON; the others are real tool-calling sessions."""
+    index = task["index"]
+    if index == 3:
+        raise RuntimeError("agent crashed on session 3")
+    if index == 5:
+        await asyncio.sleep(3600)
+    if index == 6:
+        async with aiohttp.ClientSession() as http, http.post(
+                f"{base_url}/chat/completions", data=b'{"messages": [{"role": "user", "content": "hi"',
+                headers={"content-type": "application/json"}) as r:
+            raise ValueError(f"the gateway answered {r.status}: {(await r.json())['error']['message'][:60]}")
+    return await openai_tools(base_url, task)
