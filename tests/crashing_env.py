@@ -1,6 +1,9 @@
-"""An environment that raises on a chosen session: for the "a rank crashes" teardown test."""
+"""Environments that fail on a chosen session: one raises (its sample fails), one takes its rank down
+(the whole run fails, and tears down)."""
 
 from __future__ import annotations
+
+import os
 
 from toolkit.rollout.envs import EnvStep, SingleTurnEnv
 from toolkit.rollout.prompts import Prompt
@@ -19,4 +22,13 @@ class CrashOnSession(SingleTurnEnv):
     def step(self, generated: list[int], finish_reason: str) -> EnvStep:
         if self.index == self.crash_index:
             raise RuntimeError(f"environment crashed on session {self.index}")
+        return super().step(generated, finish_reason)
+
+
+class ExitOnSession(CrashOnSession):
+    """Exits its rank's process outright (as a segfaulting extension would): not a sample's failure."""
+
+    def step(self, generated: list[int], finish_reason: str) -> EnvStep:
+        if self.index == self.crash_index:
+            os._exit(13)
         return super().step(generated, finish_reason)

@@ -107,13 +107,35 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     assert_no_process_left(run)
 
 
+def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(tmp_path: Path) -> None:
+    crash = ["workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
+             "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"]
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", *crash], cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stdout + out.stderr  # 1 of 32 is within the default budget (0.1)
+    rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    assert rows[3]["status"] == "failed"
+    assert rows[3]["error"] == "environment raised RuntimeError: environment crashed on session 3"
+    assert all(r["status"] == "completed" for r in rows if r["index"] != 3)
+    assert_no_process_left(run)
+
+    run = tmp_path / "strict"
+    out = launch([f"hydra.run.dir={run}", *FAST, *crash, "rollout.max_failed_fraction=0"],
+                 cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert ("step 0: 1 of 32 samples failed (3.1%), more than rollout.max_failed_fraction = 0.0; first errors: "
+            "session 3: environment raised RuntimeError: environment crashed on session 3") in out.stdout + out.stderr
+    assert (run / "steps" / "step_00000.parquet").exists()  # the step's files are written before the run ends
+    assert_no_process_left(run)
+
+
 def test_a_crashing_rank_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "workload.env._target_=tests.crashing_env.CrashOnSession",
+    out = launch([f"hydra.run.dir={run}", *FAST, "workload.env._target_=tests.crashing_env.ExitOnSession",
                   "+workload.env.crash_index=3", "~workload.env.max_turns", "~workload.env.observation_tokens",
                   "~workload.env.vocab_size"], cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "environment crashed on session 3" in out.stdout + out.stderr
+    assert "rollout ranks exited" in out.stdout + out.stderr
     assert_no_process_left(run)
 
 

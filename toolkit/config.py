@@ -610,7 +610,14 @@ def _sim_checks(e: SimEngineConfig) -> list[tuple[str, Any, bool, str]]:
          ">= 0"),
         ("output_len_session_share", e.output_len_session_share, 0 <= e.output_len_session_share <= 1,
          "in [0, 1]"),
+        ("tokenizer", e.tokenizer, _tokenizer_problem(e.tokenizer) is None, f"{_tokenizer_problem(e.tokenizer)}"),
     ]
+
+
+def _tokenizer_problem(spec: Any) -> str | None:
+    from toolkit.rollout.tokenizer import tokenizer_problem
+
+    return tokenizer_problem(spec)
 
 
 def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
