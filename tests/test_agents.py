@@ -62,3 +62,16 @@ def test_a_harness_program_per_session_and_the_failure_budget(tmp_path: Path) ->
     assert all(rows[i]["status"] == "completed" and rows[i]["reward"] == 0.25 and rows[i]["num_turns"] == 2
                for i in (0, 2, 3))
     assert_no_process_left(run)
+
+
+@pytest.mark.parametrize("example", ["openai_agent", "anthropic_agent"])
+def test_the_examples_run_as_readme_shows(tmp_path: Path, example: str) -> None:
+    pytest.importorskip("anthropic")
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "sessions_per_step=6",
+                  f"workload.agent._target_=examples.{example}.solve"], cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    assert len(rows) == 6 and all(r["status"] == "completed" and r["num_turns"] >= 2 for r in rows), \
+        [(r["status"], r["error"]) for r in rows]
+    assert_no_process_left(run)

@@ -97,3 +97,32 @@ def test_cli_rejects_unknown_key(tmp_path: Path) -> None:
     out = launch([f"hydra.run.dir={tmp_path / 'run'}", "not_a_field=3"], timeout_s=60)
     assert out.returncode != 0
     assert "not_a_field" in out.stdout + out.stderr
+
+
+def test_agent_workload_errors_are_reported_at_once(tmp_path: Path) -> None:
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        cfg = compose_config(["workload=agent", "workload.agent._target_=no_such_pkg.solve",
+                              f"workload.tokenizer={tmp_path}", "gateway.tool_parser=mistral",
+                              f"gateway.port={port}", "rollout.max_failed_fraction=2", "workload.env_timeout_s=0"])
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+    finally:
+        busy.close()
+    fields = {e.field: e for e in err.value.errors}
+    assert set(fields) == {"workload.agent._target_", "workload.tokenizer", "gateway.tool_parser", "gateway.port",
+                           "rollout.max_failed_fraction", "workload.env_timeout_s"}
+    assert "no_such_pkg" in str(fields["workload.agent._target_"].allowed)
+    assert "tokenizer_config.json" in fields["workload.tokenizer"].allowed
+    assert "one of ['hermes', 'none']" in fields["gateway.tool_parser"].allowed
+    assert f"in use: [{port}]" in fields["gateway.port"].allowed
+    # A model directory without a chat template is refused too, naming what is missing.
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    cfg = compose_config(["workload=agent", f"workload.tokenizer={tmp_path}"])
+    with pytest.raises(ConfigError, match="has no chat_template"):
+        validate(cfg)

@@ -12,11 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from toolkit.client import RouterClient
+from toolkit.bench.gateway import RecordingClient
 from toolkit.config import group_engine
 from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
 from toolkit.gateway.server import Gateway, gateway_settings
-from toolkit.protocol import Generate, Result, Route
 from toolkit.rollout.stepreport import RequestLog
 
 openai = pytest.importorskip("openai")
@@ -27,19 +26,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "weather", "description": "Weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
                    "required": ["city"], "additionalProperties": False}}}]
-
-
-class RecordingClient(RouterClient):
-    """The real client, keeping every Result it got, by request id."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.results: dict[str, Result] = {}
-
-    async def generate(self, msg: Generate) -> tuple[Result, Route | None]:
-        res, route = await super().generate(msg)
-        self.results[msg.request_id] = res
-        return res, route
 
 
 async def serve(cfg, rd, fn, **settings: Any):  # type: ignore[no-untyped-def]

@@ -12,4 +12,5 @@ BENCHMARKS = {
     "vllm": "toolkit.bench.vllm",
     "merge": "toolkit.bench.merge",
     "tail": "toolkit.bench.tail",
+    "gateway": "toolkit.bench.gateway",
 }

@@ -224,9 +224,12 @@ class Gateway:
                 result = await self.turn(entry, req)
             finally:
                 self.inflight -= 1
+            # What the turn spent in the router and engines: the rest of a call's time is the gateway's.
+            timing = {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"}
             if not req.stream:
-                return web.json_response(proto.respond(req, result), dumps=_dumps)
-            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+                return web.json_response(proto.respond(req, result), dumps=_dumps, headers=timing)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
+                                               **timing})
             await resp.prepare(request)
             for frame in proto.stream(req, result):
                 await resp.write(frame)
@@ -289,7 +292,7 @@ class Gateway:
             sess.commit(plan, req.messages, req.tools, results, choices)
         return ChatResult(id=secrets.token_hex(12), model=req.model or s.model, created=int(sent), choices=choices,
                           prompt_tokens=len(plan.prompt), completion_tokens=sum(len(c.token_ids) for c in choices),
-                          cached_tokens=results[0].cached_tokens)
+                          cached_tokens=results[0].cached_tokens, generate_s=done - sent)
 
     def _choice(self, k: int, res: Result, req: ChatRequest, bare_call: bool) -> Choice:
         ids = res.output_token_ids

@@ -96,3 +96,5 @@ class ChatResult:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    generate_s: float = 0.0
+    """Seconds the turn spent in the router and engines (the ``x-toolkit-generate-ms`` header)."""
