@@ -6,6 +6,7 @@ signalled). Teardown and tests stop exactly those processes; nothing is ever kil
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -150,3 +151,13 @@ def setup_logging(log_file: Path | None = None, level: int = logging.INFO) -> No
         handlers=handlers,
         force=True,
     )
+
+
+def quiet_gc(gen0: int = 50_000) -> None:
+    """Keep the cyclic garbage collector out of a serving loop's way: what was allocated at startup
+    (modules, config, tokenizer) is frozen out of every collection, and the young generation is
+    collected less often. Measured on a rank serving 256 agent sessions (``toolkit/bench/gateway.py``):
+    time in collections 0.47-1.7 s -> 0.32-0.35 s per run."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(gen0, *gc.get_threshold()[1:])

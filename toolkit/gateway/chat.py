@@ -138,6 +138,24 @@ class ChatTokenizer:
                                "its generation prompt: the gateway cannot keep the model's ids exactly")
         return full[full.index(_PLACEHOLDER) + len(_PLACEHOLDER):]
 
+    def continuation(self, held: Sequence[Message], new: Sequence[Message],
+                     tools: Sequence[dict[str, Any]]) -> str | None:
+        """The text the template writes for ``new`` (and the generation prompt) after ``held``, a
+        conversation that ends with the engine's own assistant turn; None if the template does not
+        write ``held`` as a prefix of it.
+
+        One rendering, with a placeholder for that turn's content: what follows the placeholder's
+        closing is the new messages' text, whatever the template does with earlier turns (some drop
+        earlier reasoning, for instance), which the session never re-reads anyway."""
+        if not held or held[-1].get("role") != "assistant":
+            before = self.render(held, tools, False)
+            full = self.render([*held, *new], tools, True)
+            return full[len(before):] if full.startswith(before) else None
+        text = self.render([*held[:-1], {**held[-1], "content": _PLACEHOLDER}, *new], tools, True)
+        at = text.find(_PLACEHOLDER)
+        end = text.find(self.closing, at + len(_PLACEHOLDER)) if at >= 0 else -1
+        return None if end < 0 else text[end + len(self.closing):]
+
     def glue(self, generated: Sequence[int]) -> str:
         """The part of the assistant turn's closing that the generated ids do not already hold: after
         an end token the engine stopped on, what the template writes after that token (``"\\n"`` in

@@ -107,14 +107,13 @@ class GatewaySession:
         why = "the tools changed" if line.tools != tools else divergence(line.messages, messages)
         if why is None:
             # The held messages stand for the sent ones (equal as turns, maybe not as text: JSON
-            # spacing of tool arguments), so both renderings start from the held ones.
-            held = self.chat.render(line.messages, tools, False)
-            full = self.chat.render([*line.messages, *messages[len(line.messages):]], tools, True)
-            if not full.startswith(held):
+            # spacing of tool arguments), so the rendering starts from the held ones.
+            text = self.chat.continuation(line.messages, messages[len(line.messages):], tools)
+            if text is None:
                 why = "the chat template did not render the conversation as an extension of the session's"
             else:
                 glue = self.chat.glue(line.last_generated) if line.last_generated else ""
-                return Plan(line.sample.tokens + self.chat.encode(glue + full[len(held):]))
+                return Plan(line.sample.tokens + self.chat.encode(glue + text))
         return Plan(self._fresh(messages, tools), why)
 
     def _fresh(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[int]:

@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from toolkit.client import RouterClient, weights_for_step
 from toolkit.config import Config, group_engine, load_run_config
 from toolkit.errors import ToolkitError
-from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
+from toolkit.lifecycle import ProcessRef, exit_on_sigterm, quiet_gc, setup_logging, watch_owner, write_pidfile
 from toolkit.protocol import Generate, Sampling
 from toolkit.rollout.columns import STAT_COLUMNS, Columns, gather_columns, pack, to_table, write_parquet
 from toolkit.rollout.envs import Environment
@@ -112,6 +112,7 @@ class RankRunner:
         try:
             if self.agent is not None:
                 await self._start_gateway()
+            quiet_gc()
             for step in range(self.cfg.steps):
                 await self.run_step(step)
         finally:
