@@ -48,6 +48,19 @@ def test_tail_bench_reports_its_fields(tmp_path: Path) -> None:
         assert lo <= hi
 
 
+def test_gateway_bench_reports_its_fields_and_finds_every_id_exact(tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    r = bench("gateway", tmp_path)
+    fields = {"sessions_per_s_gateway", "sessions_per_s_direct", "ratio", "added_latency_ms_p50",
+              "added_latency_ms_p99", "token_mismatches", "turns_checked", "roundtrip_failures", "unloaded"}
+    assert fields <= set(r)
+    assert r["ratio"] == pytest.approx(r["sessions_per_s_gateway"] / r["sessions_per_s_direct"], rel=0.01)
+    # Correctness, not timing: every turn's ids in the samples are the engine's, on a tokenizer whose
+    # decode + encode does not give them back.
+    assert r["turns_checked"] == 2 * r["sessions"] * r["turns_per_session"] and r["token_mismatches"] == 0
+    assert r["roundtrip_failures"] > 0
+
+
 def test_unknown_benchmark_names_the_choices(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "toolkit.bench", "nope", "--json", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=60)

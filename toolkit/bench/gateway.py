@@ -236,14 +236,24 @@ async def _cold_caches(run_dir: Path) -> None:
         await client.close()
 
 
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
 def _measure(pool: Any, run_dir: Path, n: int, rounds: int, tool_s: float, arms: tuple[str, ...]) -> dict[str, Any]:
     """Alternate the arms ``rounds`` times; per arm: sessions/s, rank CPU per turn, added latency."""
     rates: dict[str, list[float]] = {a: [] for a in (*arms, "direct")}
     cpu: dict[str, list[float]] = {a: [] for a in rates}
+    busy: dict[str, list[float]] = {a: [] for a in rates}
     added: dict[str, list[float]] = {a: [] for a in arms}
     turns = mismatches = roundtrip = 0
 
-    def record(arm: str, out: list[dict[str, Any]]) -> None:
+    def record(arm: str, out: list[dict[str, Any]], before: tuple[int, int]) -> None:
+        after = _busy_jiffies()
+        busy[arm].append((after[0] - before[0]) / max(1, after[1] - before[1]))
         rates[arm].append(RANKS * n / (max(r["end"] for r in out) - min(r["start"] for r in out)))
         cpu[arm].append(1000 * sum(r["cpu_s"] for r in out) / sum(r["turns"] for r in out))
 
@@ -251,8 +261,9 @@ def _measure(pool: Any, run_dir: Path, n: int, rounds: int, tool_s: float, arms:
         replay = None
         for arm in arms:
             asyncio.run(_cold_caches(run_dir))
+            before = _busy_jiffies()
             out = pool.starmap(_worker, [(arm, str(run_dir), r, n, tool_s) for r in range(RANKS)])
-            record(arm, out)
+            record(arm, out, before)
             for r in out:
                 added[arm] += r["added_ms"]
                 turns += r["turns"]
@@ -260,8 +271,9 @@ def _measure(pool: Any, run_dir: Path, n: int, rounds: int, tool_s: float, arms:
                 roundtrip += r["roundtrip_failures"]
             replay = replay or [r["replay"] for r in out]
         asyncio.run(_cold_caches(run_dir))
+        before = _busy_jiffies()
         out = pool.starmap(_worker, [("direct", str(run_dir), r, replay[r], tool_s) for r in range(RANKS)])
-        record("direct", out)
+        record("direct", out, before)
     mean = {a: statistics.mean(v) for a, v in rates.items()}
     res: dict[str, Any] = {}
     for arm in arms:
@@ -272,6 +284,7 @@ def _measure(pool: Any, run_dir: Path, n: int, rounds: int, tool_s: float, arms:
         res[f"added_latency_ms_p99{'' if arm == 'openai' else '_' + arm}"] = round(float(np.percentile(added[arm], 99)), 3)
     res["sessions_per_s_direct"] = round(mean["direct"], 2)
     res["rank_cpu_ms_per_turn"] = {a: round(statistics.mean(v), 3) for a, v in cpu.items()}
+    res["machine_cpu_busy"] = {a: round(statistics.mean(v), 3) for a, v in busy.items()}
     res.update(token_mismatches=mismatches, turns_checked=turns, roundtrip_failures=roundtrip,
                rates_per_round={a: [round(x, 2) for x in v] for a, v in rates.items()}, tool_s=tool_s)
     return res

@@ -248,7 +248,11 @@ class RankRunner:
                 deadline=time.time() + cfg.rollout.request_timeout_s,
             )
             sent = time.time()
-            res, route = await self.client.generate(msg)
+            try:
+                res, route = await self.client.generate(msg)
+            except asyncio.CancelledError:  # the session timed out: its request leaves the engines too
+                await self.client.abort(msg.request_id)
+                raise
             log.add(res, route, len(context), sent, time.time())
             if res.status != "ok":
                 sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
