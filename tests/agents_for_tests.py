@@ -16,8 +16,17 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["word"], "additionalProperties": False}}}]
 
 
-async def openai_tools(base_url: str, task: dict[str, Any], turns: int = 3, tool_latency_s: float = 0.05) -> float:
-    """``turns - 1`` forced tool calls (each answered after a slow tool), then a free answer."""
+async def openai_tools(base_url: str, task: dict[str, Any], turns: int = 3, tool_latency_s: float = 0.05,
+                       check_outsider: bool = False) -> float:
+    """``turns - 1`` forced tool calls (each answered after a slow tool), then a free answer.
+    ``check_outsider``: first make sure a client without the run's key is turned away (401)."""
+    if check_outsider:
+        outsider = openai.AsyncOpenAI(base_url=base_url, api_key="guess", timeout=60, max_retries=0)
+        try:
+            await outsider.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+            raise AssertionError("an outsider got in")
+        except openai.AuthenticationError:
+            pass
     client = openai.AsyncOpenAI(base_url=base_url, timeout=60, max_retries=2)  # key from OPENAI_API_KEY
     messages: list[Any] = [{"role": "user", "content": f"Task {task['index']}: look words up."}]
     for turn in range(turns):

@@ -75,3 +75,19 @@ def test_the_examples_run_as_readme_shows(tmp_path: Path, example: str) -> None:
     assert len(rows) == 6 and all(r["status"] == "completed" and r["num_turns"] >= 2 for r in rows), \
         [(r["status"], r["error"]) for r in rows]
     assert_no_process_left(run)
+
+
+def test_with_curve_only_the_runs_agents_get_in(tmp_path: Path) -> None:
+    """Where the router uses CURVE, the gateways admit only the run's token, which the ranks hand to
+    their agents through OPENAI_API_KEY: the run's own agents complete, the token file is private."""
+    import stat
+
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "sessions_per_step=4", "router.curve=true",
+                  "workload.agent._target_=tests.agents_for_tests.openai_tools", "+workload.agent.check_outsider=true"],
+                 cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    assert all(r["status"] == "completed" and r["num_turns"] == 3 for r in rows), [r["error"] for r in rows]
+    assert stat.S_IMODE((run / "keys" / "gateway.token").stat().st_mode) == 0o600
+    assert_no_process_left(run)

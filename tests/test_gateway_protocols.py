@@ -17,7 +17,8 @@ from aiohttp import web
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
-from toolkit.gateway.protocols import PROTOCOLS, SSE_CONTENT_TYPE, Protocol
+from toolkit.gateway.protocols import PROTOCOLS, Protocol
+from toolkit.gateway.server import answer
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, ToolCall
 
 CHAT, RESPONSES, MESSAGES = PROTOCOLS["chat"], PROTOCOLS["responses"], PROTOCOLS["messages"]
@@ -396,14 +397,7 @@ class Gateway:
                 res = copy.deepcopy(RESULTS[req.model])
             except GatewayError as err:
                 return web.json_response(proto.error_body(err), status=err.status)
-            if not req.stream:
-                return web.json_response(proto.respond(req, res))
-            resp = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            for frame in proto.stream(req, res):
-                await resp.write(frame)
-            await resp.write_eof()
-            return resp
+            return await answer(request, proto, req, res)
 
         return handle
 
@@ -429,6 +423,13 @@ OA_TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 EXPECTED_CALLS = [("call_a", "get_weather", {"city": "Paris"}), ("call_b", "get_time", {"tz": "CET"})]
+# The canonical follow-up every protocol's harness sends after the two calls: the calls, then each result.
+TWO_CALLS_ANSWERED = [
+    {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"id": "call_b", "name": "get_time", "arguments": '{"tz": "CET"}'}]},
+    {"role": "tool", "content": "ok", "tool_call_id": "call_a", "name": "get_weather"},
+    {"role": "tool", "content": "ok", "tool_call_id": "call_b", "name": "get_time"}]
 
 
 def test_openai_chat_sdk() -> None:
@@ -447,12 +448,7 @@ def test_openai_chat_sdk() -> None:
             # the SDK's own message object goes back in the next turn, followed by the tool results
             follow = [*user, msg, *({"role": "tool", "tool_call_id": c, "content": "ok"} for c in ("call_a", "call_b"))]
             out = await client.chat.completions.create(model="text", messages=follow, tools=OA_TOOLS, logprobs=True)
-            assert gw.seen[-1].messages[1:] == [
-                {"role": "assistant", "content": "Checking.", "tool_calls": [
-                    {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-                    {"id": "call_b", "name": "get_time", "arguments": '{"tz": "CET"}'}]},
-                {"role": "tool", "content": "ok", "tool_call_id": "call_a", "name": "get_weather"},
-                {"role": "tool", "content": "ok", "tool_call_id": "call_b", "name": "get_time"}]
+            assert gw.seen[-1].messages[1:] == TWO_CALLS_ANSWERED
             assert out.choices[0].message.content == "Hello there" and out.choices[0].finish_reason == "stop"
             assert out.choices[0].logprobs and [t.token for t in out.choices[0].logprobs.content or []] == ["Hel", "lo"]
 
@@ -536,12 +532,7 @@ def test_openai_responses_sdk() -> None:
             follow = [*user, *out.output,
                       *({"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in calls)]
             await client.responses.create(model="text", input=follow, tools=RESP_TOOLS)
-            assert gw.seen[-1].messages[1:] == [
-                {"role": "assistant", "content": "Checking.", "tool_calls": [
-                    {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-                    {"id": "call_b", "name": "get_time", "arguments": '{"tz": "CET"}'}]},
-                {"role": "tool", "content": "ok", "tool_call_id": "call_a", "name": "get_weather"},
-                {"role": "tool", "content": "ok", "tool_call_id": "call_b", "name": "get_time"}]
+            assert gw.seen[-1].messages[1:] == TWO_CALLS_ANSWERED
 
             async with client.responses.stream(model="tools", input=user, tools=RESP_TOOLS) as helper:
                 final = await helper.get_final_response()
@@ -586,12 +577,7 @@ def test_anthropic_sdk() -> None:
             results = [{"type": "tool_result", "tool_use_id": b.id, "content": "ok"} for b in uses]
             follow = [*user, {"role": "assistant", "content": out.content}, {"role": "user", "content": results}]
             out = await client.messages.create(model="text", max_tokens=64, messages=follow, tools=ANT_TOOLS)
-            assert gw.seen[-1].messages[1:] == [
-                {"role": "assistant", "content": "Checking.", "tool_calls": [
-                    {"id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-                    {"id": "call_b", "name": "get_time", "arguments": '{"tz": "CET"}'}]},
-                {"role": "tool", "content": "ok", "tool_call_id": "call_a", "name": "get_weather"},
-                {"role": "tool", "content": "ok", "tool_call_id": "call_b", "name": "get_time"}]
+            assert gw.seen[-1].messages[1:] == TWO_CALLS_ANSWERED
             assert out.stop_reason == "end_turn" and out.content[0].type == "text"
 
             async with client.messages.stream(model="tools", max_tokens=64, messages=user,

@@ -31,7 +31,7 @@ from aiohttp import web
 from toolkit.client import RouterClient
 from toolkit.config import Config
 from toolkit.gateway.chat import ChatTokenizer
-from toolkit.gateway.protocols import PROTOCOLS
+from toolkit.gateway.protocols import PROTOCOLS, SSE_CONTENT_TYPE
 from toolkit.gateway.protocols.base import Protocol
 from toolkit.gateway.session import GatewaySession
 from toolkit.gateway.toolcalls import get_parser, parse_constrained_call, tool_call_schema
@@ -225,16 +225,8 @@ class Gateway:
             finally:
                 self.inflight -= 1
             # What the turn spent in the router and engines: the rest of a call's time is the gateway's.
-            timing = {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"}
-            if not req.stream:
-                return web.json_response(proto.respond(req, result), dumps=_dumps, headers=timing)
-            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
-                                               **timing})
-            await resp.prepare(request)
-            for frame in proto.stream(req, result):
-                await resp.write(frame)
-            await resp.write_eof()
-            return resp
+            return await answer(request, proto, req, result,
+                                {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"})
         return handle
 
     # ---- one turn ----------------------------------------------------------------------------
@@ -310,6 +302,19 @@ class Gateway:
             finish = "tool_calls"
         tokens_text = [self.chat.decode([t]) for t in ids] if req.logprobs else []
         return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text)
+
+
+async def answer(request: web.Request, proto: Protocol, req: ChatRequest, result: ChatResult,
+                 headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """The protocol's answer: one JSON body, or its server-sent events when the call streams."""
+    if not req.stream:
+        return web.json_response(proto.respond(req, result), dumps=_dumps, headers=headers)
+    resp = web.StreamResponse(headers={"content-type": SSE_CONTENT_TYPE, "cache-control": "no-cache", **(headers or {})})
+    await resp.prepare(request)
+    for frame in proto.stream(req, result):
+        await resp.write(frame)
+    await resp.write_eof()
+    return resp
 
 
 def _dumps(obj: Any) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, Message
@@ -198,6 +198,32 @@ def function_tool(f: Fields, schema_key: str = "parameters") -> dict[str, Any]:
     schema = f.object(schema_key)
     return {"name": name, "description": f.text("description") or "",
             "parameters": schema.data if schema is not None else {"type": "object", "properties": {}}}
+
+
+def openai_tool_choice(f: Fields, name_of: Callable[[Fields], str | None]) -> str | dict[str, str]:
+    """OpenAI's ``tool_choice``: a mode string, or a function object whose name ``name_of`` reads
+    (Chat Completions nests it under ``function``, Responses does not)."""
+    value = f.get("tool_choice")
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        return f.text("tool_choice", choices=("auto", "none", "required")) or "auto"
+    c = Fields(value, "tool_choice")
+    c.text("type", required=True, choices=("function",))
+    return {"name": name_of(c) or ""}
+
+
+def json_format(fmt: Fields | None, schema_of: Callable[[Fields], Any]) -> dict[str, Any] | None:
+    """An OpenAI output format (``text`` / ``json_object`` / ``json_schema``) as a ChatRequest's
+    ``response_format``; ``schema_of`` reads the schema (where it sits differs by API)."""
+    if fmt is None:
+        return None
+    kind = fmt.text("type", required=True, choices=("text", "json_object", "json_schema"))
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "schema": schema_of(fmt)}
 
 
 def check_tools(tools: list[dict[str, Any]], tool_choice: str | dict[str, str], param: str,

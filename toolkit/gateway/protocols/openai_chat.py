@@ -25,7 +25,9 @@ from toolkit.gateway.protocols.base import (
     bad,
     check_tools,
     function_tool,
+    json_format,
     link_tool_names,
+    openai_tool_choice,
     show,
     sse,
     text_parts,
@@ -109,29 +111,11 @@ def _tools(f: Fields) -> list[dict[str, Any]]:
 
 
 def _tool_choice(f: Fields) -> str | dict[str, str]:
-    value = f.get("tool_choice")
-    if value is None:
-        return "auto"
-    if isinstance(value, str):
-        return f.text("tool_choice", choices=("auto", "none", "required")) or "auto"
-    c = Fields(value, "tool_choice")
-    c.text("type", required=True, choices=("function",))
-    fn = c.child("function")
-    return {"name": fn.text("name", required=True) or ""}
+    return openai_tool_choice(f, lambda c: c.child("function").text("name", required=True))
 
 
 def _response_format(f: Fields) -> dict[str, Any] | None:
-    rf = f.object("response_format")
-    if rf is None:
-        return None
-    kind = rf.text("type", required=True, choices=("text", "json_object", "json_schema"))
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    js = rf.child("json_schema")
-    schema = js.child("schema")
-    return {"type": "json_schema", "schema": schema.data}
+    return json_format(f.object("response_format"), lambda fmt: fmt.child("json_schema").child("schema").data)
 
 
 class ChatCompletions(Protocol):

@@ -35,7 +35,9 @@ from toolkit.gateway.protocols.base import (
     check_tools,
     function_tool,
     is_noop,
+    json_format,
     link_tool_names,
+    openai_tool_choice,
     prefixed,
     show,
     sse,
@@ -114,14 +116,7 @@ def _tools(f: Fields) -> list[dict[str, Any]]:
 
 
 def _tool_choice(f: Fields) -> str | dict[str, str]:
-    value = f.get("tool_choice")
-    if value is None:
-        return "auto"
-    if isinstance(value, str):
-        return f.text("tool_choice", choices=("auto", "none", "required")) or "auto"
-    c = Fields(value, "tool_choice")
-    c.text("type", required=True, choices=("function",))
-    return {"name": c.text("name", required=True) or ""}
+    return openai_tool_choice(f, lambda c: c.text("name", required=True))
 
 
 def _format(f: Fields) -> dict[str, Any] | None:
@@ -129,15 +124,7 @@ def _format(f: Fields) -> dict[str, Any] | None:
     if text is None:
         return None
     text.only({"format"}, {"verbosity": "verbosity is not supported; omit it"})
-    fmt = text.object("format")
-    if fmt is None:
-        return None
-    kind = fmt.text("type", required=True, choices=("text", "json_object", "json_schema"))
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    return {"type": "json_schema", "schema": fmt.child("schema").data}
+    return json_format(text.object("format"), lambda fmt: fmt.child("schema").data)
 
 
 class Responses(Protocol):
