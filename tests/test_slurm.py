@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import finish, launch, start_launch, wait_for
@@ -138,8 +139,8 @@ def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, s
     # The router advertises an address other nodes reach, and CURVE is on with private keys.
     router = json.loads((r / "router.json").read_text())
     assert "127.0.0.1" not in router["frontend"] and "0.0.0.0" not in router["frontend"]
-    assert sorted(p.name for p in (r / "keys").iterdir()) == ["client.key", "client.key_secret", "router.key",
-                                                             "router.key_secret"]
+    assert sorted(p.name for p in (r / "keys").iterdir()) == ["client.key", "client.key_secret", "gateway.token",
+                                                             "router.key", "router.key_secret"]
     assert all((p.stat().st_mode & 0o077) == 0 for p in (r / "keys").iterdir())
     # One job for the router, one job array per group, one MPI job of two tasks for the ranks.
     log = out.stdout + out.stderr
@@ -235,14 +236,33 @@ def test_ctrl_c_cancels_every_job(run: tuple[Path, str]) -> None:
     assert_no_process_left(r)
 
 
+def test_agents_over_http_on_slurm(run: tuple[Path, str]) -> None:
+    """The ranks' gateways on a cluster: bound on every interface, advertising the node's name, admitting
+    the run's token (CURVE is on), which the agents get from the rank's environment."""
+    d, job = run
+    out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST, "workload=agent", "steps=1",
+                  "sessions_per_step=6", "workload.agent._target_=tests.agents_for_tests.openai_tools",
+                  "+workload.agent.check_outsider=true"], timeout_s=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = d / "run"
+    rows = pq.read_table(r / "steps" / "step_00000.parquet").to_pylist()
+    assert len(rows) == 6 and all(x["status"] == "completed" and x["num_turns"] == 3 for x in rows), \
+        [x["error"] for x in rows]
+    urls = [json.loads(p.read_text())["url"] for p in sorted((r / "gateways").iterdir())]
+    assert len(urls) == 2 and not any("127.0.0.1" in u or "0.0.0.0" in u for u in urls)
+    assert our_jobs(job) == []
+
+
 def test_a_failed_step_cancels_every_job(run: tuple[Path, str]) -> None:
     d, job = run
     out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST,
                   "workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
-                  "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"],
+                  "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size",
+                  "rollout.max_failed_fraction=0"],  # one failed sample is over this budget: the run fails
                  timeout_s=300, cwd=ROOT)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "rollout ranks exited" in out.stdout + out.stderr
+    assert "more than rollout.max_failed_fraction = 0.0" in out.stdout + out.stderr
     assert our_jobs(job) == []
     assert_no_process_left(d / "run")
 
