@@ -202,3 +202,13 @@ def test_kill_9_of_launch_leaves_no_orphan(tmp_path: Path) -> None:
         from toolkit.lifecycle import stop_processes
 
         stop_processes(read_pidfiles(run / "pids"))
+
+
+def test_async_environments_do_not_block_the_ranks_other_sessions(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", "sessions_per_step=12",
+                  "workload.env._target_=tests.async_env.SlowToolEnv"], cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    assert all(r["status"] == "completed" and r["num_turns"] == 3 for r in rows)
+    assert max(r["reward"] for r in rows) >= 2  # sessions were inside their slow tools together
