@@ -55,7 +55,7 @@ def test_a_harness_program_per_session_and_the_failure_budget(tmp_path: Path) ->
     # Session 1's harness exits 3: one failed sample in four is over a budget of 20%.
     assert out.returncode == 1, out.stdout + out.stderr
     text = out.stdout + out.stderr
-    assert "step 0: 1 of 4 samples failed (25.0%), more than rollout.max_failed_fraction = 0.2" in text
+    assert "step 0: 1 of 4 sessions failed (25.0%), more than rollout.max_failed_fraction = 0.2" in text
     assert "harness " in text and "exited with 3: harness: cannot start the sandbox" in text
     rows = {r["index"]: r for r in pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()}
     assert rows[1]["status"] == "failed"

@@ -85,10 +85,14 @@ def test_openai_chat_tools_streaming_n_and_logprobs_keep_the_engines_ids(make_ru
         rid = "rollout/0/7"
         expected = (client.results[f"{rid}/1"].output_token_ids + client.results[f"{rid}/2"].output_token_ids
                     + client.results[f"{rid}/3/1"].output_token_ids + client.results[f"{rid}/4"].output_token_ids)
-        assert [(s.branch, s.error, s.num_turns) for s in samples] == [(0, "", 4), (1, "choice 0 of 2 at turn 2, not continued", 3)], [(s.branch, s.error) for s in samples]
-        assert generated(final) == expected and final.num_turns == 4 and final.branch == 0
-        other = next(s for s in samples if s is not final)
-        assert other.error == "choice 0 of 2 at turn 2, not continued"
+        # The line the harness continued is the session's last row; its generated ids are the engine's.
+        assert [(s.branch, s.error, s.num_turns) for s in samples] == [
+            (0, "choice 0 of 2 at turn 2, not continued", 3), (1, "", 4)]
+        other, final = samples
+        rid = "rollout/0/7"
+        expected = (client.results[f"{rid}/1"].output_token_ids + client.results[f"{rid}/2"].output_token_ids
+                    + client.results[f"{rid}/3/1"].output_token_ids + client.results[f"{rid}/4"].output_token_ids)
+        assert generated(final) == expected and final.reward == 1.0
         assert generated(other)[-len(client.results[f"{rid}/3"].output_token_ids):] == \
             client.results[f"{rid}/3"].output_token_ids
         # The answer text is the decoding of those ids (without the end token).

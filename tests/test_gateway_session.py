@@ -37,7 +37,7 @@ def _turn(chat: ChatTokenizer, sess: GatewaySession, messages: list[dict], ids: 
     plan = sess.plan(messages, [])
     res = Result(request_id="r", output_token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
     choice = Choice(0, chat.content_text(ids), calls or [], "stop", ids, res.logprobs)
-    sess.commit(plan, messages, [], [res], [choice])
+    sess.commit(plan, messages, [res], [choice])
     return {"role": "assistant", "content": choice.content}, plan
 
 
@@ -96,7 +96,7 @@ def test_a_rewritten_history_starts_a_branch_recorded_with_its_reason(chat: Chat
     assert tools.branch_reason == "the tools changed"
     first, second = sess.samples("completed", "", 0.5)
     assert (first.branch, second.branch) == (0, 1)
-    assert first.error == "" and second.error.startswith("branch 1 at turn 1: message 1 (assistant) differs")
+    assert first.error == "" and second.error.startswith("branch at turn 1: message 1 (assistant) differs")
     assert second.reward == 0.5 and first.reward == 0.0
 
 
@@ -109,16 +109,38 @@ def test_n_choices_the_continued_one_stays_the_others_become_branches(chat: Chat
                for k, i in enumerate(ids)]
     choices = [Choice(k, chat.content_text(i), [], "stop", i, r.logprobs)
                for k, (i, r) in enumerate(zip(ids, results, strict=True))]
-    sess.commit(plan, convo, [], results, choices)
+    sess.commit(plan, convo, results, choices)
     chosen = [*convo, {"role": "assistant", "content": choices[2].content}, {"role": "user", "content": "more"}]
     nxt = sess.plan(chosen, [])
     assert nxt.branch_reason is None and nxt.prompt[:len(plan.prompt) + len(ids[2])] == plan.prompt + ids[2]
     out = sess.samples("completed", "", 1.0)
-    assert len(out) == 3
-    final = next(s for s in out if s.reward == 1.0)
-    assert final.tokens == plan.prompt + ids[2]
-    notes = sorted(s.error for s in out if s is not final)
-    assert notes == ["choice 0 of 3 at turn 0, not continued", "choice 1 of 3 at turn 0, not continued"]
+    assert [s.branch for s in out] == [0, 1, 2]
+    final = out[-1]  # the final line is the session's last row
+    assert final.reward == 1.0 and final.tokens == plan.prompt + ids[2] and final.error == ""
+    assert sorted(s.error for s in out[:-1]) == ["choice 0 of 3 at turn 0, not continued",
+                                                 "choice 1 of 3 at turn 0, not continued"]
+
+
+def test_a_call_without_tools_keeps_the_lines_tools_for_the_next_calls(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(0, "job/0/8", chat)
+    tools = [{"name": "f", "description": "", "parameters": {"type": "object"}}]
+    convo = [{"role": "user", "content": "hi"}]
+    plan = sess.plan(convo, tools)
+    ids = _generated(chat, 20)
+    res = Result(request_id="r", output_token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
+    sess.commit(plan, convo, [res], [Choice(0, chat.content_text(ids), [], "stop", ids, res.logprobs)])
+    convo += [{"role": "assistant", "content": chat.content_text(ids)}, {"role": "user", "content": "more"}]
+    no_tools = sess.plan(convo, [])
+    assert no_tools.branch_reason is None and no_tools.tools == tools
+    # A branch started by a call without tools is still rendered, and recorded, with the line's tools.
+    rewritten = [{"role": "user", "content": "other"}]
+    branch = sess.plan(rewritten, [])
+    assert branch.branch_reason is not None and branch.tools == tools
+    ids2 = _generated(chat, 21)
+    res2 = Result(request_id="r2", output_token_ids=ids2, logprobs=[0.0] * len(ids2), finish_reason="stop")
+    sess.commit(branch, rewritten, [res2], [Choice(0, chat.content_text(ids2), [], "stop", ids2, res2.logprobs)])
+    again = [*rewritten, {"role": "assistant", "content": chat.content_text(ids2)}, {"role": "user", "content": "x"}]
+    assert sess.plan(again, tools).branch_reason is None
 
 
 def test_a_failed_session_keeps_what_it_generated(chat: ChatTokenizer) -> None:
@@ -129,3 +151,17 @@ def test_a_failed_session_keeps_what_it_generated(chat: ChatTokenizer) -> None:
     assert '"role": "assistant"' in s.messages
     empty = GatewaySession(1, "job/0/6", chat).samples("failed", "agent timed out", 0.0)
     assert len(empty) == 1 and empty[0].tokens == [] and empty[0].status == "failed"
+
+
+def test_a_sessions_outcome_is_its_last_row_wherever_columns_travel(chat: ChatTokenizer) -> None:
+    from toolkit.rollout.columns import final_rows, pack
+
+    a = GatewaySession(0, "job/0/0", chat)
+    reply, _ = _turn(chat, a, [{"role": "user", "content": "hi"}], _generated(chat, 30))
+    _turn(chat, a, [{"role": "user", "content": "rewritten"}], _generated(chat, 31))  # a branch
+    b = GatewaySession(1, "job/0/1", chat)
+    rows = a.samples("failed", "agent raised", 0.0) + b.samples("completed", "", 1.0)
+    cols = pack(rows, ["g"])
+    assert cols["index"].tolist() == [0, 0, 1] and cols["branch"].tolist() == [0, 1, 0]
+    assert final_rows(cols).tolist() == [False, True, True]
+    assert [r.status for r in rows] == ["completed", "failed", "completed"]  # the failure is the session's

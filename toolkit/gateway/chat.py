@@ -105,9 +105,25 @@ class ChatTokenizer:
             raise ToolkitError(f"tokenizer {self.path} has no chat template (tokenizer_config.json "
                                "chat_template): the gateway renders messages with the model's own template")
         self.vocab_size = len(self.tok)
-        eos = self.tok.eos_token_id
-        self.eos_ids: set[int] = {eos} if eos is not None else set()
         self.closing = self._assistant_closing()
+        self.eos_ids = self._end_ids()
+
+    def _end_ids(self) -> set[int]:
+        """Ids an engine stops a turn on: the tokenizer's end token, the generation config's (vLLM
+        stops on those too: Gemma's ``<end_of_turn>``, Qwen's ``<|im_end|>`` under a base tokenizer),
+        and the special token the template closes an assistant turn with."""
+        ids = {self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()
+        gen = self.path / "generation_config.json"
+        if gen.is_file():
+            try:
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+            except ValueError:
+                eos = None
+            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        first = self.encode(self.closing)[:1]
+        if first and self.tok.convert_ids_to_tokens(first[0]) in self.tok.all_special_tokens:
+            ids.add(first[0])
+        return ids
 
     def render(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]],
                add_generation_prompt: bool) -> str:
@@ -154,7 +170,13 @@ class ChatTokenizer:
         text = self.render([*held[:-1], {**held[-1], "content": _PLACEHOLDER}, *new], tools, True)
         at = text.find(_PLACEHOLDER)
         end = text.find(self.closing, at + len(_PLACEHOLDER)) if at >= 0 else -1
-        return None if end < 0 else text[end + len(self.closing):]
+        if end >= 0:
+            return text[end + len(self.closing):]
+        # A template that drops an assistant turn's content when it has tool calls (Llama 3's):
+        # the new messages are what a rendering with them adds to one without.
+        before = self.render(held, tools, False)
+        full = self.render([*held, *new], tools, True)
+        return full[len(before):] if full.startswith(before) else None
 
     def glue(self, generated: Sequence[int]) -> str:
         """The part of the assistant turn's closing that the generated ids do not already hold: after

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from jinja2 import TemplateError
 
 from toolkit.client import RouterClient
 from toolkit.config import Config
@@ -247,8 +248,13 @@ class Gateway:
         """Generate one answer for a session (its calls are taken one at a time, in order)."""
         s = self.s
         async with entry.lock:
+            if entry.closed:  # ended while this call waited for the session
+                raise GatewayError(404, "the session ended")
             sess = entry.session
-            plan = sess.plan(req.messages, req.tools)
+            try:
+                plan = sess.plan(req.messages, req.tools)
+            except TemplateError as exc:
+                raise GatewayError(400, f"the model's chat template refused the conversation: {exc}") from None
             budget = min(req.max_tokens or s.max_tokens, s.max_model_len - len(plan.prompt))
             if budget < 1:
                 raise GatewayError(413, f"the conversation is {len(plan.prompt)} tokens and the model's context "
@@ -257,12 +263,13 @@ class Gateway:
             entry.attempts += 1
             temperature = s.temperature if req.temperature is None else req.temperature
             top_p = s.top_p if req.top_p is None else req.top_p
+            # Choices 2..n sample apart: from the request's seed, or from a fresh random one.
+            base = req.seed if req.seed is not None else secrets.randbits(31)
+            seeds = [req.seed] + [base + k for k in range(1, req.n)]
             gens = [Generate(
                 request_id=f"{sess.session_id}/{entry.attempts}" + (f"/{k}" if k else ""), job=s.job,
                 session_id=sess.session_id, step=entry.step, prompt_token_ids=plan.prompt,
-                sampling=Sampling(budget, temperature, top_p,
-                                  req.seed + k if req.seed is not None else (k or None), True,
-                                  structured=structured),
+                sampling=Sampling(budget, temperature, top_p, seeds[k], True, structured=structured),
                 group=self.tail_group(entry.step), deadline=time.time() + s.request_timeout_s,
             ) for k in range(req.n)]
             entry.inflight.update(g.request_id for g in gens)
@@ -281,7 +288,7 @@ class Gateway:
                     raise GatewayError(_ENGINE_STATUS.get(res.status, 503), f"engine: {res.status}: {res.error}")
             results = [r for r, _ in outs]
             choices = [self._choice(k, r, req, bare_call) for k, r in enumerate(results)]
-            sess.commit(plan, req.messages, req.tools, results, choices)
+            sess.commit(plan, req.messages, results, choices)
         return ChatResult(id=secrets.token_hex(12), model=req.model or s.model, created=int(sent), choices=choices,
                           prompt_tokens=len(plan.prompt), completion_tokens=sum(len(c.token_ids) for c in choices),
                           cached_tokens=results[0].cached_tokens, generate_s=done - sent)
@@ -311,9 +318,12 @@ async def answer(request: web.Request, proto: Protocol, req: ChatRequest, result
         return web.json_response(proto.respond(req, result), dumps=_dumps, headers=headers)
     resp = web.StreamResponse(headers={"content-type": SSE_CONTENT_TYPE, "cache-control": "no-cache", **(headers or {})})
     await resp.prepare(request)
-    for frame in proto.stream(req, result):
-        await resp.write(frame)
-    await resp.write_eof()
+    try:
+        for frame in proto.stream(req, result):
+            await resp.write(frame)
+        await resp.write_eof()
+    except ConnectionResetError:
+        logger.info("a client went away during its stream (%s)", request.path)
     return resp
 
 

@@ -76,6 +76,8 @@ class Plan:
     """The prompt of one request, and whether it starts a new line (with the reason)."""
 
     prompt: list[int]
+    tools: list[dict[str, Any]]
+    """The tools the prompt was rendered with (a call without tools keeps the line's)."""
     branch_reason: str | None = None
 
 
@@ -99,7 +101,7 @@ class GatewaySession:
     def plan(self, messages: list[Message], tools: list[dict[str, Any]]) -> Plan:
         """The prompt ids of a request with these messages and tools."""
         if self.line is None:
-            return Plan(self._fresh(messages, tools))
+            return Plan(self._fresh(messages, tools), tools)
         line = self._pick(messages)
         # A call without tools (a final answer, say) continues a line that has them: they stay in
         # the context the engine sees. Other tools than the line's are another context: a branch.
@@ -113,8 +115,8 @@ class GatewaySession:
                 why = "the chat template did not render the conversation as an extension of the session's"
             else:
                 glue = self.chat.glue(line.last_generated) if line.last_generated else ""
-                return Plan(line.sample.tokens + self.chat.encode(glue + text))
-        return Plan(self._fresh(messages, tools), why)
+                return Plan(line.sample.tokens + self.chat.encode(glue + text), tools)
+        return Plan(self._fresh(messages, tools), tools, why)
 
     def _fresh(self, messages: list[Message], tools: list[dict[str, Any]]) -> list[int]:
         return self.chat.encode(self.chat.render(messages, tools, True))
@@ -129,8 +131,7 @@ class GatewaySession:
         return self.line  # type: ignore[return-value]
 
     # ---- results -----------------------------------------------------------------------------
-    def commit(self, plan: Plan, messages: list[Message], tools: list[dict[str, Any]],
-               results: list[Result], choices: list[Choice]) -> None:
+    def commit(self, plan: Plan, messages: list[Message], results: list[Result], choices: list[Choice]) -> None:
         """Record a turn the engine answered: the line (or a new one) grows by the first choice; the
         other choices become candidate lines."""
         self.turns += 1
@@ -142,8 +143,8 @@ class GatewaySession:
             sample = Sample.start(self.index, self.session_id, plan.prompt)
             sample.branch = self.branches
             if plan.branch_reason is not None:
-                sample.error = f"branch {self.branches} at turn {self.turns - 1}: {plan.branch_reason}"
-            base = Line(sample, [], tools)
+                sample.error = f"branch at turn {self.turns - 1}: {plan.branch_reason}"
+            base = Line(sample, [], plan.tools)
         else:
             base = self.line
         lines = [base if k == len(choices) - 1 else copy.deepcopy(base) for k in range(len(choices))]
@@ -151,7 +152,7 @@ class GatewaySession:
             line.choice = k
             line.sample.add_turn(plan.prompt, result)
             line.messages = [*messages, assistant_message(choice)]
-            line.tools = tools or line.tools
+            line.tools = plan.tools
             line.last_generated = list(result.output_token_ids)
         self.line = lines[0]
         self.alternatives = lines[1:]
@@ -172,7 +173,8 @@ class GatewaySession:
         self.finished.append(line.sample)
 
     def samples(self, status: str, error: str, reward: float) -> list[Sample]:
-        """Every sample of the session, the final line last (it carries the reward and the outcome)."""
+        """Every sample of the session, in the order their lines started, the final line last (it
+        carries the reward and the session's outcome); ``branch`` numbers them in that order."""
         self._settle()
         if self.line is None:
             self.line = Line(Sample.start(self.index, self.session_id, []), [], [])
@@ -182,4 +184,7 @@ class GatewaySession:
             final.mark(status, "; ".join(e for e in (final.error, error) if e))
         self._close(self.line)
         self.line = None
-        return sorted(self.finished, key=lambda s: s.branch)
+        out = sorted(self.finished, key=lambda s: (s is final, s.branch))
+        for k, s in enumerate(out):
+            s.branch = k
+        return out

@@ -116,7 +116,7 @@ def _reward_from_stdout(out: bytes) -> float | None:
 async def run_command(base_url: str, task: dict[str, Any], command: list[str],
                       env: dict[str, str] | None = None, cwd: str | None = None) -> float | None:
     """Run one harness program for this session (see the module docstring). ``command`` items may
-    hold ``{base_url}``, ``{session_url}`` and ``{task_json}``."""
+    hold ``{base_url}``, ``{session_url}`` and ``{task_json}``. The harness's process group ends with it."""
     root = session_root(base_url)
     task_json = json.dumps(task)
     args = [a.replace("{base_url}", base_url).replace("{session_url}", root).replace("{task_json}", task_json)
@@ -125,14 +125,22 @@ async def run_command(base_url: str, task: dict[str, Any], command: list[str],
                "TOOLKIT_SESSION_URL": root, "TOOLKIT_REWARD_URL": f"{root}/reward", "TOOLKIT_TASK": task_json}
     proc = await asyncio.create_subprocess_exec(*args, env=environ, cwd=cwd, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    reads = [asyncio.ensure_future(proc.stdout.read()), asyncio.ensure_future(proc.stderr.read())]
     try:
-        out, err = await proc.communicate()
+        await proc.wait()
     except BaseException:
-        # Timed out or cancelled: the harness and everything it started go, by its process group.
+        for r in reads:
+            r.cancel()
+        raise
+    finally:
+        # Whatever the harness started (a tool server, a sandbox CLI) goes with it, by its process
+        # group: when it exits, and when the session times out. Its pipes then close.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        raise
+        if proc.returncode is None:
+            await proc.wait()
+    out, err = await asyncio.gather(*reads)
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-5:]
         raise AgentFailed(f"harness {args[0]} exited with {proc.returncode}: " + " | ".join(tail))

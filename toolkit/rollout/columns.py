@@ -104,6 +104,17 @@ class ColumnBuilder:
         return cols
 
 
+def final_rows(cols: Columns) -> np.ndarray:
+    """Which rows are a session's outcome: its last row. A session's rows (its branches, the final
+    line last) are consecutive wherever columns are packed or gathered, so that is every row whose
+    next row belongs to another session."""
+    idx = cols["index"]
+    last = np.ones(idx.size, dtype=bool)
+    if idx.size > 1:
+        last[:-1] = idx[1:] != idx[:-1]
+    return last
+
+
 def gather_columns(comm: Any, cols: Columns, root: int = 0) -> Columns | None:
     """Concatenate every rank's arrays on ``root`` (rank order); None on the other ranks.
 

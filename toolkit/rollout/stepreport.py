@@ -12,7 +12,7 @@ import numpy as np
 
 from toolkit.config import Config
 from toolkit.protocol import STATUSES, Result, Route
-from toolkit.rollout.columns import Columns
+from toolkit.rollout.columns import Columns, final_rows
 from toolkit.rollout.sample import SAMPLE_STATUSES
 from toolkit.router.tail import flip_count
 from toolkit.rundir import atomic_write
@@ -85,19 +85,22 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
             "requests": int(sel.sum()),
             "prefix_hit_rate": (int(req["cached_tokens"][sel].sum()) / prompt) if prompt else None,
         }
-    statuses = Counter(SAMPLE_STATUSES[c] for c in cols["status"].tolist())
+    # A session's outcome is its last row (with gateway branches a session has several rows).
+    final = final_rows(cols)
+    statuses = Counter(SAMPLE_STATUSES[c] for c in cols["status"][final].tolist())
     req_status = Counter(STATUSES[c] if c < len(STATUSES) else "unknown" for c in req["status"].tolist())
     prompt_all = int(req["prompt_tokens"].sum())
     report: dict[str, Any] = {
         "step": step,
         "wall_s": wall_s,
-        "sessions": int(cols["index"].size),
+        "sessions": int(final.sum()),
+        "rows": int(cols["index"].size),
         "sessions_by_status": dict(statuses),
         "requests": int(req["latency_s"].size),
         "requests_by_status": dict(req_status),
         "generated_tokens": gen,
         "tokens_per_s": gen / wall_s if wall_s > 0 else None,
-        "reward_mean": float(cols["reward"].mean()) if cols["reward"].size else None,
+        "reward_mean": float(cols["reward"][final].mean()) if final.any() else None,
         "latency_s": {"p50": _pct(req["latency_s"], 50), "p99": _pct(req["latency_s"], 99)},
         "queue_wait_s": {cfg.job: {"p50": _pct(req["queue_s"], 50), "p99": _pct(req["queue_s"], 99)}},
         "prefix_hit_rate": (int(req["cached_tokens"].sum()) / prompt_all) if prompt_all else None,

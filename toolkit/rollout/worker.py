@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -26,7 +27,15 @@ from toolkit.config import Config, group_engine, load_run_config
 from toolkit.errors import ToolkitError
 from toolkit.lifecycle import ProcessRef, exit_on_sigterm, quiet_gc, setup_logging, watch_owner, write_pidfile
 from toolkit.protocol import Generate, Sampling
-from toolkit.rollout.columns import STAT_COLUMNS, Columns, gather_columns, pack, to_table, write_parquet
+from toolkit.rollout.columns import (
+    STAT_COLUMNS,
+    Columns,
+    final_rows,
+    gather_columns,
+    pack,
+    to_table,
+    write_parquet,
+)
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.sample import SAMPLE_STATUSES, NonPrefixTurn, Sample
@@ -40,8 +49,29 @@ logger = logging.getLogger(__name__)
 MAX_TURNS_HARD = 256
 
 
+class SessionTimeout(Exception):
+    """A session's environment or agent ran past ``workload.env_timeout_s``."""
+
+
+async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
+    """``awaitable``'s result, cancelling it after ``timeout_s`` (SessionTimeout). Unlike wait_for,
+    a TimeoutError the user's own code raises stays that error, not a session timeout."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise SessionTimeout
+    return task.result()
+
+
 class FailureBudgetExceeded(ToolkitError):
-    """More of a step's samples failed than ``rollout.max_failed_fraction`` allows."""
+    """More of a step's sessions failed than ``rollout.max_failed_fraction`` allows."""
 
 
 async def _maybe(value: Any) -> Any:
@@ -90,6 +120,7 @@ class RankRunner:
         self.max_model_len = min(group_engine(cfg, g).max_model_len for g in cfg.groups)
         self.prompts: PromptSource = instantiate(cfg.workload.prompts)
         self.agent = instantiate(cfg.workload.agent, _partial_=True) if cfg.workload.agent else None
+        self.agent_is_async = inspect.iscoroutinefunction(getattr(self.agent, "func", self.agent))
         self.env_factory = None if self.agent is not None else instantiate(cfg.workload.env, _partial_=True)
         self.gateway: Any = None
         self.sampling = Sampling(max_tokens=cfg.workload.max_tokens, temperature=cfg.workload.temperature,
@@ -131,8 +162,11 @@ class RankRunner:
         url = await self.gateway.start()
         if cfg.rollout.decode_responses:
             self.tokenizer = chat
-        # The SDKs read their key from the environment: harnesses run unchanged, and get in.
+        # The SDKs read their key from the environment: harnesses run unchanged, and get in. A user's
+        # own keys (for a judge that calls the real API) stay in TOOLKIT_USER_<VAR>.
         for var in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+            if var in os.environ:
+                os.environ.setdefault(f"TOOLKIT_USER_{var}", os.environ[var])
             os.environ[var] = settings.token or "toolkit"
         atomic_write(self.run_dir.gateway_address(self.rank),
                      json.dumps({"url": url, "rank": self.rank, "pid": os.getpid()}))
@@ -195,19 +229,20 @@ class RankRunner:
     def _check_failures(self, step: int, cols: Columns) -> None:
         """The user's failure budget: past it every rank ends (the step's files are written first)."""
         budget = self.cfg.rollout.max_failed_fraction
-        failed = int((cols["status"] == SAMPLE_STATUSES.index("failed")).sum())
-        rows = len(cols["status"])
+        final = final_rows(cols)
+        failed_rows = final & (cols["status"] == SAMPLE_STATUSES.index("failed"))
+        failed, rows = int(failed_rows.sum()), int(final.sum())
         if budget is None or not rows or failed / rows <= budget:
             return
         errors = ""
         if "error" in cols:  # rollout.output=gather: the errors are here; shards: in the shard files
             lens = cols["error__len"]
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            bad = np.flatnonzero(cols["status"] == SAMPLE_STATUSES.index("failed"))[:3]
+            bad = np.flatnonzero(failed_rows)[:3]
             texts = [bytes(cols["error"][starts[i]:starts[i] + lens[i]]).decode(errors="replace") for i in bad]
             errors = "; first errors: " + " | ".join(f"session {int(cols['index'][i])}: {t}" for i, t in zip(bad, texts, strict=True))
         raise FailureBudgetExceeded(
-            f"step {step}: {failed} of {rows} samples failed ({failed / rows:.1%}), more than "
+            f"step {step}: {failed} of {rows} sessions failed ({failed / rows:.1%}), more than "
             f"rollout.max_failed_fraction = {budget}{errors}")
 
     async def session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> list[Sample]:
@@ -215,10 +250,12 @@ class RankRunner:
         async with sem:
             sample = Sample.start(index, sid, [])
             try:
-                await asyncio.wait_for(self._turns(step, sid, sample, log), self.cfg.workload.env_timeout_s)
-            except asyncio.TimeoutError:
+                await bounded(self._turns(step, sid, sample, log), self.cfg.workload.env_timeout_s)
+            except SessionTimeout:
                 sample.mark("failed", f"environment timed out after workload.env_timeout_s = "
                                       f"{self.cfg.workload.env_timeout_s}s")
+            except ToolkitError:
+                raise  # the toolkit's own failure (the router gone...): every rank ends, loudly
             except Exception as exc:  # the user's environment: its sample fails, the step goes on
                 logger.warning("session %s: environment failed: %r", sid, exc)
                 sample.mark("failed", f"environment raised {type(exc).__name__}: {exc}")
@@ -280,9 +317,13 @@ class RankRunner:
             status, error, reward = "completed", "", 0.0
             try:
                 task = dict(self.prompts.get(step, index).metadata)
-                got = await asyncio.wait_for(self.agent(self.gateway.base_url(key), task), cfg.workload.env_timeout_s)
+                url = self.gateway.base_url(key)
+                # A synchronous agent (the sync SDKs) runs in a thread: in the loop it would block
+                # the gateway it talks to. At a timeout it is abandoned (its calls then get 404).
+                call = self.agent(url, task) if self.agent_is_async else asyncio.to_thread(self.agent, url, task)
+                got = await bounded(call, cfg.workload.env_timeout_s)
                 reward = float(got) if got is not None else (sess.reward or 0.0)
-            except asyncio.TimeoutError:
+            except SessionTimeout:
                 status, error = "failed", f"agent timed out after workload.env_timeout_s = {cfg.workload.env_timeout_s}s"
             except Exception as exc:  # the user's agent or harness: its sample fails, the step goes on
                 logger.warning("session %s: agent failed: %r", sid, exc)
