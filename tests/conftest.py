@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from toolkit.client import RouterClient
-from toolkit.config import CONF_DIR, Config, compose_config, register_configs, validate
+from toolkit.config import CONF_DIR, Config, compose_config, register_configs
 from toolkit.rundir import RunDir
 from toolkit.stack import LocalStack
+from toolkit.validation import validate
 
 CONF = CONF_DIR
 register_configs()

@@ -6,7 +6,8 @@ import pytest
 from hydra.errors import MissingConfigException
 
 from tests.conftest import CONF, compose_config, launch
-from toolkit.config import ConfigError, validate
+from toolkit.config import ConfigError
+from toolkit.validation import validate
 
 
 def all_group_options() -> list[str]:

@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import compose_config
-from toolkit.config import validate
 from toolkit.errors import ConfigError
 from toolkit.rollout.envs import SingleTurnEnv
 from toolkit.rollout.prompts import FilePrompts, Prompt
 from toolkit.rollout.tokenizer import ByteTokenizer, load_tokenizer
+from toolkit.validation import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 BYTE = {"_target_": "toolkit.rollout.tokenizer.ByteTokenizer"}

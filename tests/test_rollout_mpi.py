@@ -16,11 +16,12 @@ import pytest
 from tests.conftest import compose_config, wait_for
 from toolkit import samples as api
 from toolkit.cluster.local import find_mpiexec
-from toolkit.config import save_run_config, validate
+from toolkit.config import save_run_config
 from toolkit.lifecycle import read_pidfiles
 from toolkit.rollout.tokenizer import ByteTokenizer
 from toolkit.rundir import RunDir, read_json
 from toolkit.stack import LocalStack
+from toolkit.validation import validate
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent

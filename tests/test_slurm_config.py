@@ -16,10 +16,10 @@ from toolkit.config import (
     load_run_config,
     replica_resources,
     save_run_config,
-    validate,
 )
 from toolkit.security import curve_enabled
 from toolkit.sockets import advertised, bind_host
+from toolkit.validation import validate
 
 MOUNTS = """\
 /dev/vda / ext4 rw,relatime 0 0

@@ -13,10 +13,11 @@ from hydra.errors import ConfigCompositionException
 
 from tests.conftest import compose_config, wait_for, with_client
 from toolkit.client import RouterClient
-from toolkit.config import ConfigError, validate
+from toolkit.config import ConfigError
 from toolkit.engine.sim import plan_output
 from toolkit.protocol import Generate, Sampling
 from toolkit.router.tail import flip_count
+from toolkit.validation import validate
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
 

@@ -36,10 +36,10 @@ import zmq  # noqa: E402
 from tests.conftest import compose_config, launch, wait_for  # noqa: E402
 from toolkit import protocol as P  # noqa: E402
 from toolkit.client import RouterClient, WeightsUpdateFailed  # noqa: E402
-from toolkit.config import validate  # noqa: E402
 from toolkit.lifecycle import read_pidfiles  # noqa: E402
 from toolkit.rundir import RunDir, atomic_write  # noqa: E402
 from toolkit.stack import LocalStack  # noqa: E402
+from toolkit.validation import validate  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_config
-from toolkit.config import ConfigError, VllmEngineConfig, group_engine, validate
+from toolkit.config import ConfigError, VllmEngineConfig, group_engine
 from toolkit.engine.base import BACKENDS
 from toolkit.engine.vllm import VllmEngine, adapter_present, cpu_thread_binding
+from toolkit.validation import validate
 
 
 def test_model_tiny_picks_vllm_and_fits_the_rollout_into_the_model() -> None:

@@ -18,9 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.cluster import preflight
-from toolkit.config import Config, from_dictconfig, register_configs, save_run_config, validate
+from toolkit.config import Config, from_dictconfig, register_configs, save_run_config
 from toolkit.errors import ToolkitError
 from toolkit.rundir import RunDir
+from toolkit.validation import validate
 
 logger = logging.getLogger(__name__)
 

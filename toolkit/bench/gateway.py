@@ -44,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from toolkit.client import RouterClient
-from toolkit.config import compose_config, group_engine, validate
+from toolkit.config import compose_config, group_engine
 from toolkit.lifecycle import quiet_gc
 from toolkit.protocol import Generate, Result, Route
 from toolkit.stack import LocalStack
+from toolkit.validation import validate
 
 SESSIONS_PER_RANK = 256
 RANKS = 2

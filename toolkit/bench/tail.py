@@ -49,9 +49,10 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from toolkit.config import Config, compose_config, validate
+from toolkit.config import Config, compose_config
 from toolkit.router.tail import flip_count
 from toolkit.rundir import RunDir
+from toolkit.validation import validate
 
 THRESHOLD = 0.95
 WARMUP_STEPS = 1

@@ -39,7 +39,8 @@ IDLE_S = 1.5  # vLLM's worker busy-polls its queue for 1 s after its last step
 
 def bench_config(cache_dir: str) -> Any:
     """``model=tiny`` as launch composes it, one group of one replica."""
-    from toolkit.config import compose_config, validate
+    from toolkit.config import compose_config
+    from toolkit.validation import validate
 
     cfg = compose_config(["model=tiny", "groups=single", "groups.throughput.replicas=1",
                           f"engine.cache_dir={cache_dir}"])

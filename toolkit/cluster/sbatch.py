@@ -93,7 +93,8 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
 
 def compose(overrides: list[str]) -> Config:
     """The config ``launch`` would run inside the allocation for these overrides."""
-    from toolkit.config import compose_config, validate
+    from toolkit.config import compose_config
+    from toolkit.validation import validate
 
     cfg = compose_config(["cluster=allocation", *overrides])
     validate(cfg)

@@ -1,0 +1,245 @@
+"""The one place a config is checked before anything starts: :func:`validate` lists every bad field
+with its value and what is allowed (a :class:`~toolkit.errors.ConfigError`), never only the first."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from toolkit.config import (
+    CLUSTERS,
+    OUTPUTS,
+    POLICIES,
+    QUEUES,
+    VLLM_OWN_ARGS,
+    Config,
+    ReplicaResources,
+    SimEngineConfig,
+    SlurmClusterConfig,
+    VllmEngineConfig,
+    group_engine,
+)
+from toolkit.errors import ConfigError, FieldError
+from toolkit.rollout.tokenizer import tokenizer_problem
+
+# Memory the way sbatch's --mem takes it (megabytes without a suffix).
+_MEM_RE = r"^[0-9]+[KMGT]?$"
+
+
+def _check_target(path: str, spec: dict[str, Any], errors: list[FieldError]) -> None:
+    target = spec.get("_target_")
+    if not target or not isinstance(target, str) or "." not in target:
+        errors.append(FieldError(f"{path}._target_", target, "a dotted path to a class, e.g. pkg.module.Class"))
+        return
+    module, _, name = target.rpartition(".")
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        errors.append(FieldError(f"{path}._target_", target, f"an importable class ({exc})"))
+
+
+def _check_workload_sources(cfg: Config, errors: list[FieldError]) -> None:
+    """The tokenizer spec, and the prompt source's own argument checks (files, keys) via ``check_spec``."""
+    # An agent workload's tokenizer is a model directory with a chat template (validate_agent checks it).
+    why = None if cfg.workload.agent else tokenizer_problem(cfg.workload.tokenizer)
+    if why is not None:
+        errors.append(FieldError("workload.tokenizer", cfg.workload.tokenizer, why))
+    target = cfg.workload.prompts.get("_target_")
+    module, _, name = str(target).rpartition(".")
+    try:
+        check = getattr(getattr(importlib.import_module(module), name), "check_spec", None)
+    except (ImportError, AttributeError, ValueError):
+        return  # already reported by _check_target
+    if callable(check):
+        for key, value, allowed in check(dict(cfg.workload.prompts)):
+            errors.append(FieldError(f"workload.prompts.{key}", value, allowed))
+
+
+def validate(cfg: Config) -> None:
+    """Check everything that can be checked before anything starts; raise one ConfigError listing all."""
+    errors: list[FieldError] = []
+
+    def need(ok: bool, name: str, value: object, allowed: str) -> None:
+        if not ok:
+            errors.append(FieldError(name, value, allowed))
+
+    need(cfg.cluster.type in CLUSTERS, "cluster.type", cfg.cluster.type, f"one of {list(CLUSTERS)}")
+    need(cfg.cluster.ready_timeout_s > 0, "cluster.ready_timeout_s", cfg.cluster.ready_timeout_s, "> 0")
+    if isinstance(cfg.cluster, SlurmClusterConfig):
+        _validate_slurm(cfg, errors)
+    need(cfg.steps >= 1, "steps", cfg.steps, "an integer >= 1")
+    need(cfg.sessions_per_step >= 1, "sessions_per_step", cfg.sessions_per_step, "an integer >= 1")
+    need(cfg.ranks >= 1, "ranks", cfg.ranks, "an integer >= 1")
+    need(bool(cfg.job) and "/" not in cfg.job, "job", cfg.job, "a non-empty name without '/'")
+
+    need(cfg.router.policy in POLICIES, "router.policy", cfg.router.policy, f"one of {list(POLICIES)}")
+    need(cfg.router.load_factor >= 1.0, "router.load_factor", cfg.router.load_factor, ">= 1.0")
+    need(cfg.router.heartbeat_s > 0, "router.heartbeat_s", cfg.router.heartbeat_s, "> 0")
+    need(cfg.router.missed_heartbeats >= 1, "router.missed_heartbeats", cfg.router.missed_heartbeats, ">= 1")
+    need(cfg.router.max_engine_deaths >= 1, "router.max_engine_deaths", cfg.router.max_engine_deaths, ">= 1")
+    need(cfg.router.suspects_per_replica >= 1, "router.suspects_per_replica", cfg.router.suspects_per_replica,
+         "an integer >= 1")
+    need(cfg.router.stall_timeout_s > 0, "router.stall_timeout_s", cfg.router.stall_timeout_s, "> 0")
+    need(cfg.router.queue in QUEUES, "router.queue", cfg.router.queue, f"one of {list(QUEUES)}")
+
+    need(bool(cfg.groups), "groups", dict(cfg.groups), "at least one engine group")
+    engine_fields = {f.name for f in dataclasses.fields(cfg.engine)} - {"type"}
+    for name, group in cfg.groups.items():
+        need(group.replicas >= 1, f"groups.{name}.replicas", group.replicas, "an integer >= 1")
+        need(group.max_inflight >= 1, f"groups.{name}.max_inflight", group.max_inflight, "an integer >= 1")
+        for key in group.engine:
+            need(key in engine_fields, f"groups.{name}.engine.{key}", group.engine[key],
+                 f"a field of engine '{cfg.engine.type}': {sorted(engine_fields)}")
+    _validate_engine(cfg, errors)
+
+    threshold = cfg.tail.threshold
+    if threshold is not None:
+        need(0 < threshold <= 1, "tail.threshold", threshold, "a fraction in (0, 1], or null to turn tail routing off")
+        if cfg.tail.group not in cfg.groups:
+            errors.append(FieldError("tail.group", cfg.tail.group, f"one of the defined groups {sorted(cfg.groups)}"))
+        elif cfg.groups[cfg.tail.group].replicas < 1:
+            errors.append(FieldError(f"groups.{cfg.tail.group}.replicas", cfg.groups[cfg.tail.group].replicas,
+                                     "the tail group needs at least one replica"))
+        need(len(set(cfg.groups) - {cfg.tail.group}) >= 1, "groups", sorted(cfg.groups),
+             "a group besides the tail group, to serve the step before the flip")
+
+    mcr = cfg.rollout.max_concurrent_rollouts
+    need(mcr is None or mcr >= 1, "rollout.max_concurrent_rollouts", mcr, "an integer >= 1, or null")
+    need(cfg.rollout.output in OUTPUTS, "rollout.output", cfg.rollout.output, f"one of {list(OUTPUTS)}")
+    need(not cfg.rollout.decode_responses or cfg.workload.tokenizer is not None, "rollout.decode_responses",
+         cfg.rollout.decode_responses, "needs workload.tokenizer (a tokenizer.json path or a `_target_`), or false")
+    need(cfg.rollout.request_timeout_s > 0, "rollout.request_timeout_s", cfg.rollout.request_timeout_s, "> 0")
+    mff = cfg.rollout.max_failed_fraction
+    need(mff is None or 0 <= mff <= 1, "rollout.max_failed_fraction", mff, "a fraction in [0, 1], or null")
+    ets = cfg.workload.env_timeout_s
+    need(ets is None or ets > 0, "workload.env_timeout_s", ets, "> 0, or null")
+    if cfg.workload.agent:
+        from toolkit.gateway.config import validate_agent
+
+        validate_agent(cfg, errors)
+
+    need(cfg.workload.max_tokens >= 1, "workload.max_tokens", cfg.workload.max_tokens, "an integer >= 1")
+    need(cfg.workload.temperature >= 0, "workload.temperature", cfg.workload.temperature, ">= 0")
+    need(0 < cfg.workload.top_p <= 1, "workload.top_p", cfg.workload.top_p, "in (0, 1]")
+    if not cfg.workload.agent:
+        _check_target("workload.env", cfg.workload.env, errors)
+    _check_target("workload.prompts", cfg.workload.prompts, errors)
+    _check_workload_sources(cfg, errors)
+
+    if errors:
+        raise ConfigError(errors)
+
+
+def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
+    c = cfg.cluster
+    assert isinstance(c, SlurmClusterConfig)
+    if c.type not in ("slurm", "allocation"):
+        errors.append(FieldError("cluster.type", c.type, "slurm or allocation for these fields"))
+    for name in ("router_cpus", "rank_cpus"):
+        if getattr(c, name) < 1:
+            errors.append(FieldError(f"cluster.{name}", getattr(c, name), "an integer >= 1"))
+    for name in ("router_mem", "rank_mem"):
+        if not re.match(_MEM_RE, str(getattr(c, name))):
+            errors.append(FieldError(f"cluster.{name}", getattr(c, name), "sbatch memory, e.g. 512M or 4G"))
+    if c.ranks_per_node is not None and c.ranks_per_node < 1:
+        errors.append(FieldError("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1, or null"))
+    if c.gpus_per_node < 0:
+        errors.append(FieldError("cluster.gpus_per_node", c.gpus_per_node, "an integer >= 0"))
+    if c.poll_s <= 0:
+        errors.append(FieldError("cluster.poll_s", c.poll_s, "> 0"))
+    if c.job_timeout_min < 1:
+        errors.append(FieldError("cluster.job_timeout_min", c.job_timeout_min, "an integer >= 1 (minutes)"))
+    for i, line in enumerate(c.extra_sbatch):
+        if not str(line).startswith("-"):
+            errors.append(FieldError(f"cluster.extra_sbatch[{i}]", line, "an sbatch option such as --reservation=rl"))
+    if c.cache_dir is not None and not Path(c.cache_dir).is_absolute():
+        errors.append(FieldError("cluster.cache_dir", c.cache_dir, "an absolute path on a shared file system, or null"))
+    res_fields = {f.name for f in dataclasses.fields(ReplicaResources)}
+    for group, over in c.group_resources.items():
+        if group not in cfg.groups:
+            errors.append(FieldError(f"cluster.group_resources.{group}", over, f"one of the groups {sorted(cfg.groups)}"))
+        for key in over:
+            if key not in res_fields:
+                errors.append(FieldError(f"cluster.group_resources.{group}.{key}", over[key],
+                                         f"one of {sorted(res_fields)}"))
+    checks = {"gpus": (lambda v: v >= 0, "an integer >= 0"), "nodes": (lambda v: v >= 1, "an integer >= 1"),
+              "cpus": (lambda v: v >= 1, "an integer >= 1"),
+              "mem": (lambda v: re.match(_MEM_RE, str(v)) is not None, "sbatch memory, e.g. 512M or 4G")}
+    sources = [("cluster.replica", dataclasses.asdict(c.replica))]
+    sources += [(f"cluster.group_resources.{g}", over) for g, over in c.group_resources.items()]
+    for prefix, values in sources:
+        for key, (ok, allowed) in checks.items():
+            if key in values and not ok(values[key]):
+                errors.append(FieldError(f"{prefix}.{key}", values[key], allowed))
+    if c.type == "allocation" and c.gpus_per_node:
+        for group in cfg.groups:
+            gpus = c.group_resources.get(group, {}).get("gpus", c.replica.gpus)
+            if gpus > c.gpus_per_node:
+                errors.append(FieldError(f"groups.{group} gpus", gpus,
+                                         f"at most cluster.gpus_per_node = {c.gpus_per_node}"))
+
+
+def _engine_variants(cfg: Config) -> list[tuple[str, Any, set[str]]]:
+    """The engine and every group's version of it (``groups.<g>.engine`` overrides), each with the
+    fields it sets: a group is checked only on the fields it overrides."""
+    names = {f.name for f in dataclasses.fields(cfg.engine)}
+    variants: list[tuple[str, Any, set[str]]] = [("engine", cfg.engine, names)]
+    for gname, group in cfg.groups.items():
+        if group.engine and set(group.engine) <= names:  # unknown keys are reported by validate()
+            variants.append((f"groups.{gname}.engine", group_engine(cfg, gname), set(group.engine)))
+    return variants
+
+
+def _vllm_checks(e: VllmEngineConfig) -> list[tuple[str, Any, bool, str]]:
+    return [
+        ("model", e.model, bool(e.model), "a model directory, or tiny (the built-in test model)"),
+        ("cache_dir", e.cache_dir, bool(e.cache_dir), "a directory"),
+        ("max_model_len", e.max_model_len, e.max_model_len >= 1, "an integer >= 1"),
+        ("vocab_size", e.vocab_size, e.vocab_size >= 1, "an integer >= 1"),
+        ("tensor_parallel_size", e.tensor_parallel_size, e.tensor_parallel_size >= 1, "an integer >= 1"),
+        ("kv_cache_gib", e.kv_cache_gib, e.kv_cache_gib is None or e.kv_cache_gib > 0, "> 0, or null"),
+        ("max_restarts", e.max_restarts, e.max_restarts >= 0, "an integer >= 0"),
+        ("adapter_poll_s", e.adapter_poll_s, e.adapter_poll_s > 0, "> 0"),
+        ("adapter_wait_s", e.adapter_wait_s, e.adapter_wait_s >= 0, ">= 0"),
+        ("adapter_margin_s", e.adapter_margin_s, e.adapter_margin_s >= 0, ">= 0"),
+    ]
+
+
+def _sim_checks(e: SimEngineConfig) -> list[tuple[str, Any, bool, str]]:
+    positive = ("time_scale", "weight_bytes", "hbm_bandwidth", "prefill_tokens_per_s", "output_len_median")
+    counts = ("max_num_seqs", "max_model_len", "vocab_size", "block_size", "tensor_parallel_size")
+    return [
+        *((name, getattr(e, name), getattr(e, name) > 0, "> 0") for name in positive),
+        *((name, getattr(e, name), getattr(e, name) >= 1, "an integer >= 1") for name in counts),
+        ("tp_efficiency", e.tp_efficiency, 0 < e.tp_efficiency <= 1, "in (0, 1]"),
+        ("output_len_sigma", e.output_len_sigma, e.output_len_sigma >= 0 and math.isfinite(e.output_len_sigma),
+         ">= 0"),
+        ("output_len_session_share", e.output_len_session_share, 0 <= e.output_len_session_share <= 1,
+         "in [0, 1]"),
+        ("tokenizer", e.tokenizer, tokenizer_problem(e.tokenizer) is None, f"{tokenizer_problem(e.tokenizer)}"),
+    ]
+
+
+def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
+    """The engine and every group's overrides of it, all errors at once."""
+    if isinstance(cfg.engine, VllmEngineConfig):
+        checks: Any = _vllm_checks
+    elif isinstance(cfg.engine, SimEngineConfig):
+        checks = _sim_checks
+    else:
+        return
+    for prefix, e, mine in _engine_variants(cfg):
+        for name, value, ok, allowed in checks(e):
+            if not ok and name in mine:
+                errors.append(FieldError(f"{prefix}.{name}", value, allowed))
+        if isinstance(e, VllmEngineConfig):
+            for key in e.args if "args" in mine else ():
+                if key in VLLM_OWN_ARGS:
+                    errors.append(FieldError(f"{prefix}.args.{key}", e.args[key],
+                                             "not an engine.args key: use engine.model, engine.max_model_len, "
+                                             "engine.tensor_parallel_size or engine.kv_cache_gib (disable_log_stats "
+                                             "is the backend's: it keeps its own stat logger)"))
