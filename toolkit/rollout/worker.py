@@ -245,25 +245,39 @@ class RankRunner:
             f"step {step}: {failed} of {rows} sessions failed ({failed / rows:.1%}), more than "
             f"rollout.max_failed_fraction = {budget}{errors}")
 
+    async def _guarded(self, what: str, sid: str, awaitable: Any, fatal: tuple[type[BaseException], ...] = ()
+                       ) -> tuple[Any, str]:
+        """The user's environment or agent for one session, bounded by ``workload.env_timeout_s``:
+        (its result, "") or (None, why it failed); its failure is the session's alone. ``fatal``
+        errors pass through: they end every rank."""
+        timeout = self.cfg.workload.env_timeout_s
+        try:
+            return await bounded(awaitable, timeout), ""
+        except SessionTimeout:
+            return None, f"{what} timed out after workload.env_timeout_s = {timeout}s"
+        except fatal:
+            raise
+        except Exception as exc:
+            logger.warning("session %s: %s failed: %r", sid, what, exc)
+            return None, f"{what} raised {type(exc).__name__}: {exc}"
+
+    async def _done(self, step: int, sid: str, samples: list[Sample], log: RequestLog) -> list[Sample]:
+        if self.tokenizer is not None:
+            for s in samples:
+                s.decode_response(self.tokenizer)
+        log.sessions_done_at.append(time.time())
+        await self.client.session_done(self.cfg.job, step, sid)
+        return samples
+
     async def session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> list[Sample]:
         sid = f"{self.cfg.job}/{step}/{index}"
         async with sem:
             sample = Sample.start(index, sid, [])
-            try:
-                await bounded(self._turns(step, sid, sample, log), self.cfg.workload.env_timeout_s)
-            except SessionTimeout:
-                sample.mark("failed", f"environment timed out after workload.env_timeout_s = "
-                                      f"{self.cfg.workload.env_timeout_s}s")
-            except ToolkitError:
-                raise  # the toolkit's own failure (the router gone...): every rank ends, loudly
-            except Exception as exc:  # the user's environment: its sample fails, the step goes on
-                logger.warning("session %s: environment failed: %r", sid, exc)
-                sample.mark("failed", f"environment raised {type(exc).__name__}: {exc}")
-            if self.tokenizer is not None:
-                sample.decode_response(self.tokenizer)
-        log.sessions_done_at.append(time.time())
-        await self.client.session_done(self.cfg.job, step, sid)
-        return [sample]
+            # The toolkit's own failures (the router gone...) are not the environment's.
+            _, error = await self._guarded("environment", sid, self._turns(step, sid, sample, log), (ToolkitError,))
+            if error:
+                sample.mark("failed", error)
+        return await self._done(step, sid, [sample], log)
 
     async def _turns(self, step: int, sid: str, sample: Sample, log: RequestLog) -> None:
         cfg = self.cfg
@@ -314,29 +328,21 @@ class RankRunner:
         sid = f"{cfg.job}/{step}/{index}"
         async with sem:
             key, sess = self.gateway.open_session(step, index, sid, log, cfg.workload.record_messages)
-            status, error, reward = "completed", "", 0.0
             try:
-                task = dict(self.prompts.get(step, index).metadata)
-                url = self.gateway.base_url(key)
-                # A synchronous agent (the sync SDKs) runs in a thread: in the loop it would block
-                # the gateway it talks to. At a timeout it is abandoned (its calls then get 404).
-                call = self.agent(url, task) if self.agent_is_async else asyncio.to_thread(self.agent, url, task)
-                got = await bounded(call, cfg.workload.env_timeout_s)
-                reward = float(got) if got is not None else (sess.reward or 0.0)
-            except SessionTimeout:
-                status, error = "failed", f"agent timed out after workload.env_timeout_s = {cfg.workload.env_timeout_s}s"
-            except Exception as exc:  # the user's agent or harness: its sample fails, the step goes on
-                logger.warning("session %s: agent failed: %r", sid, exc)
-                status, error = "failed", f"agent raised {type(exc).__name__}: {exc}"
+                got, error = await self._guarded("agent", sid, self._agent(key, step, index))
             finally:
                 await self.gateway.close_session(key)
-            samples = sess.samples(status, error, reward)
-            if self.tokenizer is not None:
-                for s in samples:
-                    s.decode_response(self.tokenizer)
-        log.sessions_done_at.append(time.time())
-        await self.client.session_done(cfg.job, step, sid)
-        return samples
+            reward = float(got) if got is not None else (sess.reward or 0.0)
+            samples = sess.samples("failed" if error else "completed", error, reward)
+        return await self._done(step, sid, samples, log)
+
+    async def _agent(self, key: str, step: int, index: int) -> Any:
+        task = dict(self.prompts.get(step, index).metadata)
+        url = self.gateway.base_url(key)
+        # A synchronous agent (the sync SDKs) runs in a thread: in the loop it would block the gateway
+        # it talks to. At a timeout it is abandoned (its calls then get 404).
+        got = await (self.agent(url, task) if self.agent_is_async else asyncio.to_thread(self.agent, url, task))
+        return None if got is None else float(got)  # a reward that is not a number fails the session
 
 
 def main(argv: list[str] | None = None) -> int:
