@@ -163,17 +163,14 @@ class ChatTokenizer:
         One rendering, with a placeholder for that turn's content: what follows the placeholder's
         closing is the new messages' text, whatever the template does with earlier turns (some drop
         earlier reasoning, for instance), which the session never re-reads anyway."""
-        if not held or held[-1].get("role") != "assistant":
-            before = self.render(held, tools, False)
-            full = self.render([*held, *new], tools, True)
-            return full[len(before):] if full.startswith(before) else None
-        text = self.render([*held[:-1], {**held[-1], "content": _PLACEHOLDER}, *new], tools, True)
-        at = text.find(_PLACEHOLDER)
-        end = text.find(self.closing, at + len(_PLACEHOLDER)) if at >= 0 else -1
-        if end >= 0:
-            return text[end + len(self.closing):]
-        # A template that drops an assistant turn's content when it has tool calls (Llama 3's):
-        # the new messages are what a rendering with them adds to one without.
+        if held and held[-1].get("role") == "assistant":
+            text = self.render([*held[:-1], {**held[-1], "content": _PLACEHOLDER}, *new], tools, True)
+            at = text.find(_PLACEHOLDER)
+            end = text.find(self.closing, at + len(_PLACEHOLDER)) if at >= 0 else -1
+            if end >= 0:
+                return text[end + len(self.closing):]
+        # No engine turn last, or a template that drops an assistant turn's content when it has tool
+        # calls (Llama 3's): the new messages are what a rendering with them adds to one without.
         before = self.render(held, tools, False)
         full = self.render([*held, *new], tools, True)
         return full[len(before):] if full.startswith(before) else None
