@@ -50,6 +50,22 @@ def test_all_errors_reported_at_once() -> None:
     assert "'random'" in text and "least_loaded" in text
 
 
+def test_no_replica_timeout_is_positive_or_null() -> None:
+    assert compose_config([]).router.no_replica_timeout_s == 300.0
+    validate(compose_config(["router.no_replica_timeout_s=null"]))  # wait forever
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["router.no_replica_timeout_s=0", "router.heartbeat_s=-1"]))
+    errors = {e.field: e.value for e in info.value.errors}
+    assert errors == {"router.no_replica_timeout_s": 0, "router.heartbeat_s": -1}
+    assert "> 0 or null" in str(info.value)
+
+
+def test_lease_and_grace_are_checked() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["cluster.lease_s=0.5", "cluster.signal_grace_s=-1"]))
+    assert {e.field: e.value for e in info.value.errors} == {"cluster.lease_s": 0.5, "cluster.signal_grace_s": -1}
+
+
 def test_a_groups_sim_engine_overrides_are_checked_like_the_engine() -> None:
     cfg = compose_config(["groups.tail.engine.tensor_parallel_size=0", "+groups.tail.engine.tp_efficiency=1.5",
                           "engine.time_scale=0"])

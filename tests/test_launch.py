@@ -103,7 +103,9 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         output = finish(proc, 60)
     assert proc.returncode == 130, output
     assert "interrupted" in output
-    assert json.loads((run / "report.json").read_text())["status"] == "failed"
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "interrupted" and "SIGINT" in report["error"]
+    assert [e["kind"] for e in report["interruptions"]] == ["signal"]
     assert_no_process_left(run)
 
 

@@ -17,6 +17,10 @@ EXAMPLES = [
     P.Reregister("restart"),
     P.StatusRequest(),
     P.Status({"tail": P.GroupStatus(1, 1, 0)}, 3, 4, 5),
+    P.Status({"tail": P.GroupStatus(2, 1, 0, 10, 1)}, 3, 4, 5),
+    P.Drain(["throughput-0", "tail-1"]),
+    P.Drain(["throughput-0"], migrate=False),
+    P.Shutdown("drained"),
 ]
 
 
@@ -37,6 +41,18 @@ def test_array_like_missing_trailing_fields_take_defaults() -> None:
     payload = msgspec.msgpack.encode(["x"])
     assert P.decode(P.TYPE_OF[P.Result], payload) == P.Result("x")
     assert msgspec.msgpack.decode(P.encode(P.Abort("x"))[1]) == ["x"]
+
+
+def test_scale_down_fields_keep_old_encodings_decoding() -> None:
+    # A GroupStatus from before ``draining`` existed decodes with none draining.
+    old = msgspec.msgpack.encode([{"tail": [2, 2, 5, 100]}, 0, 5, 9])
+    assert P.decode_as(P.Status, old) == P.Status({"tail": P.GroupStatus(2, 2, 5, 100, draining=0)}, 0, 5, 9)
+    # New statuses are appended: step reports store a status's index.
+    assert P.STATUSES[:6] == ("ok", "client_error", "engine_dead", "timeout", "cancelled", "adapter_missing")
+    assert P.STATUSES[-1] == "no_replica"
+    assert P.TYPE_OF[P.Drain] == b"\x0e" and P.TYPE_OF[P.Shutdown] == b"\x0f"
+    # A Drain without ``migrate`` migrates.
+    assert P.decode(P.TYPE_OF[P.Drain], msgspec.msgpack.encode([["a-0"]])) == P.Drain(["a-0"], migrate=True)
 
 
 def test_bad_frames_raise_protocol_error() -> None:

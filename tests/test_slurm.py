@@ -232,7 +232,7 @@ def test_ctrl_c_cancels_every_job(run: tuple[Path, str]) -> None:
     assert proc.returncode == 130, output
     assert "interrupted" in output
     assert our_jobs(job) == []  # squeue: nothing of the run is left
-    assert json.loads((r / "report.json").read_text())["status"] == "failed"
+    assert json.loads((r / "report.json").read_text())["status"] == "interrupted"
     assert_no_process_left(r)
 
 

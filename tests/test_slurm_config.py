@@ -115,3 +115,26 @@ def _has_scontrol() -> bool:
     import shutil
 
     return shutil.which("scontrol") is not None
+
+
+def test_a_group_on_its_own_preemptible_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit import cluster as cluster_pkg
+    from toolkit.cluster import slurm as slurm_mod
+    from toolkit.lifecycle import ProcessRef
+    from toolkit.rundir import RunDir
+
+    cfg = compose_config(["cluster=slurm", "cluster.partition=gpu", "+cluster.group_resources.tail.partition=spot",
+                          "+cluster.group_resources.tail.requeue=false"])
+    validate(cfg)
+    assert replica_resources(cfg, "tail").partition == "spot" and not replica_resources(cfg, "tail").requeue
+    monkeypatch.setattr(slurm_mod, "need", lambda tool: tool)  # no Slurm needed to build the executors
+    c = cluster_pkg.make_cluster(cfg, RunDir(tmp_path), ProcessRef.self())
+    assert isinstance(c, slurm_mod.SlurmCluster)
+    tail = c._replica_executor("tail").parameters
+    main = c._replica_executor("throughput").parameters
+    assert tail["partition"] == "spot" and tail["additional_parameters"].get("no_requeue") is True
+    assert main["partition"] == "gpu" and main["additional_parameters"].get("requeue") is True
+    # One allocation has one partition: a group's own is refused there, naming the field.
+    bad = compose_config(["cluster=allocation", "+cluster.group_resources.tail.partition=spot"])
+    with pytest.raises(ConfigError, match=r"cluster.group_resources.tail.partition = 'spot'"):
+        validate(bad)

@@ -55,3 +55,17 @@ def test_summary_keeps_the_swept_values_and_marks_runs_without_a_report(tmp_path
     path = write_summary(tmp_path, rows)
     back = list(csv.DictReader(path.open()))
     assert back[1]["status"] == "no report" and back[1]["step_time_s"] == ""
+
+
+def test_a_sweep_resumed_with_more_steps_continues_each_run(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"hydra.sweep.dir={sweep}", "engine.time_scale=0.05", "sessions_per_step=8", "seed=0,1"]
+    out = launch([*args, "steps=1"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    (sweep / "1" / "steps" / "step_00000.json").unlink()  # run 1 "was interrupted" in its only step
+    out = launch([*args, "steps=2", "resume=true"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resuming" in out.stdout and "at step 2 of 2" in out.stdout and "at step 1 of 2" in out.stdout
+    for run in ("0", "1"):
+        assert sorted(p.name for p in (sweep / run / "steps").glob("*.json")) == ["step_00000.json", "step_00001.json"]
+        assert json.loads((sweep / run / "report.json").read_text())["status"] == "ok"

@@ -1,4 +1,4 @@
-"""Client library of the router, used by the rollout ranks (async) and by ``launch`` (status).
+"""Client library of the router, used by the rollout ranks (async) and by ``launch`` (status, drain).
 
 Each client owns one DEALER socket. Results are matched to requests by id. If the router's address
 file changes (the router restarted), the client reconnects and resends every outstanding request;
@@ -40,6 +40,22 @@ def weights_for_step(weights_dir: str | None, step: int) -> Path | None:
         return None
     path = Path(weights_dir).expanduser() / f"step_{step:05d}"
     return path if path.is_dir() else None
+
+
+def latest_weights(weights_dir: str | None, step: int, exact: bool = False) -> tuple[Path, int] | None:
+    """The checkpoint to load before ``step`` and its version: ``<weights_dir>/step_XXXXX`` for the
+    highest such step up to ``step`` (only ``step`` itself with ``exact``)."""
+    if exact:
+        path = weights_for_step(weights_dir, step)
+        return (path, step) if path is not None else None
+    if not weights_dir:
+        return None
+    found = [(int(p.name[5:]), p) for p in Path(weights_dir).expanduser().glob("step_*")
+             if p.name[5:].isdigit() and p.is_dir() and int(p.name[5:]) <= step]
+    if not found:
+        return None
+    version, path = max(found)
+    return path, version
 
 
 def _dealer(ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> zmq.Socket:
@@ -155,6 +171,12 @@ class RouterClient:
         self.dones.append(msg)
         await self._send(msg)
 
+    async def drain(self, replicas: list[str], migrate: bool = True) -> None:
+        """Scale down: the replicas named ``<group>-<index>`` take no new request, their in-flight
+        ones move elsewhere (``migrate``) or finish there, then they exit. Fire and forget, like
+        ``session_done``: resend until they are gone (a Drain is idempotent)."""
+        await self._send(P.Drain(list(replicas), migrate))
+
     async def _receive(self) -> None:
         """The one task that reads the socket, and the only one that replaces it (on a move)."""
         next_check = time.monotonic() + self.watch_interval_s
@@ -219,10 +241,27 @@ def ready_counts(status: P.Status, want: dict[str, int]) -> dict[str, int]:
 def router_status(address: str, timeout_s: float = 2.0, ctx: zmq.Context | None = None,
                   curve: ClientCurve | None = None) -> P.Status | None:
     """Blocking status query (used by ``launch`` while it waits for readiness)."""
+    return _status_after([], address, timeout_s, ctx, curve)
+
+
+def send_drain(address: str, replicas: list[str], migrate: bool = True, timeout_s: float = 2.0,
+               ctx: zmq.Context | None = None, curve: ClientCurve | None = None) -> P.Status | None:
+    """Blocking ``Drain`` (used by ``launch`` to scale a group down; see ``RouterClient.drain``).
+    Returns the router's Status right after it handled the Drain (its groups' ``draining`` counts),
+    or None if the router did not answer within ``timeout_s``. Resend until the replicas' processes
+    are gone: a router that restarted meanwhile drains them again."""
+    return _status_after([P.Drain(list(replicas), migrate)], address, timeout_s, ctx, curve)
+
+
+def _status_after(msgs: list[P.Message], address: str, timeout_s: float, ctx: zmq.Context | None,
+                  curve: ClientCurve | None) -> P.Status | None:
+    """Send ``msgs`` and a StatusRequest on one fresh connection; the router handles a connection's
+    messages in order, so its Status answer also says the messages before it arrived."""
     ctx = ctx or zmq.Context.instance()
     s = _dealer(ctx, address, curve)
     try:
-        s.send_multipart(P.encode(P.StatusRequest()))
+        for msg in [*msgs, P.StatusRequest()]:
+            s.send_multipart(P.encode(msg))
         if s.poll(int(timeout_s * 1000)):
             frames = s.recv_multipart()
             if frames[0] == _T_STATUS:

@@ -39,6 +39,14 @@ class ClusterConfig:
     """Start a replacement when a replica process dies during the run."""
     restart_router: bool = True
     """Start a new router when the router dies; clients and replicas follow it and resend."""
+    lease_s: float = 60.0
+    """Every component exits when launch has not renewed its lease (``<run dir>/lease.json``) for this
+    long: the jobs of a launch that was killed end (``toolkit/lease.py``)."""
+    signal_grace_s: int = 180
+    """On SIGUSR1 (the sbatch templates have Slurm send it this many seconds before the time limit,
+    ``--signal=B:USR1@N``) launch finishes the step in flight if it can in this time less a teardown
+    margin, else abandons it; it stops every component and, inside an sbatch job, requeues the job,
+    which resumes."""
 
 
 @dataclass
@@ -53,6 +61,12 @@ class ReplicaResources:
     """CPUs per node of one replica."""
     mem: str = "2G"
     """Memory per node of one replica (sbatch ``--mem``: a number with an optional K/M/G/T suffix)."""
+    partition: str | None = None
+    """``cluster=slurm``: the partition of this group's replica jobs (null = ``cluster.partition``), e.g.
+    a preemptible one: its replicas come and go, the step goes on with the others."""
+    requeue: bool = True
+    """``cluster=slurm``: Slurm requeues a preempted replica job and it comes back as itself; false:
+    it ends, and launch starts a replacement (``cluster.restart_replicas``)."""
 
 
 @dataclass
@@ -241,6 +255,10 @@ class RouterConfig:
     """A replica whose readiness probe has not answered by then is probed again."""
     result_cache: int = 200000
     """Results kept to answer duplicate submissions of a request id."""
+    no_replica_timeout_s: float | None = 300.0
+    """A group with no ready replica (scaled to zero, drained, all dead) makes its requests wait, not
+    fail; a request that has waited this long while its target group had no ready replica fails as
+    ``no_replica``. null = wait forever."""
 
 
 @dataclass
@@ -344,6 +362,10 @@ class Config:
     """Job name: the router shares replicas fairly between jobs."""
     seed: int = 0
     """Seeds prompts and the simulator."""
+    resume: bool = False
+    """Continue the run in ``hydra.run.dir`` at its first step without a step report (a fresh run if
+    the directory holds none). The config must equal the stored one except for run settings
+    (``toolkit/resume.py``: steps, timeouts, cluster, replica counts...)."""
 
 
 def register_configs() -> None:

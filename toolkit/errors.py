@@ -42,3 +42,7 @@ class RouterUnavailable(ToolkitError):
 
 class RunDirInUse(ToolkitError):
     """The run directory already holds another run's state or outputs."""
+
+
+class Interrupted(ToolkitError):
+    """The run stopped before its last step (a signal, a stop request); ``resume=true`` continues it."""

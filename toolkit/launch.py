@@ -1,13 +1,16 @@
-"""``python -m toolkit.launch [overrides]``: compose -> validate -> run dir -> start -> steps -> teardown.
+"""``python -m toolkit.launch [overrides]``: compose -> validate -> run dir -> lease -> start -> steps -> teardown.
 
 A Hydra app: ``--cfg job`` prints the config, ``-m`` sweeps. The run directory is Hydra's output
 directory; it receives the resolved ``config.yaml``, ``steps/``, ``report.json`` and ``logs/``.
+``resume=true`` continues the run a directory holds (``toolkit/resume.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,37 +22,87 @@ from rich.table import Table
 
 from toolkit.cluster import preflight
 from toolkit.config import Config, from_dictconfig, register_configs, save_run_config
-from toolkit.errors import ToolkitError
+from toolkit.errors import Interrupted, ToolkitError
+from toolkit.lease import Lease
 from toolkit.rundir import RunDir
 from toolkit.validation import validate
 
 logger = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 75
+"""EX_TEMPFAIL: the run stopped cleanly before its last step; ``resume=true`` continues it."""
 
 register_configs()
 
 
 def _raise_on_sigterm() -> None:
     def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
 
 
+def check_run_dir(cfg: Config, run_dir: RunDir) -> bool:
+    """True to resume the run ``run_dir`` holds (refused if the config changed what it generates);
+    False for a new run (refused if the directory holds one and ``resume`` is off)."""
+    if cfg.resume and run_dir.holds_run():
+        from toolkit.resume import check
+
+        check(cfg, run_dir)
+        return True
+    run_dir.ensure_unused()
+    return False
+
+
 def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
-    """Run a validated config in ``run_dir``; always tears down what it started."""
+    """Run a validated config in ``run_dir`` (or continue it, with ``resume``); always tears down
+    what it started and releases the run's lease."""
+    from toolkit import resume
+
+    resuming = check_run_dir(cfg, run_dir)
+    run_dir.make()
+    lease = Lease(run_dir, cfg.cluster.lease_s)
+    epoch = lease.acquire()
+    try:
+        first = 0
+        if resuming:
+            first = resume.prepare(run_dir, epoch).first_step
+            run_dir.append_event("resume", step=first, epoch=epoch, slurm_job=os.environ.get("SLURM_JOB_ID"),
+                                 slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
+            console.print(f"resuming {run_dir.root} at step {first + 1} of {cfg.steps}")
+        save_run_config(cfg, run_dir.config)
+        return _run_steps(cfg, run_dir, console, first)
+    finally:
+        lease.release()
+
+
+def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int) -> dict:
     from toolkit.run import Run
 
-    run_dir.ensure_unused()
-    run_dir.make()
-    save_run_config(cfg, run_dir.config)
     with Run(cfg, run_dir, console) as r:
         try:
             console.print(f"[dim]run dir {run_dir.root}[/dim]")
-            r.start()
-            console.print(f"ready in {r.t_ready - r.t_start:.1f}s: router + "
-                          + ", ".join(f"{c.replicas} {g}" for g, c in cfg.groups.items())
-                          + f" replica(s); {cfg.ranks} rank(s)")
-            summary = r.execute()
+            if first >= cfg.steps:
+                console.print(f"every one of the {cfg.steps} steps is already done")
+                r.load_previous(first)
+                summary = r.summary()
+            else:
+                r.start()
+                console.print(f"ready in {r.t_ready - r.t_start:.1f}s: router + "
+                              + ", ".join(f"{c.replicas} {g}" for g, c in cfg.groups.items())
+                              + f" replica(s); {cfg.ranks} rank(s)")
+                summary = r.execute(first)
+        except Interrupted as exc:
+            r.teardown()
+            r.write_report(r.summary(), error=str(exc), status="interrupted")
+            _requeue(cfg, run_dir, console)
+            raise
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (scancel, preemption, scontrol requeue)
+            r.teardown()
+            name = str(exc) or "SIGINT"
+            run_dir.append_event("signal", signal=name, step=r.next_step)
+            r.write_report(r.summary(), error=f"stopped by {name} during step {r.next_step}", status="interrupted")
+            raise
         except BaseException as exc:
             r.teardown()
             r.write_report(None, error=f"{type(exc).__name__}: {exc}")
@@ -60,6 +113,23 @@ def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
     draw_timeline(run_dir.root)
     print_summary(console, summary, run_dir)
     return summary
+
+
+def _requeue(cfg: Config, run_dir: RunDir, console: Console) -> None:
+    """Inside an sbatch job (``cluster=allocation``), after a clean stop: put the job back in the queue;
+    its next start sees ``SLURM_RESTART_COUNT`` and resumes (``slurm/*.sbatch``)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if cfg.cluster.type != "allocation" or not job:
+        console.print(f"[yellow]stopped; continue with resume=true hydra.run.dir={run_dir.root}[/yellow]")
+        return
+    run_dir.append_event("requeue", slurm_job=job)
+    console.print(f"[yellow]requeueing Slurm job {job}; it resumes at its next start[/yellow]")
+    # Everything is stopped and written: the SIGTERM that ends this incarnation of the job has
+    # nothing left to interrupt but the lease's release.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        logger.error("scontrol requeue %s failed: %s", job, out.stderr.strip())
 
 
 def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
@@ -83,13 +153,16 @@ def main(dcfg: DictConfig) -> None:
         cfg = from_dictconfig(dcfg)
         validate(cfg)
         preflight(cfg, run_dir.root)
-        run_dir.ensure_unused()
+        check_run_dir(cfg, run_dir)
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         sys.exit(2)
     _raise_on_sigterm()
     try:
         run(cfg, run_dir, console)
+    except Interrupted as exc:
+        console.print(f"[yellow]interrupted:[/yellow] {exc}", highlight=False)
+        sys.exit(EXIT_INTERRUPTED)
     except ToolkitError as exc:
         console.print(f"[red]run failed:[/red] {exc}", highlight=False)
         sys.exit(1)

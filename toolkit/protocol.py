@@ -13,7 +13,8 @@ import msgspec
 
 from toolkit.errors import ToolkitError
 
-STATUSES: Final = ("ok", "client_error", "engine_dead", "timeout", "cancelled", "adapter_missing")
+STATUSES: Final = ("ok", "client_error", "engine_dead", "timeout", "cancelled", "adapter_missing", "no_replica")
+"""A Result's ``status``. Step reports store the index: only ever append."""
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -141,6 +142,8 @@ class GroupStatus(Message):
     inflight: int = 0
     generated_tokens: int = 0
     """Tokens its registered replicas' engines report generated (as of their last heartbeat)."""
+    draining: int = 0
+    """Registered replicas being drained (``Drain``): they take no new request; not counted in ``ready``."""
 
 
 class Status(Message):
@@ -176,6 +179,26 @@ class WeightsUpdated(Message):
     """In the router's answer: how many replicas acknowledged."""
 
 
+class Drain(Message):
+    """Client (launch) -> router: elastic scale-down. Each named replica takes no new request from
+    now on, and once it holds none it gets ``Shutdown``. No answer; the caller resends until the
+    processes are gone (a Drain of a replica already draining changes nothing, an unknown name is
+    ignored), so a restarted router drains them again."""
+
+    replicas: list[str]
+    """Replica names ``<group>-<index>``: a replica id up to its ``@``."""
+    migrate: bool = True
+    """Abort their in-flight requests and continue each on its own group (or any group) from where it
+    stopped, keeping its tokens and logprobs; false: they finish where they run."""
+
+
+class Shutdown(Message):
+    """Router -> replica: you were drained and hold no request; close the engine and exit 0. Sent
+    again on every heartbeat or registration of a replica that was told so."""
+
+    reason: str
+
+
 # One-byte type frames. Values are part of the wire protocol: never renumber.
 TYPE_OF: Final[dict[type[Message], bytes]] = {
     Register: b"\x01",
@@ -191,6 +214,8 @@ TYPE_OF: Final[dict[type[Message], bytes]] = {
     Route: b"\x0b",
     UpdateWeights: b"\x0c",
     WeightsUpdated: b"\x0d",
+    Drain: b"\x0e",
+    Shutdown: b"\x0f",
 }
 CLASS_OF: Final[dict[bytes, type[Message]]] = {v: k for k, v in TYPE_OF.items()}
 DECODERS: Final[dict[bytes, msgspec.msgpack.Decoder[Any]]] = {

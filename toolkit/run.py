@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from rich.console import Console
 from toolkit.client import ready_counts, router_status
 from toolkit.cluster import Cluster, Component, make_cluster
 from toolkit.config import Config
-from toolkit.errors import ComponentFailed, ReadinessTimeout
+from toolkit.errors import ComponentFailed, Interrupted, ReadinessTimeout
 from toolkit.lifecycle import ProcessRef
+from toolkit.replicas import ReplicaSet
 from toolkit.rundir import RunDir, atomic_write, read_json
 from toolkit.security import ClientCurve, client_curve, curve_enabled, generate_keys
 
@@ -41,21 +43,31 @@ class Run:
         self.owner = ProcessRef.self("launch")
         self.cluster: Cluster = make_cluster(cfg, run_dir, self.owner)
         self.router: Component | None = None
-        self.replicas: dict[tuple[str, int], Component] = {}
+        self.replicas = ReplicaSet(cfg, self.cluster, run_dir)
         self.ranks: Component | None = None
         self.address: dict[str, str] = {}
         self.step_reports: list[dict[str, Any]] = []
-        self.restarts = 0
         self.router_restarts = 0
         self.t_start = time.time()
         self.t_ready = 0.0
         self.curve: ClientCurve | None = None
+        self._status_at = 0.0
+        self.next_step = 0
+        self.stop_reason = ""
+        """Why launch asked the ranks to begin no further step (a signal before the time limit)."""
+        self.stop_deadline: float | None = None
+        """``time.monotonic()`` by which the step in flight must end, or it is abandoned."""
 
     def __enter__(self) -> Run:
+        # From here on SIGUSR1 (whose default action is to end the process) asks for a clean stop.
+        self._usr1 = signal.signal(signal.SIGUSR1, self._on_stop_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.teardown()
+        try:
+            self.teardown()
+        finally:
+            signal.signal(signal.SIGUSR1, self._usr1)
 
     # ---- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -70,18 +82,16 @@ class Run:
             raise ReadinessTimeout(f"router wrote no address in {cfg.cluster.ready_timeout_s:.0f}s; "
                                    f"state {self.router.state()}")
         self.address = info
-        for group in cfg.groups:
-            for i, comp in enumerate(self.cluster.start_group(group)):
-                self.replicas[(group, i)] = comp
+        self.replicas.start()
         self.wait_ready(deadline)
         self.t_ready = time.time()
 
     def wait_ready(self, deadline: float) -> None:
-        want = {g: c.replicas for g, c in self.cfg.groups.items()}
+        want = {g: self.replicas.count(g) for g in self.cfg.groups}
         have: dict[str, int] = {}
         while True:
             self._check_router()
-            for (g, i), comp in self.replicas.items():
+            for (g, i), comp in self.replicas.members.items():
                 self._check_alive(comp, self.run_dir.logs / f"replica-{g}-{i}.log")
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
             if status is not None:
@@ -92,7 +102,7 @@ class Run:
                 lines = [f"{g}: {have.get(g, 0)}/{n} ready" for g, n in want.items()]
                 # Name the jobs that are stuck (pending, configuring...) and in which state: on a
                 # cluster that is usually the whole story (no GPUs free, a bad partition...).
-                comps = [self.router, *self.replicas.values()]
+                comps = [self.router, *self.replicas.members.values()]
                 states = [f"{c.name}: {c.state()}" + ("" if c.state().startswith("RUNNING") else "  <- stuck")
                           for c in comps]
                 raise ReadinessTimeout(f"replicas not ready in {self.cfg.cluster.ready_timeout_s:.0f}s: "
@@ -108,32 +118,62 @@ class Run:
             raise ComponentFailed(f"{comp.name} exited ({comp.state()}); last lines of {log}:\n{_tail(log)}")
 
     # ---- steps -----------------------------------------------------------------------------
-    def execute(self) -> dict[str, Any]:
+    def load_previous(self, first_step: int) -> None:
+        """A resumed run's report covers the whole run: the steps done before the interruption too."""
+        for step in range(first_step):
+            rep = read_json(self.run_dir.step_report(step))
+            if rep is not None:
+                self.step_reports.append(rep)
+        self.next_step = first_step
+
+    def execute(self, first_step: int = 0) -> dict[str, Any]:
         cfg = self.cfg
-        self.ranks = self.cluster.start_ranks(cfg.ranks)
+        self.load_previous(first_step)
+        self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
         ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
-        next_step = 0
         while True:
             if self.ranks.pending() and time.monotonic() > ranks_deadline:
                 raise ReadinessTimeout(f"the rollout ranks did not start in {cfg.cluster.ready_timeout_s:.0f}s: "
                                        f"ranks: {self.ranks.state()}  <- stuck")
-            while next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(next_step))):
+            while self.next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(self.next_step))):
                 self.step_reports.append(rep)
                 self.console.print(progress_line(rep, cfg.steps), soft_wrap=True)
-                next_step += 1
+                self.next_step += 1
             code = self.ranks.exit_code()
             if code is not None:
                 if code != 0:
                     raise ComponentFailed(f"rollout ranks exited with {code}; {self._ranks_failure()}")
-                if next_step < cfg.steps and read_json(self.run_dir.step_report(next_step)) is None:
-                    raise ComponentFailed(f"ranks exited 0 but step {next_step} has no report")
-                if next_step >= cfg.steps:
+                if self.next_step < cfg.steps and read_json(self.run_dir.step_report(self.next_step)) is None:
+                    if self.stop_reason:
+                        raise Interrupted(f"{self.stop_reason}: stopped before step {self.next_step} of {cfg.steps}")
+                    raise ComponentFailed(f"ranks exited 0 but step {self.next_step} has no report")
+                if self.next_step >= cfg.steps:
                     break
                 continue
+            if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+                raise Interrupted(f"{self.stop_reason}: step {self.next_step} did not end within the grace; "
+                                  "abandoned (it runs again from its beginning on resume)")
             self._keep_router()
-            self._replace_dead_replicas()
+            self._watch_replicas()
             time.sleep(0.1)
         return self.summary()
+
+    def _on_stop_signal(self, signum: int, frame: object) -> None:
+        """SIGUSR1 (Slurm, ``cluster.signal_grace_s`` before the time limit): no further step begins;
+        the step in flight ends if it can before the deadline, which leaves time to tear down."""
+        if self.stop_reason:
+            return
+        grace = self.cfg.cluster.signal_grace_s
+        margin = max(10.0, min(60.0, grace / 3))
+        self.stop_reason = f"{signal.Signals(signum).name} with {grace}s of grace"
+        self.stop_deadline = time.monotonic() + max(0.0, grace - margin)
+        atomic_write(self.run_dir.stop_request, json.dumps({"signal": signal.Signals(signum).name, "t": time.time()}))
+        self.run_dir.append_event("signal", signal=signal.Signals(signum).name, step=self.next_step,
+                                  grace_s=grace, finish_by_s=round(max(0.0, grace - margin), 1))
+        logger.warning("%s: finishing step %d within %.0fs, then stopping", self.stop_reason, self.next_step,
+                       grace - margin)
+        self.console.print(f"[yellow]{self.stop_reason}: finishing step {self.next_step + 1} if it ends within "
+                           f"{grace - margin:.0f}s, then stopping for a resume[/yellow]")
 
     def _ranks_failure(self) -> str:
         """What the failing rank said: its own log holds the error, written before it aborted (the
@@ -164,15 +204,14 @@ class Run:
             raise ReadinessTimeout("the restarted router wrote no new address")
         self.address = info
 
-    def _replace_dead_replicas(self) -> None:
-        for key, comp in list(self.replicas.items()):
-            if comp.alive():
-                continue
-            if not self.cfg.cluster.restart_replicas:
-                raise ComponentFailed(f"{comp.name} exited ({comp.state()}) and cluster.restart_replicas is off")
-            logger.warning("%s exited (%s); starting a replacement", comp.name, comp.state())
-            self.restarts += 1
-            self.replicas[key] = self.cluster.start_replica(*key)
+    def _watch_replicas(self) -> None:
+        """Scale requests, replacements, drains, preemptions; the router's counts every few seconds."""
+        now = time.monotonic()
+        status = None
+        if now - self._status_at >= 2.0:
+            self._status_at = now
+            status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
+        self.replicas.tick(self.address["frontend"], self.curve, status)
 
     def summary(self) -> dict[str, Any]:
         reps = self.step_reports
@@ -191,18 +230,24 @@ class Run:
             "generated_tokens": tokens,
             "tokens_per_s": tokens / sum(wall) if wall and sum(wall) > 0 else None,
             "failed_requests": failures,
-            "replica_restarts": self.restarts,
+            "replica_restarts": self.replicas.counts["restarted"],
+            "replicas_added": self.replicas.counts["added"],
+            "replicas_removed": self.replicas.counts["removed"],
+            "replicas_preempted": self.replicas.counts["preempted"],
             "router_restarts": self.router_restarts,
         }
 
-    def write_report(self, summary: dict[str, Any] | None, error: str | None = None) -> None:
+    def write_report(self, summary: dict[str, Any] | None, error: str | None = None,
+                     status: str | None = None) -> None:
+        """``status``: ok, failed, or interrupted (a signal or a stop: ``resume=true`` continues it)."""
         report = {
             "run_dir": str(self.run_dir.root),
-            "status": "ok" if error is None else "failed",
+            "status": status or ("ok" if error is None else "failed"),
             "error": error,
             "wall_s": time.time() - self.t_start,
             "summary": summary,
             "router": read_json(self.run_dir.root / "router_stats.json"),
+            "interruptions": self.run_dir.read_events(),
             "steps": self.step_reports,
         }
         atomic_write(self.run_dir.report, json.dumps(report, indent=1))

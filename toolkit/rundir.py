@@ -79,11 +79,89 @@ class RunDir:
     def report(self) -> Path:
         return self.root / "report.json"
 
+    @property
+    def lease(self) -> Path:
+        """The launch's lease (``toolkit/lease.py``): components exit when it is no longer renewed."""
+        return self.root / "lease.json"
+
+    @property
+    def events(self) -> Path:
+        """The run's interruptions (resumes, requeues, replicas added, removed, preempted), one JSON
+        object per line, written by launch alone."""
+        return self.root / "events.jsonl"
+
+    @property
+    def stop_request(self) -> Path:
+        """Present when launch asks the ranks to begin no further step (a signal before the time limit)."""
+        return self.root / "stop.json"
+
+    @property
+    def scale_request(self) -> Path:
+        """Replica counts asked for by ``python -m toolkit.scale`` (launch applies them)."""
+        return self.root / "scale.json"
+
+    @property
+    def scale_state(self) -> Path:
+        """What launch has applied: per group, the target and the replicas running, starting, draining."""
+        return self.root / "scale_state.json"
+
+    def jobs(self, epoch: int) -> Path:
+        """Slurm job ids the launch of ``epoch`` submitted, one per line (a resume cancels leftovers)."""
+        return self.root / "jobs" / f"epoch-{epoch:04d}.txt"
+
     def step_parquet(self, step: int) -> Path:
         return self.steps / f"step_{step:05d}.parquet"
 
     def step_report(self, step: int) -> Path:
         return self.steps / f"step_{step:05d}.json"
+
+    def step_shards(self, step: int) -> Path:
+        """``rollout.output=shards``: the step's per-rank files and manifest."""
+        return self.steps / f"step_{step:05d}"
+
+    def first_unfinished_step(self) -> int:
+        """The first step without a step report: the report is written last, so every step before it
+        is complete and nothing of it or after it is."""
+        step = 0
+        while self.step_report(step).exists():
+            step += 1
+        return step
+
+    def clear_steps_from(self, step: int) -> list[Path]:
+        """Remove what an interrupted run left of ``step`` and later steps; returns what was removed."""
+        import shutil
+
+        removed = []
+        for p in sorted(self.steps.glob("step_*")):
+            num = p.name[5:10]
+            if num.isdigit() and int(num) >= step:
+                if p.is_dir():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+                removed.append(p)
+        return removed
+
+    def append_event(self, kind: str, **fields: object) -> dict[str, object]:
+        """Record an interruption; launch is the only writer."""
+        event = {"t": time.time(), "kind": kind, **fields}
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.events, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        return event
+
+    def read_events(self) -> list[dict[str, object]]:
+        try:
+            lines = self.events.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a crash mid-write
+        return out
 
     def gateway_address(self, rank: int) -> Path:
         """Where rank ``rank`` advertises its HTTP gateway (agents over HTTP): ``{"url", "rank", "pid"}``."""
@@ -93,16 +171,21 @@ class RunDir:
         """The tail-flip sentinel of a job: present once the job's current step has flipped."""
         return self.sentinels / f"{job}.flip.json"
 
+    def holds_run(self) -> list[Path]:
+        """What marks this directory as another run's (its config, address, steps...)."""
+        return [p for p in (self.config, self.router_address, self.report, self.pids, self.steps, self.lease)
+                if p.exists()]
+
     def ensure_unused(self) -> None:
-        """Refuse a directory another run has used: its router address would mislead the new run's
-        components, and its step files would be overwritten or mixed with the new ones."""
+        """Refuse a directory another run has used (unless resuming it): its router address would mislead
+        the new run's components, and its step files would be overwritten or mixed with the new ones."""
         from toolkit.errors import RunDirInUse
 
-        found = [p for p in (self.router_address, self.report, self.pids, self.steps) if p.exists()]
+        found = self.holds_run()
         if found:
             names = ", ".join(str(p.relative_to(self.root)) for p in found)
-            raise RunDirInUse(f"run dir {self.root} already holds a run ({names}): pass a new "
-                              "hydra.run.dir, or remove that directory to run there again")
+            raise RunDirInUse(f"run dir {self.root} already holds a run ({names}): pass resume=true to continue "
+                              "it, a new hydra.run.dir, or remove that directory to run there again")
 
     def make(self) -> None:
         for d in (self.root, self.logs, self.pids, self.steps, self.sentinels):

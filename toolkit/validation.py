@@ -69,6 +69,9 @@ def validate(cfg: Config) -> None:
 
     need(cfg.cluster.type in CLUSTERS, "cluster.type", cfg.cluster.type, f"one of {list(CLUSTERS)}")
     need(cfg.cluster.ready_timeout_s > 0, "cluster.ready_timeout_s", cfg.cluster.ready_timeout_s, "> 0")
+    # Renewed every lease_s / 6: below a second the shared file system would do little else.
+    need(cfg.cluster.lease_s >= 1, "cluster.lease_s", cfg.cluster.lease_s, ">= 1 (seconds)")
+    need(cfg.cluster.signal_grace_s >= 0, "cluster.signal_grace_s", cfg.cluster.signal_grace_s, ">= 0 (seconds)")
     if isinstance(cfg.cluster, SlurmClusterConfig):
         _validate_slurm(cfg, errors)
     need(cfg.steps >= 1, "steps", cfg.steps, "an integer >= 1")
@@ -85,6 +88,8 @@ def validate(cfg: Config) -> None:
          "an integer >= 1")
     need(cfg.router.stall_timeout_s > 0, "router.stall_timeout_s", cfg.router.stall_timeout_s, "> 0")
     need(cfg.router.queue in QUEUES, "router.queue", cfg.router.queue, f"one of {list(QUEUES)}")
+    no_replica = cfg.router.no_replica_timeout_s
+    need(no_replica is None or no_replica > 0, "router.no_replica_timeout_s", no_replica, "> 0 or null")
 
     need(bool(cfg.groups), "groups", dict(cfg.groups), "at least one engine group")
     engine_fields = {f.name for f in dataclasses.fields(cfg.engine)} - {"type"}
@@ -175,6 +180,12 @@ def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
         for key, (ok, allowed) in checks.items():
             if key in values and not ok(values[key]):
                 errors.append(FieldError(f"{prefix}.{key}", values[key], allowed))
+    if c.type == "allocation":
+        # One allocation has one partition, and its steps end with it.
+        for prefix, values in sources:
+            if values.get("partition") is not None:
+                errors.append(FieldError(f"{prefix}.partition", values["partition"],
+                                         "null with cluster=allocation (a group's own partition needs cluster=slurm)"))
     if c.type == "allocation" and c.gpus_per_node:
         for group in cfg.groups:
             gpus = c.group_resources.get(group, {}).get("gpus", c.replica.gpus)

@@ -187,8 +187,12 @@ class AllocationCluster(Cluster):
         return self._srun(step, step.name, ["-m", "toolkit.cluster.slurm", "replica", str(self.run_dir.root), group,
                                             str(index)], f"{step.name}.out", extra=["--ntasks-per-node=1"])
 
-    def start_ranks(self, n: int) -> Component:
-        return self._srun(self.plan.ranks, "ranks", ["-m", "toolkit.rollout.worker", str(self.run_dir.root)],
+    def max_replicas(self, group: str) -> int | None:
+        return sum(1 for g, _ in self.plan.replicas if g == group)  # the allocation was sized for these
+
+    def start_ranks(self, n: int, first_step: int = 0) -> Component:
+        return self._srun(self.plan.ranks, "ranks", ["-m", "toolkit.rollout.worker", str(self.run_dir.root),
+                                                     "--first-step", str(first_step)],
                           "ranks.out", extra=[f"--mpi={self.c.mpi}"])
 
     def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:

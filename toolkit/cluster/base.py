@@ -67,12 +67,17 @@ class Cluster(ABC):
     @abstractmethod
     def start_replica(self, group: str, index: int) -> Component: ...
 
-    def start_group(self, group: str) -> list[Component]:
-        """Every replica of ``group`` (a backend may submit them together, e.g. as a job array)."""
-        return [self.start_replica(group, i) for i in range(self.cfg.groups[group].replicas)]
+    def start_group(self, group: str, n: int) -> list[Component]:
+        """Replicas 0..n-1 of ``group`` (a backend may submit them together, e.g. as a job array)."""
+        return [self.start_replica(group, i) for i in range(n)]
+
+    def max_replicas(self, group: str) -> int | None:
+        """The most replicas of ``group`` this backend can run at once (None: as many as asked for)."""
+        return None
 
     @abstractmethod
-    def start_ranks(self, n: int) -> Component: ...
+    def start_ranks(self, n: int, first_step: int = 0) -> Component:
+        """The ``n`` rollout ranks as one MPI world, beginning at ``first_step`` (a resumed run)."""
 
     def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:
         """Cancel every component, then stop by pid whatever is left; returns survivors (none)."""

@@ -116,9 +116,9 @@ class LocalCluster(Cluster):
         return self._submit(f"replica-{group}-{index}", replica.serve, str(self.run_dir.root), group, index,
                             self.owner)
 
-    def start_ranks(self, n: int) -> Component:
+    def start_ranks(self, n: int, first_step: int = 0) -> Component:
         cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",
-               "toolkit.rollout.worker", str(self.run_dir.root),
+               "toolkit.rollout.worker", str(self.run_dir.root), "--first-step", str(first_step),
                "--owner", f"{self.owner.pid}:{self.owner.start}"]
         proc = popen_logged(cmd, self.run_dir.logs / "ranks.out", start_new_session=True)
         return self.track(ProcessGroupComponent("ranks", proc))

@@ -67,9 +67,14 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
              f"--cpus-per-task={max(cpus)}", f"--mem={max(mem)}M"]
     if plan.gpus_per_node:
         opts.append(f"--gpus-per-node={plan.gpus_per_node}")
-    opts += ["--output=slurm-%x-%j.out", *c.extra_sbatch]
+    # Requeued (preemption, scontrol requeue, or launch itself at the USR1 that comes signal_grace_s
+    # before the time limit), the job starts again and resumes its run.
+    opts += ["--output=slurm-%x-%j.out", "--open-mode=append", "--requeue", f"--signal=B:USR1@{c.signal_grace_s}", *c.extra_sbatch]
     python = c.python or "python"
     launch = shlex.join([python, "-m", "toolkit.launch", "cluster=allocation", *overrides])
+    # The run dir must be the same at every start of the job: by default it is named after the job
+    # (a hydra.run.dir among the arguments comes later on the command line and wins).
+    run_dir = '"hydra.run.dir=outputs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"'
     lines = [
         "#!/bin/bash",
         f"# {name}: a whole rollout inside one allocation; router, replicas and ranks run as srun steps.",
@@ -78,6 +83,8 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
         f"#   {shlex.join(['python', '-m', 'toolkit.cluster.sbatch', *overrides])} > {name}.sbatch",
         "# Run it (more overrides may follow; hydra.run.dir must be on a shared file system):",
         f"#   sbatch {name}.sbatch steps=10 tail.threshold=0.9",
+        f"# When Slurm requeues it (preemption; USR1 {c.signal_grace_s}s before the time limit, when launch",
+        "# finishes or abandons its step and requeues the job) it resumes where it stopped.",
         "#",
         *[f"#SBATCH {o}" for o in opts],
         "#",
@@ -87,7 +94,14 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
     ]
     if c.setup:
         lines += ["", "# setup (cluster.setup)", *c.setup]
-    lines += ["", f"exec {launch} \"$@\"", ""]
+    lines += [
+        "",
+        "# A restarted (requeued) job continues its run.",
+        "resume=()",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(resume=true); fi',
+        f'exec {launch} {run_dir} "$@" ${{resume[@]+"${{resume[@]}}"}}',
+        "",
+    ]
     return "\n".join(lines)
 
 

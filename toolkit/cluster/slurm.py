@@ -32,6 +32,7 @@ from toolkit.cluster.base import Cluster, Component
 from toolkit.cluster.slurmctl import JobStates, hostnames, need, scancel, wait_gone
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.errors import ComponentFailed
+from toolkit.lease import current_epoch
 from toolkit.lifecycle import ProcessRef
 from toolkit.rundir import RunDir
 
@@ -121,10 +122,10 @@ def replica_task(run_dir: str, group: str, index: int) -> None:
 
 
 def _hold_node(run_dir: str, group: str, index: int, node: int) -> None:
-    from toolkit.lifecycle import exit_on_sigterm, setup_logging
+    from toolkit.entry import enter_component
 
-    setup_logging(Path(run_dir) / "logs" / f"replica-{group}-{index}-node{node}.log")
-    exit_on_sigterm()
+    name = f"replica-{group}-{index}-node{node}"
+    enter_component(run_dir, name)
     logger.info("node %d of replica %s-%d: holding the node for the engine's workers (master %s:%s)", node,
                 group, index, os.environ["TOOLKIT_MASTER_ADDR"], os.environ["TOOLKIT_MASTER_PORT"])
     try:
@@ -134,10 +135,10 @@ def _hold_node(run_dir: str, group: str, index: int, node: int) -> None:
         pass
 
 
-def ranks_task(run_dir: str) -> None:
+def ranks_task(run_dir: str, first_step: int = 0) -> None:
     from toolkit.rollout import worker
 
-    code = worker.main([run_dir])
+    code = worker.main([run_dir, "--first-step", str(first_step)])
     if code:
         raise ComponentFailed(f"rollout rank exited with {code}")
 
@@ -193,7 +194,7 @@ class SlurmCluster(Cluster):
     def _executor(self, name: str, *, nodes: int = 1, tasks_per_node: int = 1, cpus: int = 1,
                   mem: str = "1G", gpus: int = 0, setup: list[str] | None = None,
                   srun_args: list[str] | None = None, extra: dict[str, Any] | None = None,
-                  requeue: bool = True) -> submitit.SlurmExecutor:
+                  requeue: bool = True, partition: str | None = None) -> submitit.SlurmExecutor:
         c = self.c
         ex = submitit.SlurmExecutor(folder=self.folder / name, python=c.python or shlex.quote(sys.executable))
         params: dict[str, Any] = {
@@ -206,6 +207,8 @@ class SlurmCluster(Cluster):
         for key in ("partition", "account", "qos", "constraint"):
             if getattr(c, key):
                 params[key] = getattr(c, key)
+        if partition:
+            params["partition"] = partition
         if gpus:
             params["gpus_per_node"] = gpus
         if srun_args:
@@ -227,6 +230,11 @@ class SlurmCluster(Cluster):
     def _track_job(self, name: str, job: Any) -> Component:
         comp = SlurmJobComponent(name, job, self.states)
         logger.info("%s: Slurm job %s", name, comp.job_id)
+        # Recorded per launch: a resume cancels what a killed launch left queued.
+        path = self.run_dir.jobs(current_epoch())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(comp.job_id + "\n")
         return self.track(comp)
 
     def start_router(self) -> Component:
@@ -237,11 +245,12 @@ class SlurmCluster(Cluster):
         res = replica_resources(self.cfg, group)
         exports = [f"export {k}={shlex.quote(v)}" for k, v in cache_env(self.cache).items()]
         return self._executor(f"replica-{group}", nodes=res.nodes, cpus=res.cpus, mem=res.mem, gpus=res.gpus,
-                              setup=exports)
+                              setup=exports, requeue=res.requeue, partition=res.partition)
 
-    def start_group(self, group: str) -> list[Component]:
+    def start_group(self, group: str, n: int) -> list[Component]:
         """All replicas of a group as one job array (one array task per replica)."""
-        n = self.cfg.groups[group].replicas
+        if n == 0:
+            return []
         ex = self._replica_executor(group)
         ex.update_parameters(array_parallelism=n)
         root = str(self.run_dir.root)
@@ -253,13 +262,13 @@ class SlurmCluster(Cluster):
         job = self._submit(self._replica_executor(group), replica_task, str(self.run_dir.root), group, index)
         return self._track_job(f"replica-{group}-{index}", job)
 
-    def start_ranks(self, n: int) -> Component:
+    def start_ranks(self, n: int, first_step: int = 0) -> Component:
         per_node = self.c.ranks_per_node or n
         nodes = math.ceil(n / per_node)
         ex = self._executor("ranks", nodes=nodes, tasks_per_node=min(per_node, n), cpus=self.c.rank_cpus,
                             mem=self.c.rank_mem, srun_args=[f"--mpi={self.c.mpi}", f"--ntasks={n}"],
                             extra={"ntasks": n}, requeue=False)
-        return self._track_job("ranks", self._submit(ex, ranks_task, str(self.run_dir.root)))
+        return self._track_job("ranks", self._submit(ex, ranks_task, str(self.run_dir.root), first_step))
 
     def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:
         """scancel every job of the run, then wait until squeue no longer lists any of them."""

@@ -10,6 +10,9 @@ gate while the ones in the engine finish (at a death they fail at once, as ``eng
 router requeues them); then the engine loads the checkpoint, or restarts. Requests that arrive
 meanwhile run afterwards, none is lost. An engine that cannot come back (``EngineGone``) ends the
 process, and the cluster backend starts a replacement.
+
+A drained replica (elastic scale-down) gets ``Shutdown`` from the router once it holds no request:
+it closes the engine and its sockets and the process exits 0.
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from toolkit import protocol as P
-from toolkit.config import Config, SimEngineConfig, group_engine, load_run_config
+from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
-from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
+from toolkit.entry import enter_component
+from toolkit.lifecycle import ProcessRef
 from toolkit.rundir import RunDir
 from toolkit.security import client_curve
 from toolkit.sockets import RouterLink
@@ -151,6 +154,11 @@ class ReplicaServer:
             elif isinstance(msg, P.Reregister):
                 logger.info("router asked to re-register (%s)", msg.reason)
                 await self._register()
+            elif isinstance(msg, P.Shutdown):
+                # The router holds nothing on this replica any more: run()'s cleanup closes the
+                # engine and the sockets, and serve returns (exit code 0).
+                logger.info("router asked to shut down (%s)", msg.reason)
+                return
             else:
                 logger.warning("unexpected %s from router", type(msg).__name__)
 
@@ -280,13 +288,8 @@ def engine_config(cfg: Config, group: str) -> Any:
 
 def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None) -> None:
     """Entry point of one replica process (a submitit job)."""
-    rd = RunDir(Path(run_dir))
     name = f"replica-{group}-{index}"
-    setup_logging(rd.logs / f"{name}.log")
-    exit_on_sigterm()
-    write_pidfile(rd.pids, name)
-    watch_owner(owner)
-    cfg = load_run_config(rd.root)
+    rd, cfg = enter_component(run_dir, name, owner)
     engine = make_engine(engine_config(cfg, group))
     try:
         asyncio.run(ReplicaServer(cfg, rd, group, index, engine).run())

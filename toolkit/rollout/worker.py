@@ -16,16 +16,16 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from hydra.utils import instantiate
 
-from toolkit.client import RouterClient, weights_for_step
-from toolkit.config import Config, group_engine, load_run_config
+from toolkit.client import RouterClient, latest_weights
+from toolkit.config import Config, group_engine
+from toolkit.entry import enter_component
 from toolkit.errors import ToolkitError
-from toolkit.lifecycle import ProcessRef, exit_on_sigterm, quiet_gc, setup_logging, watch_owner, write_pidfile
+from toolkit.lifecycle import ProcessRef, quiet_gc
 from toolkit.protocol import Generate, Sampling
 from toolkit.rollout.columns import (
     STAT_COLUMNS,
@@ -109,11 +109,22 @@ async def async_barrier(comm: Any, poll_s: float = 0.005) -> None:
         await asyncio.sleep(poll_s)
 
 
+async def async_bcast_flag(comm: Any, flag: bool, poll_s: float = 0.005) -> bool:
+    """Rank 0's ``flag`` on every rank, waiting on the event loop (the other ranks' value is ignored)."""
+    buf = np.array([1 if flag else 0], dtype=np.int8)
+    req = comm.Ibcast(buf, root=0)
+    while not req.Test():
+        await asyncio.sleep(poll_s)
+    return bool(buf[0])
+
+
 class RankRunner:
-    def __init__(self, cfg: Config, run_dir: RunDir, comm: Any) -> None:
+    def __init__(self, cfg: Config, run_dir: RunDir, comm: Any, first_step: int = 0) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.comm = comm
+        self.first_step = first_step
+        """Where launch starts this run (a resumed run: the first step without a step report)."""
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.group_names = sorted(cfg.groups)
@@ -144,7 +155,10 @@ class RankRunner:
             if self.agent is not None:
                 await self._start_gateway()
             quiet_gc()
-            for step in range(self.cfg.steps):
+            for step in range(self.first_step, self.cfg.steps):
+                if not await self.begin_step(step):
+                    logger.info("launch asked to stop before step %d", step)
+                    break
                 await self.run_step(step)
         finally:
             if self.gateway is not None:
@@ -171,14 +185,25 @@ class RankRunner:
         atomic_write(self.run_dir.gateway_address(self.rank),
                      json.dumps({"url": url, "rank": self.rank, "pid": os.getpid()}))
 
+    async def begin_step(self, step: int) -> bool:
+        """Rank 0 decides for every rank: stop (launch asked, before a time limit) or begin ``step``:
+        weights first, then StepBegin; the other ranks start once it has been sent."""
+        cfg = self.cfg
+        go = True
+        if self.rank == 0:
+            go = not self.run_dir.stop_request.exists()
+            if go:
+                # A resumed run starts with fresh replicas: they get the latest checkpoint, not only
+                # one published for exactly this step.
+                ckpt = latest_weights(cfg.rollout.weights_dir, step, exact=step != self.first_step)
+                if ckpt is not None:
+                    await self.client.update_weights(str(ckpt[0]), ckpt[1])  # every replica, before the requests
+                await self.client.step_begin(cfg.job, step, cfg.sessions_per_step)
+        return await async_bcast_flag(self.comm, go)
+
     async def run_step(self, step: int) -> None:
         cfg = self.cfg
         n = cfg.sessions_per_step
-        if self.rank == 0:
-            if (ckpt := weights_for_step(cfg.rollout.weights_dir, step)) is not None:
-                await self.client.update_weights(str(ckpt), step)  # every replica, before the step's requests
-            await self.client.step_begin(cfg.job, step, n)
-        await async_barrier(self.comm)
         t0 = time.time()
         sem = asyncio.Semaphore(self._my_cap())
         log = RequestLog()
@@ -223,6 +248,12 @@ class RankRunner:
         if flip is not None and flip.get("step") != step:
             flip = None
         report = step_report(step, wall, t0, cols, requests, self.group_names, cfg, flip)
+        # Launch's record of what interrupted this step: the resume that restarted it, replicas
+        # added, removed or preempted while it ran.
+        end = time.time()
+        report["interruptions"] = [e for e in self.run_dir.read_events()
+                                   if (e.get("step") == step and e.get("kind") == "resume")
+                                   or t0 <= float(e.get("t", 0)) <= end]
         write_step_report(self.run_dir.step_report(step), report)
         self._check_failures(step, cols)
 
@@ -349,26 +380,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="One rollout rank (start with mpiexec).")
     parser.add_argument("run_dir")
     parser.add_argument("--owner", default="", help="pid:starttime of the launching process")
+    parser.add_argument("--first-step", type=int, default=0, help="the step to begin at (a resumed run)")
     args = parser.parse_args(argv)
 
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rd = RunDir(Path(args.run_dir))
-    setup_logging(rd.logs / f"rank-{comm.Get_rank()}.log")
-    exit_on_sigterm()
-    write_pidfile(rd.pids, f"rank-{comm.Get_rank()}")
+    owner = None
     if args.owner:
         pid, _, start = args.owner.partition(":")
-        watch_owner(ProcessRef(int(pid), int(start) if start else None, "owner"))
-    cfg = load_run_config(rd.root)
+        owner = ProcessRef(int(pid), int(start) if start else None, "owner")
+    rd, cfg = enter_component(args.run_dir, f"rank-{comm.Get_rank()}", owner)
     if comm.Get_size() != cfg.ranks:
         # A launcher that did not wire MPI (e.g. srun --mpi=none) gives R worlds of size 1.
         print(f"error: MPI world has {comm.Get_size()} rank(s) but ranks={cfg.ranks} were asked for; "
               "is the launcher wired for MPI (mpiexec, srun --mpi=pmi2)?", file=sys.stderr)
         return 3
     try:
-        asyncio.run(RankRunner(cfg, rd, comm).run())
+        asyncio.run(RankRunner(cfg, rd, comm, args.first_step).run())
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-from toolkit.lifecycle import ProcessRef, exit_on_sigterm, setup_logging, watch_owner, write_pidfile
+from toolkit.lifecycle import ProcessRef
 
 logger = logging.getLogger(__name__)
 
 
 def serve(run_dir: str, owner: ProcessRef | None = None) -> None:
     """Entry point of the router process (a submitit job or ``python -m toolkit.router RUN_DIR``)."""
-    from toolkit.config import load_run_config
+    from toolkit.entry import enter_component
     from toolkit.router.server import Router
-    from toolkit.rundir import RunDir
     from toolkit.sockets import bind_host
 
-    rd = RunDir(Path(run_dir))
-    setup_logging(rd.logs / "router.log")
-    exit_on_sigterm()
-    write_pidfile(rd.pids, "router")
-    watch_owner(owner)
-    cfg = load_run_config(rd.root)
+    rd, cfg = enter_component(run_dir, "router", owner)
     router = Router(cfg, rd)
     try:
         router.bind(bind_host(cfg.router.host, cfg.cluster.type))

@@ -41,6 +41,14 @@ class Replica:
     generated: int = 0
     progress_at: float = 0.0
     suspects: int = 0
+    draining: bool = False
+    """Drained (``Drain``): out of dispatch, its in-flight requests finish or move; then ``Shutdown``."""
+    shutdown_sent: bool = False
+
+    @property
+    def serving(self) -> bool:
+        """Takes new requests: ready and not draining."""
+        return self.ready and not self.draining
 
     @property
     def load(self) -> int:

@@ -9,7 +9,7 @@ full group never blocks a job's requests for another group.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TypeVar
 
 from toolkit.protocol import Generate
@@ -21,7 +21,7 @@ class Request:
     __slots__ = (
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
-        "migrating", "client_aborted", "prefix_tokens", "prefix_logprobs", "prompt_len",
+        "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prompt_len",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -39,8 +39,10 @@ class Request:
         self.dispatches = 0
         self.lo = 0
         self.hi = 0
-        # Tail migration: tokens generated before the request moved to the tail group.
-        self.migrating = False
+        # Migration (a tail flip, a drained replica): why it was aborted ("" = it was not), the
+        # group its continuation targets, and the tokens generated before it moved.
+        self.migrating = ""
+        self.migrate_group: str | None = None
         self.client_aborted = False
         self.prefix_tokens: list[int] = []
         self.prefix_logprobs: list[float] = []
@@ -138,6 +140,14 @@ class FairQueue:
         if len(self.jobs) > 1024:
             for name in [n for n, q in self.jobs.items() if q.size == 0]:
                 del self.jobs[name]
+
+    def waiting_for(self, groups: Collection[str | None]) -> Iterator[Request]:
+        """Queued requests of the buckets of ``groups`` (the group a request names; None: unnamed)."""
+        for q in list(self.jobs.values()):
+            for g in groups:
+                bucket = q.buckets.get(g)
+                if bucket:
+                    yield from (r for r in bucket if not r.done)
 
     def __iter__(self) -> Iterator[Request]:
         for q in list(self.jobs.values()):

@@ -4,6 +4,7 @@ Requests wait here, not in engines: a replica holds at most ``max_inflight`` of 
 flip still reaches every request that is not running yet. Exactly one Result goes back per request
 id: dead replicas put their requests back in the queue, a request in flight at ``max_engine_deaths``
 deaths fails as ``engine_dead``, client errors fail at once, duplicates get the cached Result.
+Drained replicas (scale-down) and groups left with no replica: ``toolkit/router/elastic.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zmq
 
 from toolkit import protocol as P
 from toolkit.config import Config
+from toolkit.router.elastic import ElasticMixin
 from toolkit.router.policy import Policy, Replica, make_policy
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
@@ -64,7 +66,7 @@ def _recv(sock: zmq.Socket) -> list[bytes]:
     return frames
 
 
-class Router(WeightsMixin):
+class Router(WeightsMixin, ElasticMixin):
     def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.rcfg = cfg.router
@@ -98,6 +100,9 @@ class Router(WeightsMixin):
         self.weights: P.UpdateWeights | None = self._adopt_weights()
         self.weight_acks: dict[bytes, tuple[int, str]] = {}
         self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
+        # Scale-down: ids of replicas told to shut down; since when each target group had none serving.
+        self.retired: set[str] = set()
+        self.empty_since: dict[str | None, float] = {}
         self._seq = 0
         self._probe_n = 0
         self._deadlines = 0
@@ -191,6 +196,8 @@ class Router(WeightsMixin):
             self.frontend.send_multipart([client, *P.encode(self.status())])
         elif isinstance(msg, P.UpdateWeights):
             self.update_weights(client, msg)
+        elif isinstance(msg, P.Drain):
+            self.drain(msg.replicas, msg.migrate)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a frontend message")
 
@@ -252,9 +259,10 @@ class Router(WeightsMixin):
             members = [r for r in self.replicas.values() if r.group == name]
             groups[name] = P.GroupStatus(
                 registered=len(members),
-                ready=sum(r.ready for r in members),
+                ready=sum(r.serving for r in members),
                 inflight=sum(r.load for r in members),
                 generated_tokens=sum(r.generated for r in members),
+                draining=sum(r.draining for r in members),
             )
         return P.Status(groups=groups, queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),
@@ -327,8 +335,12 @@ class Router(WeightsMixin):
             self.timeline.finished(req.msg.job, req.msg.step, r.group, time.time())
             if req.deaths:
                 r.suspects -= 1
+            if r.draining:
+                self.shutdown_if_idle(r)
 
     def _take_slot(self, r: Replica, delta: int) -> None:
+        if r.draining:
+            return  # its slots left the counts when it began draining; freed ones are not offered
         self.free[r.group] += delta
         self.free[None] += delta
         has_room = r.ready and len(r.inflight) < r.max_inflight and r.identity in self.replicas
@@ -351,7 +363,8 @@ class Router(WeightsMixin):
         if isinstance(msg, P.Heartbeat):
             r = self.replicas.get(ident)
             if r is None:
-                self.backend.send_multipart([ident, *P.encode(P.Reregister("unknown replica"))])
+                if not self.refuse_retired(ident, msg.replica_id):
+                    self.backend.send_multipart([ident, *P.encode(P.Reregister("unknown replica"))])
                 return
             r.last_seen = time.monotonic()
             r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
@@ -360,6 +373,8 @@ class Router(WeightsMixin):
             if msg.generated_tokens != r.generated:
                 r.generated = msg.generated_tokens
                 r.progress_at = r.last_seen
+            if r.draining:
+                self.shutdown_if_idle(r)
         elif isinstance(msg, P.Register):
             self.register(ident, msg)
         elif isinstance(msg, P.WeightsUpdated):
@@ -368,8 +383,12 @@ class Router(WeightsMixin):
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
 
     def register(self, ident: bytes, msg: P.Register) -> None:
+        if self.refuse_retired(ident, msg.replica_id):
+            return
+        was_draining = False
         old_ident = self.by_id.get(msg.replica_id)
         if old_ident is not None:
+            was_draining = self.replicas[old_ident].draining
             self.drop(self.replicas[old_ident], "re-registered")
         if ident in self.replicas:
             self.drop(self.replicas[ident], "re-registered")
@@ -377,6 +396,11 @@ class Router(WeightsMixin):
                     msg.model, dict(msg.labels), last_seen=time.monotonic())
         self.replicas[ident] = r
         self.by_id[r.replica_id] = ident
+        if was_draining:
+            # It stays on its way out: never probed into service; it holds nothing now, so it stops.
+            r.draining = True
+            self.shutdown_if_idle(r)
+            return
         logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
         self._push_weights(r)
         self._probe(r)
@@ -392,7 +416,7 @@ class Router(WeightsMixin):
     def _on_result(self, ident: bytes, res: P.Result, payload: bytes) -> None:
         r = self.replicas.get(ident)
         if res.request_id.startswith(PROBE_PREFIX):
-            if r is not None and not r.ready:
+            if r is not None and not r.ready and not r.draining:
                 if res.status == "ok" and res.output_token_ids:
                     self._set_ready(r)
                 else:
@@ -408,16 +432,15 @@ class Router(WeightsMixin):
         if res.status == "engine_dead":
             self._engine_died_under(req, r.replica_id, res.error)
             return
-        if req.migrating:
-            req.migrating = False
-            if res.status == "cancelled" and not req.client_aborted:
-                self._continue_on_tail(req, res)
-                return
+        why, req.migrating = req.migrating, ""
+        if why and res.status == "cancelled" and not req.client_aborted:
+            self._continue(req, res, why)
+            return
         if req.prefix_tokens:
             payload = self._merged(req, res)
         self._complete(req, payload)
 
-    # ---- tail migration --------------------------------------------------------------------
+    # ---- migration (tail flip, drained replica) ----------------------------------------------
     def migrate(self, job: str, step: int) -> None:
         """At the flip: abort the step's requests running outside the tail group; each continues
         on the tail group from where it stopped once its partial Result comes back."""
@@ -431,12 +454,18 @@ class Router(WeightsMixin):
                 m = req.msg
                 # Requests that name their group explicitly stay where they were sent.
                 if m.job == job and m.step == step and m.group is None and not req.migrating:
-                    req.migrating = True
-                    _send(self.backend, r.identity, *P.encode(P.Abort(req.request_id)))
+                    self._start_migration(req, r, "tail", tail)
                     n += 1
         logger.info("migrating %d in-flight request(s) of %s step %d to group %s", n, job, step, tail)
 
-    def _continue_on_tail(self, req: Request, res: P.Result) -> None:
+    def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
+        """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
+        any group). It stays in ``r``'s slots until that Result comes back, so no token is lost."""
+        req.migrating = why
+        req.migrate_group = group
+        _send(self.backend, r.identity, *P.encode(P.Abort(req.request_id)))
+
+    def _continue(self, req: Request, res: P.Result, why: str) -> None:
         out = res.output_token_ids
         req.prefix_tokens.extend(out)
         req.prefix_logprobs.extend(res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out))
@@ -447,7 +476,7 @@ class Router(WeightsMixin):
                                                                           status="ok", finish_reason="length")))
             return
         cont = msgspec.structs.replace(
-            m, prompt_token_ids=m.prompt_token_ids + out, group=self.tail.group,
+            m, prompt_token_ids=m.prompt_token_ids + out, group=req.migrate_group,
             sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),
             resumed_tokens=m.resumed_tokens + len(out),
         )
@@ -455,8 +484,9 @@ class Router(WeightsMixin):
         req.payload = _enc.encode(cont)
         if out:
             req.hi = max(req.hi, max(out))
-        self.timeline.migrated(m.job, m.step)
-        self.stats["migrated"] += 1
+        if why == "tail":
+            self.timeline.migrated(m.job, m.step)
+        self.stats["migrated" if why == "tail" else f"migrated:{why}"] += 1
         self.queue.requeue_front([req])
 
     def _merged(self, req: Request, res: P.Result) -> bytes:
@@ -488,22 +518,32 @@ class Router(WeightsMixin):
         self.limits = {g: (min(r.max_model_len for r in members), min(r.vocab_size for r in members))
                        for g, members in self.groups.items() if members}
 
-    def drop(self, r: Replica, why: str) -> None:
-        """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
-        logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
-        self.replicas.pop(r.identity, None)
+    def _withdraw(self, r: Replica) -> None:
+        """Take a replica out of dispatch (it left, or began draining): its free slots, its place in
+        its group's policy, capacity and limits. Its in-flight requests are the caller's business."""
         for fs in self.free_sets.values():
             fs.pop(r, None)
+        if not r.serving:  # never counted (not ready), or withdrawn already (draining)
+            return
+        spare = r.max_inflight - r.load
+        for g in (r.group, None):
+            self.free[g] -= spare
+            self.capacity[g] -= r.max_inflight
+            members = self.groups[g]
+            members.remove(r)
+            self.policies[g].update(members)
+        self._update_limits()
+
+    def drop(self, r: Replica, why: str) -> None:
+        """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
+        if r.shutdown_sent and not r.inflight:
+            logger.info("replica %s is gone after its shutdown (%s)", r.replica_id, why)
+        else:
+            logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
+        self.replicas.pop(r.identity, None)
         if self.by_id.get(r.replica_id) == r.identity:
             del self.by_id[r.replica_id]
-        if r.ready:
-            self._take_slot(r, -(r.max_inflight - r.load))
-            for g in (r.group, None):
-                self.capacity[g] -= r.max_inflight
-                members = self.groups[g]
-                members.remove(r)
-                self.policies[g].update(members)
-            self._update_limits()
+        self._withdraw(r)
         orphans = list(r.inflight.values())
         r.inflight.clear()
         now = time.time()
@@ -515,6 +555,7 @@ class Router(WeightsMixin):
     def _engine_died_under(self, req: Request, replica_id: str, why: str) -> None:
         req.deaths += 1
         req.replica = None
+        req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
         if req.deaths >= self.rcfg.max_engine_deaths:
             # Poison: this request was in flight at every one of these deaths; stop it killing more.
             self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
@@ -549,12 +590,14 @@ class Router(WeightsMixin):
             elif r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s:
                 # Heartbeats alone prove nothing: an engine can beat while generation hangs.
                 self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
-            elif not r.ready and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
+            elif not r.ready and not r.draining and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
                 logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
                                self.rcfg.probe_timeout_s)
                 self._probe(r)
+        wall = time.time()
+        self.check_empty_groups(wall)
         if self._deadlines > 0:
-            self._expire(time.time())
+            self._expire(wall)
 
     def _expire(self, wall: float) -> None:
         for req in [q for q in self.live.values() if q.msg.deadline and q.msg.deadline < wall]:

@@ -42,7 +42,8 @@ class WeightsMixin:
         self.weights = msg
         self.weight_waiters.setdefault(key, set()).add(client)
         for r in self.replicas.values():
-            if self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
+            # A draining replica generates nothing new: it is not asked, nor waited for.
+            if not r.draining and self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
                 self._push_weights(r)
         self._answer_weights()
 
@@ -71,7 +72,7 @@ class WeightsMixin:
     def _answer_weights(self) -> None:
         for gone in [i for i in self.weight_acks if i not in self.replicas]:
             del self.weight_acks[gone]
-        ready = [r for r in self.replicas.values() if r.ready]
+        ready = [r for r in self.replicas.values() if r.serving]
         for key in list(self.weight_waiters):
             version = key[1]
             acks = [self.weight_acks.get(r.identity) for r in ready]

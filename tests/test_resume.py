@@ -1,0 +1,261 @@
+"""Runs that outlive their launch: the lease, resume after kill -9 and after a stop signal, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import finish, launch, start_launch, wait_for
+from tests.test_launch import check_outputs
+from toolkit.client import latest_weights
+from toolkit.config import compose_config
+from toolkit.errors import RunDirInUse
+from toolkit.lease import EPOCH_ENV, Lease, LeaseRecord, LeaseWatch, holder_gone
+from toolkit.lifecycle import ProcessRef, read_pidfiles
+from toolkit.resume import config_changes
+from toolkit.rundir import RunDir, atomic_write
+
+PLACEMENT = {"num_replicas", "cached_tokens", "groups", "replicas"}
+"""Columns that say where a session ran (which replica, what its cache held): they differ between two
+uninterrupted runs too. Every other column must be equal."""
+
+
+def assert_same_outputs(a: Path, b: Path, steps: int) -> None:
+    for s in range(steps):
+        ta = pq.read_table(a / "steps" / f"step_{s:05d}.parquet")
+        tb = pq.read_table(b / "steps" / f"step_{s:05d}.parquet")
+        assert ta.schema.names == tb.schema.names
+        differ = [c for c in ta.schema.names if c not in PLACEMENT and ta.column(c).to_pylist() != tb.column(c).to_pylist()]
+        assert not differ, f"step {s}: columns differ from the uninterrupted run's: {differ}"
+
+
+# ---- units --------------------------------------------------------------------------------
+def test_resume_allows_run_settings_and_names_every_other_change() -> None:
+    base = compose_config([])
+    same = compose_config(["steps=9", "resume=true", "cluster.ready_timeout_s=5", "groups.throughput.replicas=4",
+                           "rollout.request_timeout_s=30", "engine.time_scale=0.5", "ranks=3"])
+    assert config_changes(base, same) == []
+    changed = compose_config(["engine.model=other-8b", "workload=singleturn", "seed=1"])
+    keys = {e.field for e in config_changes(base, changed)}
+    assert {"engine.model", "workload.name", "workload.env._target_", "seed", "workload.prompts.seed"} <= keys
+    msg = {e.field: e.allowed for e in config_changes(base, changed)}
+    assert msg["engine.model"] == "the run being resumed has 'sim-8b'"
+
+
+def test_run_dir_finds_the_first_unfinished_step_and_clears_what_is_left_of_it(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.make()
+    for s in (0, 1):
+        rd.step_parquet(s).write_text("x")
+        rd.step_report(s).write_text("{}")
+    rd.step_parquet(2).write_text("partial")  # written, but no report: the crash came before it
+    (rd.step_shards(3)).mkdir()
+    (rd.step_shards(3) / "shard_00000.parquet").write_text("x")
+    assert rd.first_unfinished_step() == 2
+    removed = rd.clear_steps_from(2)
+    assert sorted(p.name for p in removed) == ["step_00002.parquet", "step_00003"]
+    assert sorted(p.name for p in rd.steps.iterdir()) == ["step_00000.json", "step_00000.parquet",
+                                                          "step_00001.json", "step_00001.parquet"]
+
+
+def test_latest_weights_up_to_the_resumed_step(tmp_path: Path) -> None:
+    for s in (0, 3, 7):
+        (tmp_path / f"step_{s:05d}").mkdir()
+    assert latest_weights(str(tmp_path), 5) == (tmp_path / "step_00003", 3)
+    assert latest_weights(str(tmp_path), 5, exact=True) is None
+    assert latest_weights(str(tmp_path), 7, exact=True) == (tmp_path / "step_00007", 7)
+    assert latest_weights(None, 5) is None
+
+
+def test_lease_watch_decisions() -> None:
+    w = LeaseWatch(epoch=2, lease_s=10, now=100.0)
+    rec = LeaseRecord(epoch=2, seq=0, renewed_at=1000.0)
+    assert w.check(rec, 101.0, wall=1001.0) == ""
+    assert w.check(LeaseRecord(epoch=2, seq=1), 105.0) == ""
+    assert w.check(None, 114.0) == ""  # unreadable once: only the clock decides
+    assert "not renewed" in w.check(LeaseRecord(epoch=2, seq=1), 115.5)
+    assert "newer launch" in LeaseWatch(2, 10, 0.0).check(LeaseRecord(epoch=3), 1.0)
+    assert "ended" in LeaseWatch(2, 10, 0.0).check(LeaseRecord(epoch=2, released=True), 1.0)
+    late = LeaseWatch(2, 10, 0.0)  # a job that starts long after its launch died
+    assert "stopped renewing" in late.check(LeaseRecord(epoch=2, seq=5, renewed_at=1000.0), 1.0, wall=1100.0)
+
+
+def test_a_live_holder_keeps_the_run_and_a_dead_one_loses_it(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ref = ProcessRef.of(sleeper.pid)
+        held = LeaseRecord(epoch=4, seq=1, renewed_at=time.time(), host=socket.gethostname(), pid=ref.pid,
+                           start=ref.start)
+        atomic_write(rd.lease, json.dumps(held.__dict__))
+        assert holder_gone(held, 60) == ""
+        with pytest.raises(RunDirInUse, match=f"pid {ref.pid}"):
+            Lease(rd, 60).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert "gone" in holder_gone(held, 60)
+    lease = Lease(rd, 60)
+    try:
+        assert lease.acquire() == 5
+        assert os.environ[EPOCH_ENV] == "5"
+    finally:
+        lease.release()
+        os.environ.pop(EPOCH_ENV, None)
+    rec = LeaseRecord.read(rd)
+    assert rec is not None and rec.released and rec.epoch == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_component_exits_when_its_lease_is_not_renewed(tmp_path: Path) -> None:
+    """A real router process of epoch 1: alive while the lease moves, gone once it stops moving."""
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    from toolkit.config import save_run_config
+
+    save_run_config(compose_config(["cluster.lease_s=3"]), rd.config)
+    rec = LeaseRecord(epoch=1, seq=0, renewed_at=time.time(), host="elsewhere", pid=1)
+    atomic_write(rd.lease, json.dumps(rec.__dict__))
+    log = open(tmp_path / "router.out", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.router", str(rd.root)], stdout=log, stderr=log,
+                            env=dict(os.environ, **{EPOCH_ENV: "1"}))
+    try:
+        wait_for(lambda: rd.router_address.exists(), 60, "the router's address")
+        for _ in range(8):  # 4 s of renewals: longer than the lease, and it lives on
+            rec.seq += 1
+            atomic_write(rd.lease, json.dumps(rec.__dict__))
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "router.out").read_text()
+        wait_for(lambda: proc.poll() is not None, 30, "the router to exit once the lease is stale")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+    assert "has not renewed the lease" in (rd.logs / "router.log").read_text()
+
+
+# ---- whole runs -----------------------------------------------------------------------------
+RUN = ["engine.time_scale=0.5", "steps=3", "sessions_per_step=24"]
+
+
+def _kill_launch_mid_step(run: Path, step: int, extra: list[str]) -> None:
+    """SIGKILL the launch process once ``step`` has begun (its previous step's report is written)."""
+    proc = start_launch([f"hydra.run.dir={run}", *RUN, *extra])
+    try:
+        wait_for(lambda: (run / "steps" / f"step_{step - 1:05d}.json").exists(), 120, f"step {step - 1} to end")
+        time.sleep(0.3)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        finish(proc, 30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resume_after_kill_9_of_launch_mid_step_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    # A checkpoint published for step 1: the resumed run's fresh replicas must load it before step 2.
+    (tmp_path / "weights" / "step_00001").mkdir(parents=True)
+    weights = [f"rollout.weights_dir={tmp_path / 'weights'}"]
+    _kill_launch_mid_step(run, step=2, extra=weights)
+    # Its components end with it (the owner watch on this machine; the lease everywhere).
+    wait_for(lambda: not [r for r in read_pidfiles(run / "pids") if r.alive()], 60, "the killed run's processes to end")
+    assert not (run / "steps" / "step_00002.json").exists()
+
+    out = launch([f"hydra.run.dir={run}", *RUN, *weights, "resume=true"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resuming" in out.stdout and "at step 3 of 3" in out.stdout
+    steps = check_outputs(run, steps=3, sessions=24)
+    assert [e["kind"] for e in steps[2]["interruptions"]] == ["resume"]
+    assert steps[0]["interruptions"] == [] and steps[1]["interruptions"] == []
+    report = json.loads((run / "report.json").read_text())
+    assert [(e["kind"], e["step"], e["epoch"]) for e in report["interruptions"]] == [("resume", 2, 2)]
+    rows = pq.read_table(run / "steps" / "step_00002.parquet").to_pylist()
+    assert {v for r in rows for v in r["weight_versions"]} == {1}
+
+    out = launch([f"hydra.run.dir={ref}", *RUN, *weights])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert_same_outputs(run, ref, 3)
+
+
+def _usr1_after_first_step(run: Path, args: list[str]) -> str:
+    """Launch's output after a SIGUSR1 once step 0 is done; it must exit 75 (stopped, resumable)."""
+    proc = start_launch(args)
+    try:
+        wait_for(lambda: (run / "steps" / "step_00000.json").exists(), 120, "step 0 to end")
+        proc.send_signal(signal.SIGUSR1)
+    finally:
+        output = finish(proc, 120)
+    assert proc.returncode == 75, output
+    return output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigusr1_finishes_the_step_stops_and_a_resume_completes_the_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    output = _usr1_after_first_step(run, [f"hydra.run.dir={run}", *RUN, "cluster.signal_grace_s=120"])
+    assert "SIGUSR1" in output and "resume=true" in output
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "interrupted"
+    done = len(report["steps"])
+    assert 1 <= done < 3 and [s["step"] for s in report["steps"]] == list(range(done))
+    assert report["interruptions"][0]["kind"] == "signal" and report["interruptions"][0]["signal"] == "SIGUSR1"
+    assert not list((run / "steps").glob(f"step_{done:05d}*"))  # the next step never began
+
+    out = launch([f"hydra.run.dir={run}", *RUN, "resume=true"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    check_outputs(run, steps=3, sessions=24)
+
+
+def test_resume_with_a_changed_model_or_workload_is_refused_naming_the_keys(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.05", "steps=1", "sessions_per_step=4"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    before = sorted(p.name for p in (run / "steps").iterdir())
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.05", "steps=2", "sessions_per_step=4",
+                  "resume=true", "engine.model=other-8b", "workload=singleturn"])
+    assert out.returncode == 2
+    for key in ("engine.model = 'other-8b'", "workload.name = 'singleturn'", "workload.env._target_"):
+        assert key in out.stdout, out.stdout
+    assert sorted(p.name for p in (run / "steps").iterdir()) == before  # nothing touched
+    # Without resume the run dir is refused, and the message says how to continue it.
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.05"])
+    assert out.returncode == 2 and "resume=true" in out.stdout
+
+
+def test_resume_of_a_finished_run_runs_only_the_added_steps(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [f"hydra.run.dir={run}", "engine.time_scale=0.05", "sessions_per_step=4"]
+    assert launch([*args, "steps=1"]).returncode == 0
+    out = launch([*args, "steps=1", "resume=true"])
+    assert out.returncode == 0 and "already done" in out.stdout, out.stdout + out.stderr
+    out = launch([*args, "steps=2", "resume=true"])
+    assert out.returncode == 0 and "at step 2 of 2" in out.stdout, out.stdout + out.stderr
+    check_outputs(run, steps=2, sessions=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sigusr1_without_grace_abandons_the_step_in_flight_cleanly(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [f"hydra.run.dir={run}", "engine.time_scale=1.0", "steps=3", "sessions_per_step=24"]
+    _usr1_after_first_step(run, [*args, "cluster.signal_grace_s=1"])
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "interrupted" and "abandoned" in report["error"], report["error"]
+    assert [s["step"] for s in report["steps"]] == [0]
+    assert not [r for r in read_pidfiles(run / "pids") if r.alive()]
+    out = launch([*args, "resume=true"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "at step 2 of 3" in out.stdout
+    check_outputs(run, steps=3, sessions=24)
