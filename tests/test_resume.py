@@ -259,3 +259,57 @@ def test_sigusr1_without_grace_abandons_the_step_in_flight_cleanly(tmp_path: Pat
     assert out.returncode == 0, out.stdout + out.stderr
     assert "at step 2 of 3" in out.stdout
     check_outputs(run, steps=3, sessions=24)
+
+
+def test_prepare_clears_what_would_mislead_the_resumed_step(tmp_path: Path) -> None:
+    from toolkit.config import save_run_config
+    from toolkit.resume import prepare
+
+    rd = RunDir(tmp_path)
+    rd.make()
+    save_run_config(compose_config([]), rd.config)
+    rd.step_report(0).write_text("{}")
+    rd.step_parquet(1).write_text("partial")
+    atomic_write(rd.sentinel("rollout"), json.dumps({"step": 1, "count": 29}))  # step 1 had flipped
+    atomic_write(rd.stop_request, "{}")
+    atomic_write(rd.router_address, "{}")
+    atomic_write(rd.scale_request, json.dumps({"seq": 1, "groups": {"throughput": 5}}))
+    point = prepare(rd, 2, compose_config(["groups.throughput.replicas=3"]))
+    assert point.first_step == 1 and point.removed == ["steps/step_00001.parquet"]
+    for gone in (rd.sentinel("rollout"), rd.stop_request, rd.router_address, rd.scale_request):
+        assert not gone.exists(), gone
+    # Without a changed count on the command line, the last scale request stands.
+    atomic_write(rd.scale_request, json.dumps({"seq": 1, "groups": {"throughput": 5}}))
+    prepare(rd, 3, compose_config([]))
+    assert rd.scale_request.exists()
+
+
+def test_a_launch_whose_lease_was_taken_over_notices_and_leaves_it_alone(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    lease = Lease(rd, lease_s=1.2)  # renewed every 0.2 s
+    try:
+        lease.acquire()
+        taker = LeaseRecord(epoch=9, seq=0, renewed_at=time.time(), host="other", pid=4242)
+        atomic_write(rd.lease, json.dumps(taker.__dict__))
+        wait_for(lambda: bool(lease.lost), 10, "the old launch to notice")
+        assert "pid 4242 on other" in lease.lost
+    finally:
+        lease.release()
+        os.environ.pop(EPOCH_ENV, None)
+    rec = LeaseRecord.read(rd)
+    assert rec is not None and (rec.epoch, rec.pid, rec.released) == (9, 4242, False)  # untouched
+
+
+def test_a_component_of_a_dead_launch_does_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.lease import watch_lease
+
+    rd = RunDir(tmp_path)
+    atomic_write(rd.lease, json.dumps(LeaseRecord(epoch=3, seq=7, renewed_at=time.time() - 600).__dict__))
+    monkeypatch.setenv(EPOCH_ENV, "3")
+    with pytest.raises(SystemExit) as exited:
+        watch_lease(rd, 60)
+    assert exited.value.code == 0
+    monkeypatch.setenv(EPOCH_ENV, "2")  # superseded by a resume (epoch 3)
+    atomic_write(rd.lease, json.dumps(LeaseRecord(epoch=3, seq=7, renewed_at=time.time()).__dict__))
+    with pytest.raises(SystemExit):
+        watch_lease(rd, 60)

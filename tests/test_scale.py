@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import finish, start_launch, wait_for
 from tests.test_launch import assert_no_process_left, check_outputs
+from toolkit.cluster import Cluster, Component
 from toolkit.config import compose_config, save_run_config
 from toolkit.errors import ConfigError, ToolkitError
 from toolkit.rundir import RunDir
@@ -75,3 +76,76 @@ def test_scaling_a_group_up_and_down_mid_run_loses_and_duplicates_no_session(tmp
     assert report["router"].get("duplicates", 0) == 0  # no client had to resend: no answer was lost
     assert all(st["requests_by_status"].keys() == {"ok"} for st in steps), [st["requests_by_status"] for st in steps]
     assert_no_process_left(run)
+
+
+class _Proc(Component):
+    """A component that is alive until told otherwise (the backend is not what is tested here)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.running = True
+
+    def alive(self) -> bool:
+        return self.running
+
+    def state(self) -> str:
+        return "RUNNING" if self.running else "COMPLETED"
+
+    def exit_code(self) -> int | None:
+        return None if self.running else 0
+
+    def cancel(self) -> None:
+        self.running = False
+
+    def kill(self) -> None:
+        self.running = False
+
+    def refs(self) -> list:  # type: ignore[type-arg]
+        return []
+
+
+class _Allocation(Cluster):
+    """Room for two throughput replicas, as an sbatch allocation sized for two."""
+
+    def start_router(self) -> Component:
+        raise NotImplementedError
+
+    def start_replica(self, group: str, index: int) -> Component:
+        return _Proc(f"replica-{group}-{index}")
+
+    def start_ranks(self, n: int, first_step: int = 0) -> Component:
+        raise NotImplementedError
+
+    def max_replicas(self, group: str) -> int | None:
+        return 2
+
+
+def test_an_allocation_reuses_a_slot_only_once_its_draining_replica_left(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit import replicas as replicas_mod
+    from toolkit.lifecycle import ProcessRef
+    from toolkit.replicas import ReplicaSet
+    from toolkit.rundir import atomic_write
+
+    drains: list[list[str]] = []
+    monkeypatch.setattr(replicas_mod, "send_drain", lambda addr, names, migrate, **kw: drains.append(names))
+    cfg = compose_config(["groups.throughput.replicas=2"])
+    rd = RunDir(tmp_path)
+    rd.make()
+    rs = ReplicaSet(cfg, _Allocation(cfg, rd, ProcessRef.self()), rd)
+    rs.start()
+    assert sorted(rs.members) == [("tail", 0), ("throughput", 0), ("throughput", 1)]
+    atomic_write(rd.scale_request, json.dumps({"seq": 1, "groups": {"throughput": 1}}))
+    rs.tick("tcp://router", None)
+    assert sorted(rs.draining) == [("throughput", 1)] and drains == [["throughput-1"]]
+    atomic_write(rd.scale_request, json.dumps({"seq": 2, "groups": {"throughput": 2}}))
+    rs.tick("tcp://router", None)
+    assert ("throughput", 1) not in rs.members and rs.count("throughput") == 1  # its slot is not free yet
+    rs.draining[("throughput", 1)].comp.cancel()  # the drained replica exits
+    rs.tick("tcp://router", None)
+    assert ("throughput", 1) in rs.members and not rs.draining and rs.count("throughput") == 2
+    atomic_write(rd.scale_request, json.dumps({"seq": 3, "groups": {"throughput": 5}}))
+    rs.tick("tcp://router", None)
+    assert rs.count("throughput") == 2 and "room for 2" in rs.error
+    kinds = [e["kind"] for e in rd.read_events()]
+    assert kinds == ["replica_draining", "replica_removed", "replica_added"]

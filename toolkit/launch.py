@@ -66,20 +66,20 @@ def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
     try:
         first = 0
         if resuming:
-            first = resume.prepare(run_dir, epoch).first_step
+            first = resume.prepare(run_dir, epoch, cfg).first_step
             run_dir.append_event("resume", step=first, epoch=epoch, slurm_job=os.environ.get("SLURM_JOB_ID"),
                                  slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
             console.print(f"resuming {run_dir.root} at step {first + 1} of {cfg.steps}")
         save_run_config(cfg, run_dir.config)
-        return _run_steps(cfg, run_dir, console, first)
+        return _run_steps(cfg, run_dir, console, first, lease)
     finally:
         lease.release()
 
 
-def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int) -> dict:
+def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int, lease: Lease) -> dict:
     from toolkit.run import Run
 
-    with Run(cfg, run_dir, console) as r:
+    with Run(cfg, run_dir, console, lease) as r:
         try:
             console.print(f"[dim]run dir {run_dir.root}[/dim]")
             if first >= cfg.steps:
@@ -147,6 +147,9 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    from toolkit.run import STOP
+
+    STOP.install()  # from the start: SIGUSR1's default action would end launch without a teardown
     console = Console()
     run_dir = RunDir(Path(HydraConfig.get().runtime.output_dir))
     try:

@@ -94,6 +94,8 @@ class Lease:
         self.rd = rd
         self.lease_s = lease_s
         self.record: LeaseRecord | None = None
+        self.lost = ""
+        """Set (why) when another launch took the run over: this launch must stop at once."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,6 +129,13 @@ class Lease:
         assert self.record is not None
         interval = max(0.2, self.lease_s / 6)
         while not self._stop.wait(interval):
+            # Never write over a newer launch's lease (after a stall longer than the lease, a resume
+            # may have taken the run): that would end all of its components.
+            now = LeaseRecord.read(self.rd)
+            if now is not None and (now.epoch, now.pid) != (self.record.epoch, self.record.pid):
+                self.lost = f"launch pid {now.pid} on {now.host} took the run over (epoch {now.epoch})"
+                logger.error("lease lost: %s", self.lost)
+                return
             self.record.seq += 1
             self.record.renewed_at = time.time()
             try:
@@ -139,7 +148,7 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self.record is not None and not self.record.released:
+        if self.record is not None and not self.record.released and not self.lost:
             self.record.released = True
             try:
                 self._write()
@@ -182,10 +191,15 @@ def watch_lease(rd: RunDir, lease_s: float) -> None:
         return
     watch = LeaseWatch(int(epoch), lease_s, time.monotonic())
     why = watch.check(LeaseRecord.read(rd), time.monotonic(), wall=time.time())
+    if why:
+        # A job that starts after its launch died (or was superseded): before it binds, writes or
+        # loads anything.
+        logger.warning("not starting: %s", why)
+        raise SystemExit(0)
     interval = min(2.0, max(0.1, lease_s / 10))
 
     def loop() -> None:
-        reason = why
+        reason = ""
         while not reason:
             time.sleep(interval)
             reason = watch.check(LeaseRecord.read(rd), time.monotonic())

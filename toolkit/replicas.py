@@ -17,6 +17,7 @@ One object owns every replica component of a run. Each pass of launch's watch lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -63,7 +64,6 @@ class ReplicaSet:
         self.applied_seq = 0
         self.error = ""
         """Why the last scale request could not be applied in full ("" if it was)."""
-        self.counts = {"added": 0, "removed": 0, "restarted": 0, "preempted": 0}
         self._last_state: dict[Key, str] = {}
         self._written: dict[str, Any] = {}
         self._status: Any | None = None
@@ -96,8 +96,9 @@ class ReplicaSet:
     # ---- every pass of the watch loop ------------------------------------------------------
     def tick(self, frontend: str, curve: ClientCurve | None, status: Any | None = None) -> None:
         self._apply_request()
+        self._drain(frontend, curve)  # first: a replica that has left frees its slot for _fill
+        self._fill()
         self._replace_dead()
-        self._drain(frontend, curve)
         self._watch_preemption()
         if status is not None:
             self._status = status
@@ -120,12 +121,23 @@ class ReplicaSet:
             have = sorted(i for g, i in self.members if g == group)
             for i in have[want:][::-1]:  # the highest indices leave first
                 self._begin_drain((group, i), migrate)
-            taken = set(have) | {i for g, i in self.draining if g == group}
-            free = (i for i in range(len(taken) + want) if i not in taken)
+
+    def _fill(self) -> None:
+        """Start replicas up to each group's target, at the lowest free indices (also later, once a
+        draining replica has left the allocation's slot a scale-up waits for)."""
+        for group, want in self.targets.items():
+            have = {i for g, i in self.members if g == group}
+            if len(have) >= want:
+                continue
+            taken = have | {i for g, i in self.draining if g == group}
+            # In an allocation only its planned slots exist; one still draining is not free yet.
+            cap = self.cluster.max_replicas(group)
+            free = (i for i in (range(cap) if cap is not None else itertools.count()) if i not in taken)
             for _ in range(want - len(have)):
-                i = next(free)
+                i = next(free, None)
+                if i is None:
+                    break
                 self.members[(group, i)] = self.cluster.start_replica(group, i)
-                self.counts["added"] += 1
                 self.rd.append_event("replica_added", group=group, index=i)
                 logger.info("scale: started replica %s-%d", group, i)
 
@@ -142,7 +154,6 @@ class ReplicaSet:
         for key, d in list(self.draining.items()):
             if not d.comp.alive():
                 del self.draining[key]
-                self.counts["removed"] += 1
                 self.rd.append_event("replica_removed", group=key[0], index=key[1], drain_s=round(now - d.since, 3),
                                      state=d.comp.state())
                 continue
@@ -164,7 +175,6 @@ class ReplicaSet:
             if not self.cfg.cluster.restart_replicas:
                 raise ComponentFailed(f"{comp.name} exited ({comp.state()}) and cluster.restart_replicas is off")
             logger.warning("%s exited (%s); starting a replacement", comp.name, comp.state())
-            self.counts["restarted"] += 1
             self.rd.append_event("replica_restarted", group=key[0], index=key[1], state=comp.state())
             self.members[key] = self.cluster.start_replica(*key)
 
@@ -174,7 +184,6 @@ class ReplicaSet:
             before = self._last_state.get(key)
             self._last_state[key] = state
             if before == "RUNNING" and state in _BACK_IN_QUEUE:
-                self.counts["preempted"] += 1
                 self.rd.append_event("replica_preempted", group=key[0], index=key[1], state=comp.state())
                 logger.warning("%s was preempted (%s); the step goes on with the other replicas", comp.name,
                                comp.state())

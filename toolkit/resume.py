@@ -79,14 +79,21 @@ class ResumePoint:
     """What the interrupted run had left of that step and later ones (removed)."""
 
 
-def prepare(rd: RunDir, epoch: int) -> ResumePoint:
-    """After taking the lease (epoch ``epoch``): stop what the previous launch left running, remove
-    its partial step files and stop request, and say where to begin."""
+def prepare(rd: RunDir, epoch: int, cfg: Config) -> ResumePoint:
+    """After taking the lease (epoch ``epoch``), before ``cfg`` replaces the stored config: stop what
+    the previous launch left running, remove its partial step files, stop request, router address and
+    tail sentinels (the step in flight runs again from its beginning, unflipped), and say where to begin."""
     cancel_leftovers(rd, epoch)
     first = rd.first_unfinished_step()
     removed = [str(p.relative_to(rd.root)) for p in rd.clear_steps_from(first)]
     rd.stop_request.unlink(missing_ok=True)
     rd.router_address.unlink(missing_ok=True)  # components must not follow the old router
+    for sentinel in rd.sentinels.glob("*.flip.json"):
+        sentinel.unlink()
+    stored = load_run_config(rd.root)
+    if any(stored.groups[g].replicas != cfg.groups[g].replicas for g in cfg.groups if g in stored.groups):
+        # Replica counts given on the resume's command line win over the last scale request.
+        rd.scale_request.unlink(missing_ok=True)
     if removed:
         logger.info("removed what the interrupted run left of step %d on: %s", first, removed)
     return ResumePoint(first, removed)
@@ -101,7 +108,7 @@ def cancel_leftovers(rd: RunDir, epoch: int) -> None:
     for p in rd.pids.glob("*.pid"):
         p.unlink(missing_ok=True)
     old_jobs = []
-    for p in sorted(rd.jobs(0).parent.glob("epoch-*.txt")):
+    for p in sorted(rd.jobs_dir.glob("epoch-*.txt")):
         if p != rd.jobs(epoch):
             old_jobs += [line.strip() for line in p.read_text().splitlines() if line.strip()]
     if old_jobs:

@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from toolkit.client import ready_counts, router_status
 from toolkit.cluster import Cluster, Component, make_cluster
 from toolkit.config import Config
 from toolkit.errors import ComponentFailed, Interrupted, ReadinessTimeout
+from toolkit.lease import Lease
 from toolkit.lifecycle import ProcessRef
 from toolkit.replicas import ReplicaSet
 from toolkit.rundir import RunDir, atomic_write, read_json
@@ -35,9 +37,30 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+class StopSignal:
+    """SIGUSR1, noted by its handler (a flag and a time, no I/O in a signal handler); the run's loops
+    act on it. Installed once, as early as launch can, and kept: its default action ends the process."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.at = 0.0
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._handler)
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if not self.signum:
+            self.signum, self.at = signum, time.monotonic()
+
+
+STOP = StopSignal()
+
+
 class Run:
-    def __init__(self, cfg: Config, run_dir: RunDir, console: Console | None = None) -> None:
+    def __init__(self, cfg: Config, run_dir: RunDir, console: Console | None = None,
+                 lease: Lease | None = None) -> None:
         self.cfg = cfg
+        self.lease = lease
         self.run_dir = run_dir
         self.console = console or Console(stderr=False)
         self.owner = ProcessRef.self("launch")
@@ -59,15 +82,11 @@ class Run:
         """``time.monotonic()`` by which the step in flight must end, or it is abandoned."""
 
     def __enter__(self) -> Run:
-        # From here on SIGUSR1 (whose default action is to end the process) asks for a clean stop.
-        self._usr1 = signal.signal(signal.SIGUSR1, self._on_stop_signal)
+        STOP.install()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            self.teardown()
-        finally:
-            signal.signal(signal.SIGUSR1, self._usr1)
+        self.teardown()
 
     # ---- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -90,6 +109,7 @@ class Run:
         want = {g: self.replicas.count(g) for g in self.cfg.groups}
         have: dict[str, int] = {}
         while True:
+            self._check_stop(starting=True)
             self._check_router()
             for (g, i), comp in self.replicas.members.items():
                 self._check_alive(comp, self.run_dir.logs / f"replica-{g}-{i}.log")
@@ -150,30 +170,39 @@ class Run:
                 if self.next_step >= cfg.steps:
                     break
                 continue
-            if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
-                raise Interrupted(f"{self.stop_reason}: step {self.next_step} did not end within the grace; "
-                                  "abandoned (it runs again from its beginning on resume)")
+            self._check_stop()
             self._keep_router()
             self._watch_replicas()
             time.sleep(0.1)
         return self.summary()
 
-    def _on_stop_signal(self, signum: int, frame: object) -> None:
-        """SIGUSR1 (Slurm, ``cluster.signal_grace_s`` before the time limit): no further step begins;
-        the step in flight ends if it can before the deadline, which leaves time to tear down."""
-        if self.stop_reason:
-            return
-        grace = self.cfg.cluster.signal_grace_s
-        margin = max(10.0, min(60.0, grace / 3))
-        self.stop_reason = f"{signal.Signals(signum).name} with {grace}s of grace"
-        self.stop_deadline = time.monotonic() + max(0.0, grace - margin)
-        atomic_write(self.run_dir.stop_request, json.dumps({"signal": signal.Signals(signum).name, "t": time.time()}))
-        self.run_dir.append_event("signal", signal=signal.Signals(signum).name, step=self.next_step,
-                                  grace_s=grace, finish_by_s=round(max(0.0, grace - margin), 1))
-        logger.warning("%s: finishing step %d within %.0fs, then stopping", self.stop_reason, self.next_step,
-                       grace - margin)
-        self.console.print(f"[yellow]{self.stop_reason}: finishing step {self.next_step + 1} if it ends within "
-                           f"{grace - margin:.0f}s, then stopping for a resume[/yellow]")
+    def _check_stop(self, starting: bool = False) -> None:
+        """Act on SIGUSR1 (Slurm sends it ``cluster.signal_grace_s`` before the time limit): no further
+        step begins; the step in flight ends if it can before the deadline, which leaves time to tear
+        down; past it, it is abandoned. Also: a launch that lost its lease stops at once."""
+        if self.lease is not None and self.lease.lost:
+            raise ComponentFailed(f"this launch lost the run's lease: {self.lease.lost}")
+        if STOP.signum and not self.stop_reason:
+            grace = self.cfg.cluster.signal_grace_s
+            margin = max(10.0, min(60.0, grace / 3))
+            name = signal.Signals(STOP.signum).name
+            self.stop_reason = f"{name} with {grace}s of grace"
+            self.stop_deadline = STOP.at + max(0.0, grace - margin)
+            try:
+                atomic_write(self.run_dir.stop_request, json.dumps({"signal": name, "t": time.time()}))
+                self.run_dir.append_event("signal", signal=name, step=self.next_step, grace_s=grace,
+                                          finish_by_s=round(max(0.0, grace - margin), 1))
+            except OSError as exc:  # the ranks then run on until the deadline abandons the step
+                logger.error("could not write the stop request: %s", exc)
+            logger.warning("%s: finishing step %d within %.0fs, then stopping", self.stop_reason, self.next_step,
+                           grace - margin)
+            self.console.print(f"[yellow]{self.stop_reason}: finishing step {self.next_step + 1} if it ends within "
+                               f"{max(0.0, grace - margin):.0f}s, then stopping for a resume[/yellow]")
+        if self.stop_reason and starting:
+            raise Interrupted(f"{self.stop_reason}: stopped before step {self.next_step} began")
+        if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+            raise Interrupted(f"{self.stop_reason}: step {self.next_step} did not end within the grace; "
+                              "abandoned (it runs again from its beginning on resume)")
 
     def _ranks_failure(self) -> str:
         """What the failing rank said: its own log holds the error, written before it aborted (the
@@ -215,6 +244,7 @@ class Run:
 
     def summary(self) -> dict[str, Any]:
         reps = self.step_reports
+        events = Counter(str(e.get("kind")) for e in self.run_dir.read_events())
         wall = [r["wall_s"] for r in reps]
         tokens = sum(r["generated_tokens"] for r in reps)
         failures: dict[str, int] = {}
@@ -230,10 +260,12 @@ class Run:
             "generated_tokens": tokens,
             "tokens_per_s": tokens / sum(wall) if wall and sum(wall) > 0 else None,
             "failed_requests": failures,
-            "replica_restarts": self.replicas.counts["restarted"],
-            "replicas_added": self.replicas.counts["added"],
-            "replicas_removed": self.replicas.counts["removed"],
-            "replicas_preempted": self.replicas.counts["preempted"],
+            # From the run's events: every launch of a resumed run counted.
+            "replica_restarts": events["replica_restarted"],
+            "replicas_added": events["replica_added"],
+            "replicas_removed": events["replica_removed"],
+            "replicas_preempted": events["replica_preempted"],
+            "resumes": events["resume"],
             "router_restarts": self.router_restarts,
         }
 

@@ -105,9 +105,18 @@ class RunDir:
         """What launch has applied: per group, the target and the replicas running, starting, draining."""
         return self.root / "scale_state.json"
 
+    def replica_stopped(self, name: str) -> Path:
+        """Written by node 0 of replica ``name`` when it stopped after a drain: the other nodes of a
+        multi-node replica, which only hold their node, then exit too."""
+        return self.root / "replicas" / f"{name}.stopped"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.root / "jobs"
+
     def jobs(self, epoch: int) -> Path:
         """Slurm job ids the launch of ``epoch`` submitted, one per line (a resume cancels leftovers)."""
-        return self.root / "jobs" / f"epoch-{epoch:04d}.txt"
+        return self.jobs_dir / f"epoch-{epoch:04d}.txt"
 
     def step_parquet(self, step: int) -> Path:
         return self.steps / f"step_{step:05d}.parquet"

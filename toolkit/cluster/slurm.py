@@ -125,12 +125,17 @@ def _hold_node(run_dir: str, group: str, index: int, node: int) -> None:
     from toolkit.entry import enter_component
 
     name = f"replica-{group}-{index}-node{node}"
-    enter_component(run_dir, name)
+    rd, _ = enter_component(run_dir, name)
     logger.info("node %d of replica %s-%d: holding the node for the engine's workers (master %s:%s)", node,
                 group, index, os.environ["TOOLKIT_MASTER_ADDR"], os.environ["TOOLKIT_MASTER_PORT"])
+    started = time.time()
+    stopped = rd.replica_stopped(f"replica-{group}-{index}")
     try:
-        while True:
-            time.sleep(3600)
+        # Until node 0 stops after a drain (a marker newer than this task: an index is reused when a
+        # group scales up again), or SIGTERM.
+        while not (stopped.exists() and stopped.stat().st_mtime >= started - 1):
+            time.sleep(2.0)
+        logger.info("node 0 of replica %s-%d stopped after its drain; releasing the node", group, index)
     except (KeyboardInterrupt, SystemExit):
         pass
 

@@ -36,7 +36,7 @@ from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.entry import enter_component
 from toolkit.lifecycle import ProcessRef
-from toolkit.rundir import RunDir
+from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import client_curve
 from toolkit.sockets import RouterLink
 
@@ -293,6 +293,7 @@ def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None)
     engine = make_engine(engine_config(cfg, group))
     try:
         asyncio.run(ReplicaServer(cfg, rd, group, index, engine).run())
+        atomic_write(rd.replica_stopped(name), "drained")  # run() returns at the router's Shutdown alone
     except (KeyboardInterrupt, SystemExit):
         logger.info("replica %s stopping", name)
     except EngineGone as exc:
