@@ -214,3 +214,19 @@ def test_async_environments_do_not_block_the_ranks_other_sessions(tmp_path: Path
     rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
     assert all(r["status"] == "completed" and r["num_turns"] == 3 for r in rows)
     assert max(r["reward"] for r in rows) >= 2  # sessions were inside their slow tools together
+
+
+def test_ranks_that_fail_in_mpi_init_are_started_once_more(tmp_path: Path) -> None:
+    """A launcher whose first world dies before any rank is up (as MPI's wire-up can after a requeue):
+    launch starts the ranks once more, and the run completes."""
+    run = tmp_path / "run"
+    wrapper = tmp_path / "flaky-mpiexec"
+    marker = tmp_path / "failed-once"
+    real = Path(sys.executable).parent / "mpiexec"
+    wrapper.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; echo 'wire-up failed' >&2; exit 14; fi\n"
+                       f"exec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", f"cluster.mpiexec={wrapper}"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "did not get through MPI_Init; starting them again" in out.stdout
+    check_outputs(run, steps=1, sessions=32)

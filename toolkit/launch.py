@@ -98,9 +98,10 @@ def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int, lease
             _requeue(cfg, run_dir, console)
             raise
         except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (scancel, preemption, scontrol requeue)
-            r.teardown()
             name = str(exc) or "SIGINT"
+            # First: Slurm's SIGKILL follows its SIGTERM after KillWait, maybe before the teardown ends.
             run_dir.append_event("signal", signal=name, step=r.next_step)
+            r.teardown()
             r.write_report(r.summary(), error=f"stopped by {name} during step {r.next_step}", status="interrupted")
             raise
         except BaseException as exc:

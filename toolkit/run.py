@@ -151,10 +151,26 @@ class Run:
         self.load_previous(first_step)
         self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
         ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+        retried = False
         while True:
             if self.ranks.pending() and time.monotonic() > ranks_deadline:
                 raise ReadinessTimeout(f"the rollout ranks did not start in {cfg.cluster.ready_timeout_s:.0f}s: "
                                        f"ranks: {self.ranks.state()}  <- stuck")
+            if not retried and self._ranks_stuck_in_init(ranks_deadline):
+                # Once: MPI's wire-up of a fresh world can fail or hang where a stale one was killed
+                # (seen after an sbatch requeue, whose steps reuse the previous incarnation's ids).
+                logger.warning("the ranks did not get through MPI_Init (%s); starting them again", self.ranks.state())
+                self.console.print("[yellow]the ranks did not get through MPI_Init; starting them again[/yellow]")
+                retried = True
+                self.ranks.cancel()
+                wait_until = time.monotonic() + 30
+                while self.ranks.alive() and time.monotonic() < wait_until:
+                    time.sleep(0.2)
+                if self.ranks.alive():
+                    self.ranks.kill()
+                self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
+                ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+                continue
             while self.next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(self.next_step))):
                 self.step_reports.append(rep)
                 self.console.print(progress_line(rep, cfg.steps), soft_wrap=True)
@@ -175,6 +191,18 @@ class Run:
             self._watch_replicas()
             time.sleep(0.1)
         return self.summary()
+
+    def _ranks_stuck_in_init(self, deadline: float) -> bool:
+        """The ranks failed, or are still running past ``deadline``, before every one of them got through
+        MPI_Init (each writes its pid file right after)."""
+        assert self.ranks is not None
+        if self.ranks.pending():
+            return False
+        up = {p.name.split(".")[0] for p in self.run_dir.pids.glob("rank-*.pid")}
+        if len(up) >= self.cfg.ranks:
+            return False
+        code = self.ranks.exit_code()
+        return (code is not None and code != 0) or time.monotonic() > deadline
 
     def _check_stop(self, starting: bool = False) -> None:
         """Act on SIGUSR1 (Slurm sends it ``cluster.signal_grace_s`` before the time limit): no further
