@@ -52,6 +52,9 @@ def _sacct_state(jid: str) -> str:
 
 def _wait_done(d: Path, job: str, jid: str) -> None:
     wait_for(lambda: not our_jobs(job), 300, "the job to end")
+    # Accounting lags the queue: wait for sacct's final state.
+    wait_for(lambda: _sacct_state(jid) not in ("", "PENDING", "RUNNING", "REQUEUED", "COMPLETING"), 60,
+             "accounting to record the job's end")
     log = "".join(p.read_text() for p in d.glob("slurm-*.out"))
     assert _sacct_state(jid) == "COMPLETED", log
 
