@@ -64,7 +64,8 @@ class ReplicaSet:
         self.applied_seq = 0
         self.error = ""
         """Why the last scale request could not be applied in full ("" if it was)."""
-        self._last_state: dict[Key, str] = {}
+        self._ran: dict[Key, bool] = {}
+        """Replicas whose job was seen running (a later PENDING/REQUEUED means it was preempted)."""
         self._written: dict[str, Any] = {}
         self._status: Any | None = None
         """The router's latest Status (its ready and draining counts)."""
@@ -181,9 +182,10 @@ class ReplicaSet:
     def _watch_preemption(self) -> None:
         for key, comp in self.members.items():
             state = comp.state().split(" ")[0]
-            before = self._last_state.get(key)
-            self._last_state[key] = state
-            if before == "RUNNING" and state in _BACK_IN_QUEUE:
+            if state == "RUNNING":
+                self._ran[key] = True
+            # Ran, and is back in the queue (seen through COMPLETING or not, at the poll's pace).
+            elif state in _BACK_IN_QUEUE and self._ran.pop(key, False):
                 self.rd.append_event("replica_preempted", group=key[0], index=key[1], state=comp.state())
                 logger.warning("%s was preempted (%s); the step goes on with the other replicas", comp.name,
                                comp.state())
