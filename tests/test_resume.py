@@ -11,18 +11,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import finish, launch, start_launch, wait_for
 from tests.test_launch import check_outputs
-from toolkit.client import latest_weights
 from toolkit.config import compose_config
 from toolkit.errors import RunDirInUse
 from toolkit.lease import EPOCH_ENV, Lease, LeaseRecord, LeaseWatch, holder_gone
 from toolkit.lifecycle import ProcessRef, read_pidfiles
 from toolkit.resume import config_changes
 from toolkit.rundir import RunDir, atomic_write
+from toolkit.weights import latest, publish
 
 PLACEMENT = {"num_replicas", "cached_tokens", "groups", "replicas"}
 """Columns that say where a session ran (which replica, what its cache held): they differ between two
@@ -69,11 +70,10 @@ def test_run_dir_finds_the_first_unfinished_step_and_clears_what_is_left_of_it(t
 
 def test_latest_weights_up_to_the_resumed_step(tmp_path: Path) -> None:
     for s in (0, 3, 7):
-        (tmp_path / f"step_{s:05d}").mkdir()
-    assert latest_weights(str(tmp_path), 5) == (tmp_path / "step_00003", 3)
-    assert latest_weights(str(tmp_path), 5, exact=True) is None
-    assert latest_weights(str(tmp_path), 7, exact=True) == (tmp_path / "step_00007", 7)
-    assert latest_weights(None, 5) is None
+        publish(tmp_path, s, {"w": np.zeros(1, dtype=np.float32)})
+    assert latest(str(tmp_path), 5) == (tmp_path / "step_00003", 3)
+    assert latest(str(tmp_path), 7) == (tmp_path / "step_00007", 7)
+    assert latest(None, 5) is None
 
 
 def test_lease_watch_decisions() -> None:
@@ -165,7 +165,7 @@ def _kill_launch_mid_step(run: Path, step: int, extra: list[str]) -> None:
 def test_resume_after_kill_9_of_launch_mid_step_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     run, ref = tmp_path / "run", tmp_path / "ref"
     # A checkpoint published for step 1: the resumed run's fresh replicas must load it before step 2.
-    (tmp_path / "weights" / "step_00001").mkdir(parents=True)
+    publish(tmp_path / "weights", 1, {"w": np.zeros(1, dtype=np.float32)})
     weights = [f"rollout.weights_dir={tmp_path / 'weights'}"]
     _kill_launch_mid_step(run, step=2, extra=weights)
     # Its components end with it (the owner watch on this machine; the lease everywhere).

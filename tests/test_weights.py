@@ -1,6 +1,7 @@
 """Weight reloads through the router with sim replicas (no vLLM needed): every replica acknowledges,
 requests in the engine finish on the old weights, later ones carry the new version, a replica that
-registers later gets the weights before it is ready, and ``rollout.weights_dir`` reaches the Parquet."""
+registers later gets the weights before it is ready, and ``rollout.weights_dir`` reaches the Parquet.
+The published-checkpoint rules and ``rollout.max_staleness`` are in ``tests/test_handshake.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import launch, wait_for
-from toolkit.client import RouterClient, router_status, weights_for_step
+from toolkit.client import RouterClient, router_status
 from toolkit.protocol import Generate, Sampling
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
@@ -32,7 +33,8 @@ async def with_client(rd, fn):  # type: ignore[no-untyped-def]
 
 
 def test_reload_reaches_every_replica_and_versions_every_result(make_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    cfg, rd, stack = make_run(FAST)
+    # drain: the request in the engine finishes on the old weights (pause: tests/test_update_mode.py).
+    cfg, rd, stack = make_run([*FAST, "rollout.update_mode=drain"])
     stack.start(timeout_s=30)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -72,18 +74,12 @@ def test_reload_reaches_every_replica_and_versions_every_result(make_run, tmp_pa
     asyncio.run(with_client(rd, late))
 
 
-def test_weights_for_step(tmp_path: Path) -> None:
-    (tmp_path / "step_00001").mkdir()
-    assert weights_for_step(None, 1) is None
-    assert weights_for_step(str(tmp_path), 0) is None
-    assert weights_for_step(str(tmp_path), 1) == tmp_path / "step_00001"
-
-
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_launch_loads_step_checkpoints_and_parquet_carries_versions(tmp_path: Path) -> None:
     weights = tmp_path / "weights"
     (weights / "step_00001").mkdir(parents=True)
+    (weights / "step_00001" / "config.json").write_text("{}")  # copied by hand (the sim loads any directory)
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.2", "sessions_per_step=8",
                   f"rollout.weights_dir={weights}"])

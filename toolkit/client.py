@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -32,30 +31,6 @@ _T_WEIGHTS = P.TYPE_OF[P.WeightsUpdated]
 
 class WeightsUpdateFailed(ToolkitError):
     """A replica could not load the checkpoint (the router's answer names each one and why)."""
-
-
-def weights_for_step(weights_dir: str | None, step: int) -> Path | None:
-    """The checkpoint to load before ``step``: ``<weights_dir>/step_XXXXX`` if it exists (``rollout.weights_dir``)."""
-    if not weights_dir:
-        return None
-    path = Path(weights_dir).expanduser() / f"step_{step:05d}"
-    return path if path.is_dir() else None
-
-
-def latest_weights(weights_dir: str | None, step: int, exact: bool = False) -> tuple[Path, int] | None:
-    """The checkpoint to load before ``step`` and its version: ``<weights_dir>/step_XXXXX`` for the
-    highest such step up to ``step`` (only ``step`` itself with ``exact``)."""
-    if exact:
-        path = weights_for_step(weights_dir, step)
-        return (path, step) if path is not None else None
-    if not weights_dir:
-        return None
-    found = [(int(p.name[5:]), p) for p in Path(weights_dir).expanduser().glob("step_*")
-             if p.name[5:].isdigit() and p.is_dir() and int(p.name[5:]) <= step]
-    if not found:
-        return None
-    version, path = max(found)
-    return path, version
 
 
 def _dealer(ctx: zmq.Context, address: str, curve: ClientCurve | None = None) -> zmq.Socket:

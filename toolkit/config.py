@@ -22,6 +22,7 @@ POLICIES = ("consistent_hash", "least_loaded", "power_of_two", "round_robin")
 QUEUES = ("fair", "fifo")
 CLUSTERS = ("local", "slurm", "allocation")
 OUTPUTS = ("gather", "shards")
+UPDATE_MODES = ("pause", "drain")
 
 
 @dataclass
@@ -287,9 +288,27 @@ class RolloutConfig:
     """A step whose share of ``failed`` samples (an environment or agent that raised, hung past
     ``workload.env_timeout_s`` or sent garbage) is above this fails the run, after its files are
     written; null = never. Failed samples below it are rows with ``status = failed`` and the error."""
+    update_mode: str = "pause"
+    """How a replica takes new weights while requests run: ``pause``: it pauses between engine steps,
+    reloads, resets its prefix cache and resumes the same requests, whose later tokens come from the new
+    weights (their Results list both versions); ``drain``: it lets the requests in the engine finish
+    first, new ones wait. Either way no request is aborted or retried. An engine that cannot update in
+    place drains."""
     weights_dir: str | None = None
-    """Checkpoints between steps: before step ``s``, if ``<weights_dir>/step_XXXXX`` (``s`` in five
-    digits) exists, every replica finishes its requests and loads it as weight version ``s``; null = off."""
+    """Published checkpoints (``toolkit.weights.publish``): before step ``s``, if the latest published
+    ``<weights_dir>/step_XXXXX`` up to ``s`` is newer than the replicas' weights, every replica loads it
+    (``update_mode``) as weight version ``XXXXX`` (the model's own weights are version 0), and so again
+    whenever one up to ``s`` is published while step ``s`` runs; null = off."""
+    max_staleness: int | None = None
+    """Bounded staleness ``k`` (needs ``weights_dir``): step ``s`` starts only once weights of version
+    ``>= s - k`` are published; 0 = strictly on-policy (each step waits for the update from the step
+    before), 1 = the rollout of step ``s`` overlaps training on step ``s-1``; null = never wait."""
+    weights_timeout_s: float = 3600.0
+    """How long a step waits for the weights ``max_staleness`` asks for; past it the run fails, naming
+    the missing version and ``weights_dir``."""
+    weights_poll_s: float = 0.2
+    """How often rank 0 looks in ``weights_dir`` for a new checkpoint: while a step waits for one, and
+    while a step runs (a checkpoint up to the running step is loaded as soon as it is published)."""
 
 
 @dataclass

@@ -6,6 +6,7 @@
 
     samples.steps(run_dir)                      # [0, 1, ...]: the steps whose outputs are complete
     table = samples.read_step(run_dir, 0)       # pyarrow.Table, one row per session, sorted by index
+    table = samples.wait_step(run_dir, 0, 600)  # the same, once the step is written (a trainer's loop)
     files = samples.step_files(run_dir, 0)      # the Parquet files (for pandas, polars, HF datasets)
     for s in samples.iter_samples(run_dir, 0):  # Sample objects, streamed one row group at a time
         ...
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterable, Iterator
 from functools import reduce
 from pathlib import Path
@@ -30,16 +32,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from toolkit.errors import ToolkitError
 from toolkit.rollout.columns import pack
 from toolkit.rollout.columns import to_table as _to_table
 from toolkit.rollout.columns import write_parquet as _write_parquet
 from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
 from toolkit.rollout.shards import manifest_path
 from toolkit.rollout.tokenizer import Tokenizer
-from toolkit.rundir import RunDir
+from toolkit.rundir import RunDir, read_json
 
-__all__ = ["NonPrefixTurn", "Sample", "from_row", "iter_samples", "merge", "merge_all", "read_step",
-           "step_files", "steps", "to_samples", "to_table", "write_samples"]
+__all__ = ["NonPrefixTurn", "RunEnded", "Sample", "StepTimeout", "StepUnavailable", "from_row", "iter_samples",
+           "merge", "merge_all", "read_step", "step_files", "steps", "to_samples", "to_table", "wait_step",
+           "write_samples"]
 
 _REPORT = re.compile(r"^step_(\d{5,})\.json$")
 
@@ -78,6 +82,63 @@ def read_step(run_dir: str | Path | RunDir, step: int, columns: list[str] | None
     return table if columns is None or "index" in columns else table.drop_columns(["index"])
 
 
+class StepUnavailable(ToolkitError):
+    """:func:`wait_step` cannot return the step: it ran out of time, or the run ended without it."""
+
+
+class StepTimeout(StepUnavailable):
+    """The step's report did not appear within ``timeout_s``."""
+
+
+class RunEnded(StepUnavailable):
+    """The run ended (``report.json``: ok, failed or interrupted) without writing the step."""
+
+
+def _progress(run_dir: Path) -> str:
+    done = steps(run_dir)
+    return f"the last step with a report is {done[-1]}" if done else "no step has a report yet"
+
+
+def _run_ended(rd: RunDir) -> dict[str, Any] | None:
+    """``report.json`` if it says the run is over: its launch released the lease (a resumed run takes
+    the lease first, so an old report no longer counts) and it was not requeued to go on by itself."""
+    report = read_json(rd.report)
+    if not isinstance(report, dict):
+        return None
+    lease = read_json(rd.lease)
+    if isinstance(lease, dict) and not lease.get("released", False):
+        return None  # a launch holds the run: the report is from before a resume, or about to be released
+    events = rd.read_events()
+    if report.get("status") == "interrupted" and events and events[-1].get("kind") == "requeue":
+        return None  # an sbatch job requeued itself: it resumes at its next start
+    return report
+
+
+def wait_step(run_dir: str | Path | RunDir, step: int, timeout_s: float, poll_s: float = 0.2,
+              columns: list[str] | None = None) -> pa.Table:
+    """Step ``step`` as :func:`read_step` returns it, once it is written (its report exists): a
+    trainer's wait for the rollout. Raises :class:`StepTimeout` after ``timeout_s``, and
+    :class:`RunEnded` at once if the run ended (``report.json``: failed, interrupted, or ok with
+    fewer steps) without it; both name the run dir, the step and how far the run got."""
+    rd = RunDir(run_dir.root if isinstance(run_dir, RunDir) else Path(run_dir))
+    report_path = rd.step_report(step)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if report_path.exists():
+            return read_step(rd, step, columns)
+        ended = _run_ended(rd)
+        if ended is not None:
+            if report_path.exists():  # written just before the run's report
+                return read_step(rd, step, columns)
+            why = f": {ended['error']}" if ended.get("error") else ""
+            raise RunEnded(f"run {rd.root} ended ({ended.get('status')}{why}) without step {step}; "
+                           f"{_progress(rd.root)}")
+        if time.monotonic() >= deadline:
+            raise StepTimeout(f"step {step} of run {rd.root} was not written within {timeout_s:g}s; "
+                              f"{_progress(rd.root)}")
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
 def from_row(row: dict[str, Any]) -> Sample:
     """A :class:`Sample` from one row of a step file (logprobs come back at float32 precision)."""
     return Sample(
@@ -85,7 +146,9 @@ def from_row(row: dict[str, Any]) -> Sample:
         loss_mask=list(row["loss_mask"]), rollout_logprobs=list(row["rollout_logprobs"]),
         prompt_length=row["prompt_length"], reward=row["reward"], status=row["status"],
         num_turns=row["num_turns"], generated_tokens=row["generated_tokens"], cached_tokens=row["cached_tokens"],
-        weight_versions=list(row["weight_versions"]), replicas=set(row.get("replicas") or ()),
+        weight_versions=list(row["weight_versions"]),
+        turn_weight_versions=[list(t) for t in row.get("turn_weight_versions") or ()],
+        replicas=set(row.get("replicas") or ()),
         groups=set(row.get("groups") or ()), response=row.get("response") or "",
         response_decoded=bool(row.get("response_decoded", False)), error=row.get("error") or "",
         branch=int(row.get("branch") or 0), messages=row.get("messages") or "",

@@ -15,6 +15,7 @@ from toolkit.config import (
     OUTPUTS,
     POLICIES,
     QUEUES,
+    UPDATE_MODES,
     VLLM_OWN_ARGS,
     Config,
     ReplicaResources,
@@ -120,6 +121,14 @@ def validate(cfg: Config) -> None:
     need(cfg.rollout.request_timeout_s > 0, "rollout.request_timeout_s", cfg.rollout.request_timeout_s, "> 0")
     mff = cfg.rollout.max_failed_fraction
     need(mff is None or 0 <= mff <= 1, "rollout.max_failed_fraction", mff, "a fraction in [0, 1], or null")
+    need(cfg.rollout.update_mode in UPDATE_MODES, "rollout.update_mode", cfg.rollout.update_mode,
+         f"one of {list(UPDATE_MODES)}")
+    k = cfg.rollout.max_staleness
+    need(k is None or k >= 0, "rollout.max_staleness", k, "an integer >= 0 (0 = on-policy), or null (never wait)")
+    need(k is None or bool(cfg.rollout.weights_dir), "rollout.max_staleness", k,
+         "needs rollout.weights_dir (where the trainer publishes the weights to wait for), or null")
+    need(cfg.rollout.weights_timeout_s > 0, "rollout.weights_timeout_s", cfg.rollout.weights_timeout_s, "> 0")
+    need(cfg.rollout.weights_poll_s > 0, "rollout.weights_poll_s", cfg.rollout.weights_poll_s, "> 0")
     ets = cfg.workload.env_timeout_s
     need(ets is None or ets > 0, "workload.env_timeout_s", ets, "> 0, or null")
     if cfg.workload.agent:

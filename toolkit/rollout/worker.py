@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from hydra.utils import instantiate
 
-from toolkit.client import RouterClient, latest_weights
+from toolkit.client import RouterClient
 from toolkit.config import Config, group_engine
 from toolkit.entry import enter_component
 from toolkit.errors import ToolkitError
@@ -41,6 +41,7 @@ from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.sample import SAMPLE_STATUSES, NonPrefixTurn, Sample
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
 from toolkit.rollout.stepreport import RequestLog, step_report, write_step_report
+from toolkit.rollout.stepweights import StepWeights
 from toolkit.rollout.tokenizer import load_tokenizer
 from toolkit.rundir import RunDir, atomic_write, read_json
 
@@ -141,6 +142,7 @@ class RankRunner:
         # Responses stay token ids unless asked: decoding is the costliest thing a rank could do per token.
         self.tokenizer = (load_tokenizer(cfg.workload.tokenizer)
                           if cfg.rollout.decode_responses and self.agent is None else None)
+        self.weights = StepWeights(cfg.rollout, self.client, run_dir.stop_request.exists)  # rank 0's
 
     def _my_cap(self) -> int:
         cap = self.cfg.rollout.max_concurrent_rollouts
@@ -191,13 +193,8 @@ class RankRunner:
         cfg = self.cfg
         go = True
         if self.rank == 0:
-            go = not self.run_dir.stop_request.exists()
+            go = not self.run_dir.stop_request.exists() and await self.weights.before(step)
             if go:
-                # A resumed run starts with fresh replicas: they get the latest checkpoint, not only
-                # one published for exactly this step.
-                ckpt = latest_weights(cfg.rollout.weights_dir, step, exact=step != self.first_step)
-                if ckpt is not None:
-                    await self.client.update_weights(str(ckpt[0]), ckpt[1])  # every replica, before the requests
                 await self.client.step_begin(cfg.job, step, cfg.sessions_per_step)
         return await async_bcast_flag(self.comm, go)
 
@@ -209,7 +206,15 @@ class RankRunner:
         log = RequestLog()
         mine = range(self.rank, n, self.size)
         run = self.agent_session if self.agent is not None else self.session
-        per_session = await asyncio.gather(*(run(step, i, sem, log) for i in mine))
+        done = asyncio.Event()
+        follow = (asyncio.create_task(self.weights.follow(step, done), name="weights")
+                  if self.rank == 0 and cfg.rollout.weights_dir else None)
+        try:
+            per_session = await asyncio.gather(*(run(step, i, sem, log) for i in mine))
+        finally:
+            done.set()
+            if follow is not None:
+                await follow
         samples = [s for group in per_session for s in group]
         del per_session
         cols = pack(samples, self.group_names)
@@ -254,6 +259,7 @@ class RankRunner:
         report["interruptions"] = [e for e in self.run_dir.read_events()
                                    if (e.get("step") == step and e.get("kind") == "resume")
                                    or t0 <= float(e.get("t", 0)) <= end]
+        report["weights"] = self.weights.report(step)
         write_step_report(self.run_dir.step_report(step), report)
         self._check_failures(step, cols)
 
