@@ -299,17 +299,21 @@ def test_drain_with_migrate_continues_from_where_it_stopped(rt: RouterThread) ->
     a.send(P.Result("r2", "cancelled", [9], [-0.9], "abort", a.replica_id))
     res2 = recv(client)
     assert isinstance(res2, P.Result) and (res2.request_id, res2.status) == ("r2", "cancelled")
-    a.send(P.Result("r1", "cancelled", [11, 12, 13], [-1.0, -2.0, -3.0], "abort", a.replica_id))
+    # Each leg ran across a weight update (update_mode=pause): the merged Result lists every version once, in order.
+    a.send(P.Result("r1", "cancelled", [11, 12, 13], [-1.0, -2.0, -3.0], "abort", a.replica_id,
+                    weight_version=3, weight_versions=[2, 3]))
     assert isinstance(a.recv(), P.Shutdown)  # it holds nothing now
     cont = b.recv()
     assert isinstance(cont, P.Generate) and cont.request_id == "r1"
     assert cont.prompt_token_ids == [1, 2, 3, 11, 12, 13]
     assert (cont.sampling.max_tokens, cont.resumed_tokens, cont.group) == (7, 3, None)
-    b.send(P.Result("r1", "ok", list(range(14, 21)), [-4.0] * 7, "length", b.replica_id, "throughput", 3))
+    b.send(P.Result("r1", "ok", list(range(14, 21)), [-4.0] * 7, "length", b.replica_id, "throughput", 3,
+                    weight_version=4, weight_versions=[3, 4]))
     res1 = recv(client)
     assert isinstance(res1, P.Result) and res1.status == "ok"
     assert res1.output_token_ids == [11, 12, 13, *range(14, 21)]
     assert res1.logprobs == [-1.0, -2.0, -3.0] + [-4.0] * 7
+    assert res1.weight_versions == [2, 3, 4] and res1.weight_version == 4
     assert res1.replica_id == b.replica_id
     # A late answer from the drained replica is stale: no second Result.
     a.send(P.Result("r1", "ok", [1] * 10, [0.0] * 10, "length", a.replica_id))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit import samples as api
-from toolkit.protocol import Result
+from toolkit.protocol import Result, join_versions
 from toolkit.rollout.columns import pack, to_table, write_parquet
 from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
 from toolkit.rollout.tokenizer import ByteTokenizer
@@ -24,13 +24,18 @@ def sessions(draw):  # type: ignore[no-untyped-def]
     return prompt, turns
 
 
+def turn_versions(k: int) -> list[int]:
+    """Turn k's versions: odd turns straddle an in-place update ([0, 1], [1, 2], ...)."""
+    return join_versions([k // 2, (k + 1) // 2])
+
+
 def build(index: int, prompt: list[int], turns: list[tuple[list[int], list[int]]], first_turn: int = 0) -> Sample:
     s = Sample.start(index, f"s{index}", prompt)
     for k, (out, obs) in enumerate(turns, first_turn):
         context = list(s.tokens)
         res = Result(f"r{k}", output_token_ids=out, logprobs=[-0.5 - i for i in range(len(out))],
                      replica_id=f"rep{k % 2}", group="throughput" if k % 2 else "tail", cached_tokens=k,
-                     weight_version=k // 2)
+                     weight_version=(k + 1) // 2, weight_versions=turn_versions(k))
         s.add_turn(context, res)
         s.extend_observation(obs)
     return s
@@ -72,10 +77,22 @@ def test_parquet_round_trip(tmp_path_factory, batch) -> None:  # type: ignore[no
         assert r["num_turns"] == s.num_turns
         assert sorted(r["groups"]) == sorted(s.groups)
         assert r["weight_versions"] == s.weight_versions
+        assert r["turn_weight_versions"] == s.turn_weight_versions == [turn_versions(k) for k in range(s.num_turns)]
         assert r["response"] == "" and r["response_decoded"] is False
         assert r["metadata"] == {"response_decoded": False}
         assert r["replicas"] == sorted(s.replicas)
         assert r["status"] == "completed" and r["error"] == ""
+
+
+def test_a_turn_that_straddles_an_update_lists_both_versions() -> None:
+    s = Sample.start(0, "s0", [1, 2])
+    s.add_turn([1, 2], Result("a", output_token_ids=[3, 4], weight_version=0, weight_versions=[0]))
+    s.add_turn([1, 2, 3, 4], Result("b", output_token_ids=[5, 6, 7], weight_version=2, weight_versions=[0, 2]))
+    s.add_turn([1, 2, 3, 4, 5, 6, 7], Result("c", output_token_ids=[8], weight_version=2))  # an old Result: scalar only
+    assert s.turn_weight_versions == [[0], [0, 2], [2]]
+    assert s.weight_versions == [0, 2]  # ordered, each once
+    row = api.from_row(to_table(pack([s], ["tail"]), ["tail"], ["s0"]).to_pylist()[0])
+    assert row.turn_weight_versions == s.turn_weight_versions and row.weight_versions == s.weight_versions
 
 
 def test_non_prefix_turn_is_caught() -> None:
@@ -119,7 +136,8 @@ def whole_and_halves(prompt, turns, k, extra):  # type: ignore[no-untyped-def]
     for t, (out, obs) in enumerate(turns[k:], k):
         whole.add_turn(list(whole.tokens), Result(f"r{t}", output_token_ids=out, logprobs=[-0.5 - i for i in range(len(out))],
                                                   replica_id=f"rep{t % 2}", group="throughput" if t % 2 else "tail",
-                                                  cached_tokens=t, weight_version=t // 2))
+                                                  cached_tokens=t, weight_version=(t + 1) // 2,
+                                                  weight_versions=turn_versions(t)))
         whole.extend_observation(obs)
     return whole, a, b
 
@@ -132,7 +150,7 @@ def test_merge_of_two_halves_is_the_whole_session(case) -> None:  # type: ignore
     m.check()
     assert len(m.tokens) == len(m.loss_mask) == len(m.rollout_logprobs) == m.prompt_length + m.response_length
     for name in ("tokens", "loss_mask", "rollout_logprobs", "prompt_length", "num_turns", "generated_tokens",
-                 "cached_tokens", "weight_versions", "replicas", "groups", "status"):
+                 "cached_tokens", "weight_versions", "turn_weight_versions", "replicas", "groups", "status"):
         assert getattr(m, name) == getattr(whole, name), name
     assert m.response == "" and m.metadata == {"response_decoded": False}
 

@@ -123,3 +123,32 @@ def test_abort_returns_partial_output_and_client_errors_are_immediate() -> None:
         await eng.close()
 
     run(main())
+
+
+def test_in_place_update_switches_versions_at_a_step_boundary_and_aborts_nothing() -> None:
+    async def main() -> None:
+        eng = SimEngine(SimEngineConfig(time_scale=0.05, output_len_median=1e6, max_model_len=100000))
+        await eng.start()
+        prompt = list(range(1, 100))
+        warm = await eng.generate(gen("warm", prompt + [500], 4))
+        assert warm.weight_versions == [0] and warm.weight_version == 0
+        ids = [f"l{i}" for i in range(4)]
+        long = [asyncio.create_task(eng.generate(gen(rid, [7, 8, i], 2000))) for i, rid in enumerate(ids)]
+        while not all(rid in eng.by_id and eng.by_id[rid].produced > 0 for rid in ids):
+            await asyncio.sleep(0.001)
+        steps = eng.steps
+        await eng.update_weights_in_place("/ckpt", 5)
+        # At the next step boundary: at most the step under way ran on the old weights meanwhile.
+        assert eng.weight_version == 5 and eng.steps - steps <= 1
+        assert not eng.cache.blocks and all(not t.done() for t in long)
+        after = await eng.generate(gen("after", prompt + [500], 4))
+        assert after.weight_versions == [5] and after.cached_tokens == 0  # the old weights' cache is gone
+        for res in await asyncio.gather(*long):
+            assert res.status == "ok" and res.finish_reason == "length" and len(res.output_token_ids) == 2000
+            assert res.weight_versions == [0, 5] and res.weight_version == 5
+        # An idle engine switches at once.
+        await eng.update_weights_in_place("/ckpt2", 6)
+        assert (await eng.generate(gen("idle", [1, 2], 3))).weight_versions == [6]
+        await eng.close()
+
+    run(main())

@@ -40,6 +40,7 @@ from toolkit.lifecycle import read_pidfiles  # noqa: E402
 from toolkit.rundir import RunDir, atomic_write  # noqa: E402
 from toolkit.stack import LocalStack  # noqa: E402
 from toolkit.validation import validate  # noqa: E402
+from toolkit.weights import publish  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -314,7 +315,7 @@ class TestThroughRouter:
 @pytest.mark.timeout(1200)
 def test_launch_engine_vllm_model_tiny_end_to_end(models: dict[str, Path], tmp_path: Path) -> None:
     weights = tmp_path / "weights"
-    shutil.copytree(models["ckpt"], weights / "step_00001")
+    publish(weights, 1, models["ckpt"])  # the trainer's handshake: copied, fsynced, renamed, marked
     run = tmp_path / "run"
     # A fresh cache: the three replicas build the tiny model once, under a file lock.
     out = launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={tmp_path / 'cache'}",

@@ -100,6 +100,22 @@ class Result(Message):
     error: str = ""
     samples: list[Completion] = []
     """Samples 2..n of a request with ``sampling.n > 1`` (sample 1 is in the fields above)."""
+    weight_versions: list[int] = []
+    """The weight versions that generated the output tokens, in order (the version of the first token
+    first, no version twice in a row): one version, or more for a request that ran across an in-place
+    update (``rollout.update_mode=pause``) or moved between replicas. A Result without tokens lists the
+    version it ran on. ``weight_version`` is the last of them (the version at the end); empty in a Result
+    the router made itself (``timeout``, ``no_replica``, ...)."""
+
+
+def join_versions(*legs: list[int]) -> list[int]:
+    """Versions of consecutive stretches of tokens as one list, in order, no version twice in a row."""
+    out: list[int] = []
+    for leg in legs:
+        for v in leg:
+            if not out or out[-1] != v:
+                out.append(v)
+    return out
 
 
 class Route(Message):
@@ -162,8 +178,10 @@ class Completion(Message):
 
 
 class UpdateWeights(Message):
-    """Client -> router -> every replica: finish the requests in the engine, load the checkpoint
-    directory ``path`` in place, reset the prefix cache, and stamp ``version`` on every Result."""
+    """Client -> router -> every replica: load the checkpoint directory ``path`` in place as ``version``
+    and reset the prefix cache. New requests wait meanwhile; the requests in the engine either pause
+    between engine steps and go on with the new weights (``rollout.update_mode=pause``) or finish on the
+    old ones first (``drain``); none is aborted. Results name the versions of their tokens."""
 
     path: str
     version: int

@@ -46,7 +46,9 @@ class Engine(ABC):
 
     @abstractmethod
     async def generate(self, req: Generate) -> Result:
-        """Run one request to completion (or abort); never raises for a bad request, returns a status."""
+        """Run one request to completion (or abort); never raises for a bad request, returns a status.
+        A backend that knows which weights produced which tokens fills ``Result.weight_versions``; if
+        it leaves it empty, the replica fills it from the updates it saw while the request ran."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -66,8 +68,20 @@ class Engine(ABC):
 
     async def load_weights(self, path: str, version: int) -> None:
         """Load the checkpoint directory ``path`` in place as ``version`` and reset the prefix cache.
-        The replica calls this only while no request is in the engine."""
+        The replica calls this only while no request is in the engine (``rollout.update_mode=drain``,
+        or a backend without :meth:`update_weights_in_place`)."""
         raise NotImplementedError(f"the {type(self).__name__} backend cannot load weights")
+
+    async def update_weights_in_place(self, path: str, version: int) -> None:
+        """Load ``path`` as ``version`` while requests are in the engine (``rollout.update_mode=pause``):
+        pause between engine steps, load, reset the prefix cache, resume the same requests; their later
+        tokens come from the new weights and their Results list both versions (``Result.weight_versions``).
+        Nothing is aborted. The replica holds new requests at its gate meanwhile and never calls this
+        concurrently with itself or ``load_weights``.
+
+        This default: not supported. It raises NotImplementedError before it changes anything, and the
+        replica falls back to ``load_weights`` once the engine is idle (``drain``), saying so once."""
+        raise NotImplementedError(f"the {type(self).__name__} backend cannot update weights while requests run")
 
     def dead(self) -> bool:
         """True once the engine can serve nothing more (its process is gone): time to ``restart``."""

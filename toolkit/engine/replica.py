@@ -5,11 +5,18 @@ generation, sends heartbeats with the engine's load and prefix-cache counters, r
 as its own task, and forwards Aborts to the engine. If the router's address file changes (the router
 restarted) it reconnects and registers again.
 
-Weights (``UpdateWeights``) and engine deaths both need the engine to itself: new requests wait at a
-gate while the ones in the engine finish (at a death they fail at once, as ``engine_dead``, and the
-router requeues them); then the engine loads the checkpoint, or restarts. Requests that arrive
-meanwhile run afterwards, none is lost. An engine that cannot come back (``EngineGone``) ends the
-process, and the cluster backend starts a replacement.
+Weights (``UpdateWeights``) close a gate in front of the engine: requests that arrive meanwhile wait
+there and run afterwards. With ``rollout.update_mode=pause`` the requests in the engine stay there:
+the engine pauses between steps, loads the checkpoint, resets its prefix cache and resumes them, so
+their later tokens come from the new weights (``Engine.update_weights_in_place``; an engine without it
+drains instead, and says so once). With ``drain`` the requests in the engine finish on the old weights
+first, then it loads. Either way nothing is aborted, and ``WeightsUpdated`` is sent once the load is
+done. Every Result names the versions of its tokens (``Result.weight_versions``): the engine's own
+account if it keeps one, else the versions the replica saw while the request was in the engine.
+
+Engine deaths need the engine to itself: new requests wait at the gate while the ones in the engine
+fail at once (``engine_dead``, and the router requeues them); then the engine restarts. An engine
+that cannot come back (``EngineGone``) ends the process, and the cluster backend starts a replacement.
 
 A drained replica (elastic scale-down) gets ``Shutdown`` from the router once it holds no request:
 it closes the engine and its sockets and the process exits 0.
@@ -68,6 +75,10 @@ class ReplicaServer:
         self._fatal: BaseException | None = None
         self._weights: tuple[str, int] | None = None
         self._weights_loading: tuple[str, int] | None = None
+        self._update_mode = cfg.rollout.update_mode
+        self._in_place = True  # until the engine says it cannot update in place
+        # Per request in the engine: the weight versions it ran on (for engines that keep no account).
+        self._versions: dict[str, list[int]] = {}
         self._background: set[asyncio.Task[None]] = set()
 
     async def _send(self, msg: P.Message) -> None:
@@ -167,11 +178,13 @@ class ReplicaServer:
         try:
             await self._open.wait()
             self._entered.add(rid)
+            self._versions[rid] = [self.engine.weight_version]
             self._idle.clear()
             try:
                 res = await self.engine.generate(msg)
             finally:
                 self._entered.discard(rid)
+                seen = self._versions.pop(rid, [])
                 if not self._entered:
                     self._idle.set()
         except asyncio.CancelledError:
@@ -179,15 +192,18 @@ class ReplicaServer:
         except Exception as exc:  # the engine's own failure: the router decides whether to retry
             logger.exception("request %s failed in the engine", rid)
             res = P.Result(request_id=rid, status="engine_dead", error=repr(exc))
+            seen = [self.engine.weight_version]
         finally:
             self.tasks.pop(rid, None)
         if res.status == "engine_dead":
             self._check_engine()
         res.replica_id = self.replica_id
         res.group = self.group
-        # No weight load can start between the engine's answer and here (it waits for the gate's
-        # idle event, and nothing above awaits): this is the version that generated the tokens.
-        res.weight_version = self.engine.weight_version
+        # The engine's account of the versions of its tokens if it keeps one (sim, vllm: exact), else
+        # the versions the engine had while the request was in it (a drain: just one). Nothing awaits
+        # between the engine's answer and here.
+        res.weight_versions = P.join_versions(res.weight_versions or seen or [self.engine.weight_version])
+        res.weight_version = res.weight_versions[-1]
         await self._send(res)
 
     async def _abort(self, rid: str) -> None:
@@ -233,12 +249,13 @@ class ReplicaServer:
         target = (msg.path, msg.version)
         error = ""
         try:
-            async with self._engine_exclusive():
-                t0 = time.monotonic()
-                logger.info("loading weights %s as version %d", msg.path, msg.version)
-                await self.engine.load_weights(msg.path, msg.version)
-                self._weights = target
-                logger.info("weights version %d loaded in %.2fs", msg.version, time.monotonic() - t0)
+            if not (self._update_mode == "pause" and self._in_place and await self._update_in_place(msg)):
+                async with self._engine_exclusive():
+                    t0 = time.monotonic()
+                    logger.info("loading weights %s as version %d (the engine is idle)", msg.path, msg.version)
+                    await self.engine.load_weights(msg.path, msg.version)
+                    logger.info("weights version %d loaded in %.2fs", msg.version, time.monotonic() - t0)
+            self._weights = target
         except Exception as exc:
             logger.exception("loading weights %s failed", msg.path)
             error = f"{type(exc).__name__}: {exc}"
@@ -246,6 +263,31 @@ class ReplicaServer:
             if self._weights_loading == target:
                 self._weights_loading = None
         await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
+
+    async def _update_in_place(self, msg: P.UpdateWeights) -> bool:
+        """``update_mode=pause``: new requests wait at the gate, the ones in the engine stay and go on with
+        the new weights. False (nothing changed) if the engine cannot: the caller drains instead."""
+        async with self._maintenance:
+            self._open.clear()
+            try:
+                t0 = time.monotonic()
+                running = len(self._entered)
+                logger.info("loading weights %s as version %d in place (%d request(s) in the engine)",
+                            msg.path, msg.version, running)
+                try:
+                    await self.engine.update_weights_in_place(msg.path, msg.version)
+                except NotImplementedError as exc:
+                    self._in_place = False
+                    logger.warning("update_mode=pause: %s; weight updates drain the engine instead", exc)
+                    return False
+                for rid in self._entered:
+                    seen = self._versions.get(rid)
+                    if seen is not None and seen[-1] != msg.version:
+                        seen.append(msg.version)
+                logger.info("weights version %d loaded in place in %.2fs", msg.version, time.monotonic() - t0)
+                return True
+            finally:
+                self._open.set()
 
     def _check_engine(self) -> None:
         if self.engine.dead() and (self._recovery is None or self._recovery.done()):

@@ -27,6 +27,11 @@ Schema (a subset: ``toolkit/engine/structured.py``) or of one of the choices, wi
 it ends there (``stop``), or is cut at the budget (``length``). Without ``engine.tokenizer`` such a
 request is a ``client_error``.
 
+Weights: the sim has none, but keeps versions as an engine does. ``load_weights`` (an idle engine)
+and ``update_weights_in_place`` (requests running: it takes effect at the next step boundary, empties
+the prefix cache and prefills the running contexts again) change the version; every Result lists the
+versions of its tokens, exactly, step by step (``Result.weight_versions``).
+
 Fault hooks for tests: ``fault_crash_token`` makes the process exit when a prompt holding that
 token is scheduled (a poison request), ``fault_hang_token`` stops all generation from then on while
 heartbeats continue (a hung engine that looks healthy), and SIGUSR1 makes it crash at once.
@@ -90,7 +95,7 @@ class PrefixCache:
 
 
 class _Seq:
-    __slots__ = ("req", "future", "tokens", "logprobs", "finish", "produced", "cached")
+    __slots__ = ("req", "future", "tokens", "logprobs", "finish", "produced", "cached", "versions")
 
     def __init__(self, req: Generate, future: asyncio.Future[Result], tokens: list[int],
                  logprobs: list[float], finish: str) -> None:
@@ -101,6 +106,7 @@ class _Seq:
         self.finish = finish
         self.produced = 0
         self.cached = 0
+        self.versions: list[int] = []  # weight versions of its tokens so far, in order
 
 
 def _rng(*material: bytes) -> np.random.Generator:
@@ -173,6 +179,10 @@ class SimEngine(Engine):
         self.steps = 0
         self.generated_tokens = 0
         self.hung = False
+        # An in-place weight update waiting for the next step boundary, and the running contexts to
+        # prefill again after one (their KV came from the old weights).
+        self._pending_weights: tuple[int, asyncio.Future[None]] | None = None
+        self._recompute_tokens = 0
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error = ""
 
@@ -248,6 +258,32 @@ class SimEngine(Engine):
         self.cache.blocks.clear()
         self.weight_version = version
 
+    async def update_weights_in_place(self, path: str, version: int) -> None:
+        """The switch happens at the next step boundary, as vLLM's pause between steps: the step under
+        way finishes on the old version, every later token is the new version's (``Result.weight_versions``
+        lists both for a request that straddles it). The prefix cache is emptied and the running
+        sequences' contexts are prefilled again in the next step (the old weights' KV is discarded, as
+        the vllm backend does). Requests in flight go on; none is aborted."""
+        if self._task is None or self._task.done():
+            await self.load_weights(path, version)
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_weights = (version, done)
+        self._wake.set()
+        await done
+
+    def _switch_weights(self) -> None:
+        """At a step boundary: apply a pending in-place update."""
+        if self._pending_weights is None:
+            return
+        version, done = self._pending_weights
+        self._pending_weights = None
+        self.cache.blocks.clear()
+        self.weight_version = version
+        self._recompute_tokens = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
+        if not done.done():
+            done.set_result(None)
+
     def _crash(self, why: str) -> None:
         logger.error("sim fault hook: crashing now (%s)", why)
         os._exit(70)
@@ -261,6 +297,8 @@ class SimEngine(Engine):
             self.hung = True
 
     async def close(self) -> None:
+        if self._pending_weights is not None and not self._pending_weights[1].done():
+            self._pending_weights[1].set_exception(ToolkitError("engine closed during a weight update"))
         if self._task is not None:
             self._task.cancel()
             try:
@@ -279,7 +317,8 @@ class SimEngine(Engine):
             seq.future.set_result(Result(
                 request_id=seq.req.request_id, status=status, output_token_ids=seq.tokens[:n],
                 logprobs=seq.logprobs[:n] if seq.req.sampling.logprobs else [], finish_reason=finish,
-                cached_tokens=seq.cached,
+                cached_tokens=seq.cached, weight_version=self.weight_version,
+                weight_versions=list(seq.versions) or [self.weight_version],
             ))
 
     async def _run(self) -> None:
@@ -287,11 +326,13 @@ class SimEngine(Engine):
         scale = self.cfg.time_scale
         next_t = loop.time()
         while True:
+            self._switch_weights()  # a step boundary
             if not self.running and not self.waiting:
                 self._wake.clear()
                 await self._wake.wait()
                 next_t = loop.time()
-            prefill = 0
+                continue  # woken by a request or by a weight update: look again
+            prefill, self._recompute_tokens = self._recompute_tokens, 0
             while self.waiting and len(self.running) < self.cfg.max_num_seqs:
                 seq = self.waiting.popleft()
                 if seq.future.done():
@@ -323,6 +364,8 @@ class SimEngine(Engine):
                 if seq.produced < len(seq.tokens):
                     seq.produced += 1
                     self.generated_tokens += 1
+                    if not seq.versions or seq.versions[-1] != self.weight_version:
+                        seq.versions.append(self.weight_version)
                 if seq.produced >= len(seq.tokens):
                     self._finish(seq, "ok", seq.finish)
                 else:

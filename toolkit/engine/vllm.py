@@ -26,8 +26,15 @@ reason out. vLLM is imported only when this backend starts (the sim never pays f
   directory listing on a miss for NFS's cached failed lookups), then the adapter is added with
   ``add_lora``, which fails without harm; a request whose adapter is not there waits, and fails as
   ``adapter_missing`` only just before its deadline.
-- Weights: ``load_weights`` reloads in place from a checkpoint directory of the same architecture
-  and resets the prefix cache; a restarted engine reloads the latest checkpoint.
+- Weights: ``load_weights`` (an idle engine: ``update_mode=drain``) reloads in place from a checkpoint
+  directory of the same architecture and resets the prefix cache; ``update_weights_in_place``
+  (``update_mode=pause``) does the same with requests running: ``pause_generation(mode="keep")``
+  freezes them between engine steps, ``reload_weights``, ``reset_prefix_cache(reset_running_requests=True)``
+  (the running requests give up their KV and prefill their context again with the new weights),
+  ``resume_generation``; nothing is aborted. vLLM labels every step's output with the engine core's
+  weight version (``update_weight_version``, set while paused) and returns spans per completion
+  (``CompletionOutput.weight_versions``): ``Result.weight_versions`` is exact. A restarted engine
+  reloads the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -149,6 +156,24 @@ def structured_outputs(v: SimpleNamespace, st: Structured | None) -> Any:
     return v.StructuredOutputsParams(json=st.json_schema)
 
 
+def span_versions(outputs: list[Any]) -> list[int]:
+    """The weight versions of the completions' tokens, in order, from vLLM's spans (``[]`` if it gave
+    none, e.g. no token was generated: the replica fills in the version it ran on)."""
+    versions: list[int] = []
+    for i, c in enumerate(outputs):
+        for span in getattr(c, "weight_versions", None) or ():
+            try:
+                v = int(span.version)
+            except (TypeError, ValueError):  # a label this backend did not set
+                continue
+            if span.end <= span.start:
+                continue
+            # The first completion in order; the others (n > 1, run side by side) add what it lacks.
+            if (versions[-1:] != [v]) if i == 0 else (v not in versions):
+                versions.append(v)
+    return versions
+
+
 def _client_error(request_id: str, exc: BaseException) -> Result:
     return Result(request_id=request_id, status="client_error", error=f"{type(exc).__name__}: {exc}")
 
@@ -205,6 +230,8 @@ class VllmEngine(Engine):
         # In a thread: the replica's loop keeps beating while a restarted engine comes up (~20 s).
         self.llm = await asyncio.to_thread(v.AsyncLLM.from_engine_args, args,
                                            stat_loggers=[stat_logger_factory(self.counters)])
+        # Every step's output carries this label; Result.weight_versions comes from it.
+        await self.llm.update_weight_version(str(self.weight_version))
         # The first generation with logprobs takes seconds; pay it before the readiness probe.
         sp = v.SamplingParams(max_tokens=2, logprobs=0, detokenize=False, output_kind=v.FINAL)
         async for _ in self.llm.generate(v.TokensPrompt(prompt_token_ids=WARMUP_PROMPT), sp, "__warmup__"):
@@ -325,7 +352,7 @@ class VllmEngine(Engine):
         tokens, lps, finish = one(outs[0])
         return Result(request_id=rid, status="cancelled" if finish == "abort" else "ok", output_token_ids=tokens,
                       logprobs=lps, finish_reason=finish, cached_tokens=int(final.num_cached_tokens or 0),
-                      samples=[Completion(*one(c)) for c in outs[1:]])
+                      samples=[Completion(*one(c)) for c in outs[1:]], weight_versions=span_versions(outs))
 
     async def abort(self, request_id: str) -> None:
         waiting = self.adapter_waits.get(request_id)
@@ -397,12 +424,54 @@ class VllmEngine(Engine):
         if not await asyncio.to_thread(os.path.isdir, path):
             raise FileNotFoundError(f"no checkpoint directory {path}")
         await self._reload(path)
+        await self.llm.update_weight_version(str(version))
         self.weights_path = path
         self.weight_version = version
+
+    async def update_weights_in_place(self, path: str, version: int) -> None:
+        """Reload with requests running, none aborted (vLLM 0.32, read in its code):
+
+        - ``pause_generation(mode="keep", clear_cache=False)``: the scheduler goes to ``PAUSED_ALL`` (it
+          schedules nothing, running requests keep their state and KV blocks); it returns once the step
+          in flight has been output. ``abort`` would end them, ``wait`` would drain them (our ``drain``).
+          ``clear_cache=True`` would preempt them and reset the caches at this point, before the reload;
+          we do that ourselves after it, where the reason is plain.
+        - ``collective_rpc("reload_weights")``: the workers load the checkpoint into the model in place
+          (and drop LoRA, encoder and multimodal caches).
+        - ``reset_prefix_cache(reset_running_requests=True)``: a plain reset fails (returns False) while
+          running requests hold blocks. With ``reset_running_requests`` the scheduler preempts them
+          (back to the waiting queue, ``num_computed_tokens = 0``, blocks freed) and then clears every
+          cached block hash. On resume each one prefills prompt + its tokens so far with the new weights
+          and decodes on. So the tokens after the switch are the new weights' answer to the whole
+          context, not an attention over KV the old weights computed; it costs one prefill per running
+          request (cheap beside its decode). The sampled tokens so far are kept, nothing is resampled.
+        - ``update_weight_version``: the engine core labels the outputs of every later step with it;
+          each completion gets ``[version, start, end)`` spans (``Result.weight_versions``).
+        - ``resume_generation()``: back to ``UNPAUSED``; the same requests stream on and finish.
+        """
+        llm = self.llm
+        if not await asyncio.to_thread(os.path.isdir, path):
+            raise FileNotFoundError(f"no checkpoint directory {path}")
+        t0 = time.monotonic()
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            if not await llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM could not reset its prefix cache after the reload")
+            self.loras_added.clear()  # reload_weights removed the adapters: add_lora validates again
+            await llm.update_weight_version(str(version))
+            self.weights_path = path
+            self.weight_version = version
+        finally:
+            if not llm.errored:
+                await llm.resume_generation()
+        logger.info("weights reloaded in place from %s in %.2fs", path, time.monotonic() - t0)
 
     async def _reload(self, path: str) -> None:
         t0 = time.monotonic()
         await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        # Cached KV was computed by the old weights.
-        await self.llm.reset_prefix_cache()
+        self.loras_added.clear()  # reload_weights removed the adapters: add_lora validates again
+        # Cached KV was computed by the old weights (no request is running: a plain reset succeeds).
+        if not await self.llm.reset_prefix_cache():
+            logger.warning("vLLM did not reset its prefix cache after the reload (blocks still in use)")
         logger.info("weights reloaded from %s in %.2fs", path, time.monotonic() - t0)

@@ -26,6 +26,9 @@ Columns = dict[str, np.ndarray]
 # Variable-length columns: values array + a per-sample length array named "<name>__len".
 LIST_COLUMNS = {"tokens": np.int32, "loss_mask": np.int8, "rollout_logprobs": np.float32,
                 "weight_versions": np.int64}
+# Lists of lists (one list per turn): values + per-inner-list lengths "<name>__len" + lists per sample
+# "<name>__turns"; all three are plain arrays for Gatherv.
+NESTED_COLUMNS = {"turn_weight_versions": np.int64}
 # Strings travel the same way, as UTF-8 bytes (uint8 values + lengths); replica ids joined by "\n".
 TEXT_COLUMNS = ("response", "error", "replicas", "messages")
 SCALAR_COLUMNS = {"index": np.int64, "reward": np.float64, "status": np.int8, "prompt_length": np.int32,
@@ -67,8 +70,9 @@ class ColumnBuilder:
 
     def __init__(self, group_names: list[str]) -> None:
         self.bit = {g: 1 << i for i, g in enumerate(group_names)}
-        self._parts: dict[str, list[np.ndarray]] = {name: [] for name in (*LIST_COLUMNS, *TEXT_COLUMNS)}
+        self._parts: dict[str, list[np.ndarray]] = {name: [] for name in (*LIST_COLUMNS, *TEXT_COLUMNS, *NESTED_COLUMNS)}
         self._lengths: dict[str, list[int]] = {name: [] for name in self._parts}
+        self._outer: dict[str, list[int]] = {name: [] for name in NESTED_COLUMNS}
         self._scalars: dict[str, list[Any]] = {name: [] for name in SCALAR_COLUMNS}
 
     def __len__(self) -> int:
@@ -83,6 +87,11 @@ class ColumnBuilder:
             raw = _text(s, name).encode()
             self._parts[name].append(np.frombuffer(raw, dtype=np.uint8))
             self._lengths[name].append(len(raw))
+        for name, dtype in NESTED_COLUMNS.items():
+            inner = getattr(s, name)
+            self._parts[name].append(np.fromiter(itertools.chain.from_iterable(inner), dtype=dtype))
+            self._lengths[name].extend(map(len, inner))
+            self._outer[name].append(len(inner))
         row = {
             "index": s.index, "reward": s.reward, "status": SAMPLE_STATUSES.index(s.status),
             "prompt_length": s.prompt_length, "response_length": s.response_length,
@@ -96,9 +105,11 @@ class ColumnBuilder:
     def columns(self) -> Columns:
         cols: Columns = {}
         for name, parts in self._parts.items():
-            dtype = LIST_COLUMNS.get(name, np.uint8)
+            dtype = LIST_COLUMNS.get(name) or NESTED_COLUMNS.get(name) or np.uint8
             cols[name] = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
             cols[f"{name}__len"] = np.asarray(self._lengths[name], dtype=np.int64)
+        for name, outer in self._outer.items():
+            cols[f"{name}__turns"] = np.asarray(outer, dtype=np.int64)
         for name, dtype in SCALAR_COLUMNS.items():
             cols[name] = np.asarray(self._scalars[name], dtype=dtype)
         return cols
@@ -162,6 +173,9 @@ def to_table(cols: Columns, group_names: list[str], session_ids: list[str] | Non
         data["session_id"] = pa.array(session_ids, type=pa.string())
     for name in LIST_COLUMNS:
         data[name] = _list_array(cols[name], cols[f"{name}__len"])
+    for name in NESTED_COLUMNS:
+        data[name] = pa.LargeListArray.from_arrays(pa.array(_offsets(cols[f"{name}__turns"])),
+                                                   _list_array(cols[name], cols[f"{name}__len"]))
     for name in SCALAR_COLUMNS:
         if name in ("index", "status", "groups_mask", "response_decoded"):
             continue

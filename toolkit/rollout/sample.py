@@ -39,6 +39,10 @@ class Sample:
     generated_tokens: int = 0
     cached_tokens: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    """Every weight version that generated a token of the sample, in order of first use, each once."""
+    turn_weight_versions: list[list[int]] = field(default_factory=list)
+    """Per turn (in order): the versions that generated its tokens (``Result.weight_versions``): two or
+    more for a turn that ran across an in-place weight update (``rollout.update_mode=pause``)."""
     replicas: set[str] = field(default_factory=set)
     groups: set[str] = field(default_factory=set)
     response: str = ""
@@ -88,8 +92,11 @@ class Sample:
         self.num_turns += 1
         self.generated_tokens += len(out)
         self.cached_tokens += result.cached_tokens
-        if result.weight_version not in self.weight_versions:
-            self.weight_versions.append(result.weight_version)
+        versions = list(result.weight_versions) or [result.weight_version]
+        self.turn_weight_versions.append(versions)
+        for v in versions:
+            if v not in self.weight_versions:
+                self.weight_versions.append(v)
         if result.replica_id:
             self.replicas.add(result.replica_id)
         if result.group:
@@ -158,6 +165,7 @@ def merge(a: Sample, b: Sample, tokenizer: Tokenizer | None = None) -> Sample:
         generated_tokens=a.generated_tokens + b.generated_tokens,
         cached_tokens=a.cached_tokens + b.cached_tokens,
         weight_versions=a.weight_versions + [v for v in b.weight_versions if v not in a.weight_versions],
+        turn_weight_versions=[list(t) for t in a.turn_weight_versions + b.turn_weight_versions],
         replicas=a.replicas | b.replicas,
         groups=a.groups | b.groups,
         response=response,

@@ -21,7 +21,8 @@ class Request:
     __slots__ = (
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
-        "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prompt_len",
+        "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
+        "prompt_len",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -46,6 +47,7 @@ class Request:
         self.client_aborted = False
         self.prefix_tokens: list[int] = []
         self.prefix_logprobs: list[float] = []
+        self.prefix_versions: list[int] = []  # weight versions of prefix_tokens, in order
         self.prompt_len = len(msg.prompt_token_ids)
 
 

@@ -469,6 +469,8 @@ class Router(WeightsMixin, ElasticMixin):
         out = res.output_token_ids
         req.prefix_tokens.extend(out)
         req.prefix_logprobs.extend(res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out))
+        if out:  # a leg without tokens generated nothing with its weights
+            req.prefix_versions = P.join_versions(req.prefix_versions, res.weight_versions or [res.weight_version])
         m = req.msg
         remaining = m.sampling.max_tokens - len(out)
         if remaining <= 0:
@@ -490,13 +492,15 @@ class Router(WeightsMixin, ElasticMixin):
         self.queue.requeue_front([req])
 
     def _merged(self, req: Request, res: P.Result) -> bytes:
-        """One Result for a request that moved: the tokens and logprobs of every leg, in order."""
+        """One Result for a request that moved: the tokens, logprobs and weight versions of every leg, in order."""
         lps = res.logprobs if len(res.logprobs) == len(res.output_token_ids) else [0.0] * len(res.output_token_ids)
+        last = (res.weight_versions or [res.weight_version]) if res.output_token_ids else []
         merged = msgspec.structs.replace(
             res, output_token_ids=req.prefix_tokens + res.output_token_ids,
             logprobs=req.prefix_logprobs + lps,
             # Cached tokens of the original prompt on the replica that finished it.
             cached_tokens=min(res.cached_tokens, req.prompt_len),
+            weight_versions=P.join_versions(req.prefix_versions, last) or res.weight_versions,
         )
         return _enc.encode(merged)
 
