@@ -1,0 +1,48 @@
+"""examples/grpo_tiny.py end to end: real vLLM (CPU) rollouts, a torch GRPO trainer, the handshake
+(wait_step, publish, max_staleness=0). The reward rises, every step runs on the weights published
+after the step before, and the trainer's logprobs match the engine's closely."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.mpi]
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 8
+MARGIN = 0.05
+"""Mean reward of the last 3 steps over the first 3 (random model: ~0.13-0.15; measured: 0.148 -> 0.289)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm() -> None:
+    if os.environ.get("TOOLKIT_REQUIRE_VLLM") == "1":
+        import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
+    pytest.importorskip("vllm")
+    pytest.importorskip("torch")
+
+
+@pytest.mark.timeout(1500)
+def test_grpo_on_the_tiny_model_raises_the_reward(tmp_path: Path) -> None:
+    out = tmp_path / "grpo"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_tiny.py"), "--out", str(out),
+                           "--steps", str(STEPS), "--cache", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=1400, cwd=ROOT)
+    log = out / "launch.log"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    rows = list(csv.DictReader(open(out / "reward.csv")))
+    assert [int(r["step"]) for r in rows] == list(range(STEPS))
+    assert [r["weight_versions"] for r in rows] == [str(s) for s in range(STEPS)]  # strictly on-policy
+    reward = [float(r["reward_mean"]) for r in rows]
+    first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
+    assert last >= first + MARGIN, reward
+    # Same weights, two implementations (bf16 engine, fp32 trainer): close, not equal.
+    for r in rows:
+        assert 0 < float(r["mean_abs_dlogprob"]) < 0.5 and 0 <= float(r["k3_kl"]) < 0.1, r
+    assert (out / "reward.png").stat().st_size > 10_000
