@@ -13,4 +13,5 @@ BENCHMARKS = {
     "merge": "toolkit.bench.merge",
     "tail": "toolkit.bench.tail",
     "gateway": "toolkit.bench.gateway",
+    "loop": "toolkit.bench.loop",
 }
