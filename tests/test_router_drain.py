@@ -332,7 +332,7 @@ def test_no_replica_clock_starts_when_both_the_group_and_the_request_wait(tmp_pa
     router = Router(cfg, rd, zmq.Context())  # never bound: its answers go nowhere, its cache keeps them
     r = P.Register("throughput-0@h:1", "throughput", max_inflight=4)
     router.register(b"t0", r)
-    router._set_ready(router.replicas[b"t0"])
+    router.pool.set_ready(router.replicas[b"t0"])
 
     def submit(rid: str, group: str | None, t: float) -> None:
         msg = gen(rid, [1, 2, 3], group=group)
@@ -365,7 +365,7 @@ def test_draining_takes_a_replica_out_of_every_count(tmp_path: Path) -> None:
     router = Router(cfg, rd, zmq.Context())
     for i in range(2):
         router.register(f"t{i}".encode(), P.Register(f"throughput-{i}@h:1", "throughput", max_inflight=4))
-        router._set_ready(router.replicas[f"t{i}".encode()])
+        router.pool.set_ready(router.replicas[f"t{i}".encode()])
     msg = gen("r1", [1, 2, 3])
     router.submit(b"c", msg, msgspec.msgpack.encode(msg))
     router.dispatch()
@@ -374,13 +374,13 @@ def test_draining_takes_a_replica_out_of_every_count(tmp_path: Path) -> None:
     b = next(r for r in router.replicas.values() if r is not a)
     router.drain([a.replica_id.split("@")[0]], migrate=False)
     assert a.draining and not a.shutdown_sent and a.load == 1
-    assert router.free["throughput"] == router.free[None] == 4 and router.capacity["throughput"] == 4
-    assert router.groups["throughput"] == [b] and list(router.free_sets["throughput"]) == [b]
+    assert router.pool.free["throughput"] == router.pool.free[None] == 4 and router.pool.capacity["throughput"] == 4
+    assert router.pool.groups["throughput"] == [b] and list(router.pool.free_sets["throughput"]) == [b]
     router._release(a, req)  # its last request answered: slots stay out, Shutdown goes
-    assert router.free[None] == 4 and a.shutdown_sent and a.replica_id in router.retired
+    assert router.pool.free[None] == 4 and a.shutdown_sent and a.replica_id in router.retired
     assert router.status().groups["throughput"] == P.GroupStatus(2, 1, 0, 0, 1)
     router.drop(a, "no heartbeat")  # gone after its shutdown: the counts do not move again
-    assert router.free[None] == 4 and router.capacity[None] == 4
+    assert router.pool.free[None] == 4 and router.pool.capacity[None] == 4
     router.close()
 
 

@@ -234,7 +234,7 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
             for i in range(replicas):
                 ident = f"r{i}".encode()
                 router.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20))
-                router._set_ready(router.replicas[ident])
+                router.pool.set_ready(router.replicas[ident])
             prompt = list(range(1, PROMPT_LEN + 1))
             total = queued + replicas * max_inflight
             for k in range(total + samples):

@@ -24,6 +24,7 @@ from toolkit.router.queue import FairQueue, Request
 if TYPE_CHECKING:
     from toolkit.config import RouterConfig
     from toolkit.router.policy import Replica
+    from toolkit.router.pool import ReplicaPool
     from toolkit.router.tail import TailTracker
 
 logger = logging.getLogger(__name__)
@@ -41,13 +42,12 @@ class ElasticMixin:
     backend: Any
     rcfg: RouterConfig
     replicas: dict[bytes, Replica]
-    groups: dict[str | None, list[Replica]]
+    pool: ReplicaPool
     known_groups: set[str]
     queue: FairQueue
     tail: TailTracker
     retired: set[str]
     empty_since: dict[str | None, float]
-    _withdraw: Callable[[Replica], None]
     _start_migration: Callable[[Request, Replica, str, str | None], None]
     target_group: Callable[[Request], str | None]
     _fail: Callable[[Request, str, str], None]
@@ -68,7 +68,7 @@ class ElasticMixin:
             logger.info("drain: no replica named %s here", name)
 
     def _drain_one(self, r: Replica, migrate: bool) -> None:
-        self._withdraw(r)
+        self.pool.withdraw(r)
         r.draining = True
         moving = 0
         if migrate:
@@ -106,7 +106,7 @@ class ElasticMixin:
         """Note since when each target group (None: any group) has had no serving replica, and fail
         the queued requests that have waited ``no_replica_timeout_s`` for one."""
         for g in (*self.known_groups, None):
-            if self.groups.get(g):
+            if self.pool.groups.get(g):
                 self.empty_since.pop(g, None)
             else:
                 self.empty_since.setdefault(g, wall)

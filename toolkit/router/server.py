@@ -16,13 +16,14 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-import msgspec
 import zmq
 
 from toolkit import protocol as P
 from toolkit.config import Config
 from toolkit.router.elastic import ElasticMixin
-from toolkit.router.policy import Policy, Replica, make_policy
+from toolkit.router.migration import MigrationMixin
+from toolkit.router.policy import Replica
+from toolkit.router.pool import ReplicaPool
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail import TailTracker
 from toolkit.router.timeline import Timeline
@@ -66,7 +67,7 @@ def _recv(sock: zmq.Socket) -> list[bytes]:
     return frames
 
 
-class Router(WeightsMixin, ElasticMixin):
+class Router(WeightsMixin, ElasticMixin, MigrationMixin):
     def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.rcfg = cfg.router
@@ -79,17 +80,8 @@ class Router(WeightsMixin, ElasticMixin):
         self.queue = FairQueue()
         self.live: dict[str, Request] = {}
         self.results: OrderedDict[str, bytes] = OrderedDict()
-        self.replicas: dict[bytes, Replica] = {}
-        self.by_id: dict[str, bytes] = {}
-        self.groups: dict[str | None, list[Replica]] = {None: []}
-        self.policies: dict[str | None, Policy] = {}
-        self.free: Counter[str | None] = Counter()
-        self.capacity: Counter[str | None] = Counter()
-        """Slots of the ready replicas per group (None: all groups); changes only when one joins or leaves."""
-        # Smallest max_model_len and vocab over each group's ready replicas (None = all groups).
-        self.limits: dict[str | None, tuple[int, int]] = {}
-        # Ready replicas with a free slot, per group and overall (None): insertion-ordered sets.
-        self.free_sets: dict[str | None, dict[Replica, None]] = {None: {}}
+        self.pool = ReplicaPool(cfg.router, cfg.seed)
+        self.replicas = self.pool.replicas  # every registered replica, by socket identity
         self.tail = TailTracker(run_dir, cfg.tail.threshold, cfg.tail.group)
         self.timeline = Timeline(run_dir)
         self.known_groups = set(cfg.groups)
@@ -237,7 +229,7 @@ class Router(WeightsMixin, ElasticMixin):
         if not ids:
             return "empty prompt"
         req.lo, req.hi = min(ids), max(ids)
-        limits = self.limits.get(msg.group)
+        limits = self.pool.limits.get(msg.group)
         return _limit_error(req, *limits) if limits else ""
 
     def abort(self, rid: str) -> None:
@@ -249,9 +241,9 @@ class Router(WeightsMixin, ElasticMixin):
             self._fail(req, "cancelled", "aborted before dispatch")
         else:
             req.client_aborted = True
-            ident = self.by_id.get(req.replica)
-            if ident is not None:
-                self.backend.send_multipart([ident, *P.encode(P.Abort(rid))])
+            r = self.pool.get(req.replica)
+            if r is not None:
+                self.backend.send_multipart([r.identity, *P.encode(P.Abort(rid))])
 
     def status(self) -> P.Status:
         groups = {}
@@ -280,29 +272,12 @@ class Router(WeightsMixin, ElasticMixin):
     def _choose(self, req: Request) -> Replica | None:
         """The replica this request would go to now, or None if it must wait."""
         g = self.target_group(req)
-        if self.free[g] <= 0:
-            return None
         if req.deaths:
-            return self._pick_for_suspect(g)
-        policy = self.policies.get(g)
-        if policy is None:
-            return None
-        return policy.choose(req.msg.session_id or req.request_id, self._group_load(g), self.free_sets[g])
-
-    def _pick_for_suspect(self, g: str | None) -> Replica | None:
-        """A request that was in flight at a death goes where no other suspect runs (least loaded)."""
-        cap = self.rcfg.suspects_per_replica
-        best = None
-        for r in self.free_sets.get(g, {}):
-            if r.suspects < cap and (best is None or r.load < best.load):
-                best = r
-        return best
-
-    def _group_load(self, g: str | None) -> int:
-        return self.capacity[g] - self.free[g]
+            return self.pool.choose_for_suspect(g)
+        return self.pool.choose(g, req.msg.session_id or req.request_id)
 
     def dispatch(self) -> None:
-        while self.queue.size and self.free[None] > 0:
+        while self.queue.size and self.pool.free[None] > 0:
             sent = 0
             for req, replica in self.queue.pop_round(self._choose):
                 error = _limit_error(req, replica.max_model_len, replica.vocab_size)
@@ -321,7 +296,7 @@ class Router(WeightsMixin, ElasticMixin):
         r.inflight[req.request_id] = req
         if req.deaths:
             r.suspects += 1
-        self._take_slot(r, -1)
+        self.pool.take_slot(r, -1)
         req.replica = r.replica_id
         req.t_dispatch = time.time()
         req.dispatches += 1
@@ -331,24 +306,12 @@ class Router(WeightsMixin, ElasticMixin):
     def _release(self, r: Replica, req: Request) -> None:
         """Take a request off a live replica (answered, expired), freeing its slot."""
         if r.inflight.pop(req.request_id, None) is not None:
-            self._take_slot(r, +1)
+            self.pool.take_slot(r, +1)
             self.timeline.finished(req.msg.job, req.msg.step, r.group, time.time())
             if req.deaths:
                 r.suspects -= 1
             if r.draining:
                 self.shutdown_if_idle(r)
-
-    def _take_slot(self, r: Replica, delta: int) -> None:
-        if r.draining:
-            return  # its slots left the counts when it began draining; freed ones are not offered
-        self.free[r.group] += delta
-        self.free[None] += delta
-        has_room = r.ready and len(r.inflight) < r.max_inflight and r.identity in self.replicas
-        for fs in (self.free_sets.setdefault(r.group, {}), self.free_sets[None]):
-            if has_room:
-                fs[r] = None
-            else:
-                fs.pop(r, None)
 
     # ---- backend ---------------------------------------------------------------------------
     def _on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
@@ -386,16 +349,15 @@ class Router(WeightsMixin, ElasticMixin):
         if self.refuse_retired(ident, msg.replica_id):
             return
         was_draining = False
-        old_ident = self.by_id.get(msg.replica_id)
-        if old_ident is not None:
-            was_draining = self.replicas[old_ident].draining
-            self.drop(self.replicas[old_ident], "re-registered")
+        old = self.pool.get(msg.replica_id)
+        if old is not None:
+            was_draining = old.draining
+            self.drop(old, "re-registered")
         if ident in self.replicas:
             self.drop(self.replicas[ident], "re-registered")
         r = Replica(msg.replica_id, ident, msg.group, msg.max_inflight, msg.max_model_len, msg.vocab_size,
                     msg.model, dict(msg.labels), last_seen=time.monotonic())
-        self.replicas[ident] = r
-        self.by_id[r.replica_id] = ident
+        self.pool.add(r)
         if was_draining:
             # It stays on its way out: never probed into service; it holds nothing now, so it stops.
             r.draining = True
@@ -418,7 +380,7 @@ class Router(WeightsMixin, ElasticMixin):
         if res.request_id.startswith(PROBE_PREFIX):
             if r is not None and not r.ready and not r.draining:
                 if res.status == "ok" and res.output_token_ids:
-                    self._set_ready(r)
+                    self.pool.set_ready(r)
                 else:
                     logger.warning("probe of %s failed: %s %s", r.replica_id, res.status, res.error)
             return
@@ -440,114 +402,13 @@ class Router(WeightsMixin, ElasticMixin):
             payload = self._merged(req, res)
         self._complete(req, payload)
 
-    # ---- migration (tail flip, drained replica) ----------------------------------------------
-    def migrate(self, job: str, step: int) -> None:
-        """At the flip: abort the step's requests running outside the tail group; each continues
-        on the tail group from where it stopped once its partial Result comes back."""
-        tail = self.tail.group
-        n = 0
-        for r in list(self.replicas.values()):
-            if r.group == tail:
-                continue
-            for req in list(r.inflight.values()):
-                assert isinstance(req, Request)
-                m = req.msg
-                # Requests that name their group explicitly stay where they were sent.
-                if m.job == job and m.step == step and m.group is None and not req.migrating:
-                    self._start_migration(req, r, "tail", tail)
-                    n += 1
-        logger.info("migrating %d in-flight request(s) of %s step %d to group %s", n, job, step, tail)
-
-    def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
-        """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
-        any group). It stays in ``r``'s slots until that Result comes back, so no token is lost."""
-        req.migrating = why
-        req.migrate_group = group
-        _send(self.backend, r.identity, *P.encode(P.Abort(req.request_id)))
-
-    def _continue(self, req: Request, res: P.Result, why: str) -> None:
-        out = res.output_token_ids
-        req.prefix_tokens.extend(out)
-        req.prefix_logprobs.extend(res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out))
-        if out:  # a leg without tokens generated nothing with its weights
-            req.prefix_versions = P.join_versions(req.prefix_versions, res.weight_versions or [res.weight_version])
-        m = req.msg
-        remaining = m.sampling.max_tokens - len(out)
-        if remaining <= 0:
-            self._complete(req, self._merged(req, msgspec.structs.replace(res, output_token_ids=[], logprobs=[],
-                                                                          status="ok", finish_reason="length")))
-            return
-        cont = msgspec.structs.replace(
-            m, prompt_token_ids=m.prompt_token_ids + out, group=req.migrate_group,
-            sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),
-            resumed_tokens=m.resumed_tokens + len(out),
-        )
-        req.msg = cont
-        req.payload = _enc.encode(cont)
-        if out:
-            req.hi = max(req.hi, max(out))
-        if why == "tail":
-            self.timeline.migrated(m.job, m.step)
-        self.stats["migrated" if why == "tail" else f"migrated:{why}"] += 1
-        self.queue.requeue_front([req])
-
-    def _merged(self, req: Request, res: P.Result) -> bytes:
-        """One Result for a request that moved: the tokens, logprobs and weight versions of every leg, in order."""
-        lps = res.logprobs if len(res.logprobs) == len(res.output_token_ids) else [0.0] * len(res.output_token_ids)
-        last = (res.weight_versions or [res.weight_version]) if res.output_token_ids else []
-        merged = msgspec.structs.replace(
-            res, output_token_ids=req.prefix_tokens + res.output_token_ids,
-            logprobs=req.prefix_logprobs + lps,
-            # Cached tokens of the original prompt on the replica that finished it.
-            cached_tokens=min(res.cached_tokens, req.prompt_len),
-            weight_versions=P.join_versions(req.prefix_versions, last) or res.weight_versions,
-        )
-        return _enc.encode(merged)
-
-    def _set_ready(self, r: Replica) -> None:
-        r.ready = True
-        for g in (r.group, None):
-            self.capacity[g] += r.max_inflight
-            members = self.groups.setdefault(g, [])
-            members.append(r)
-            if g in self.policies:
-                self.policies[g].update(members)
-            else:
-                self.policies[g] = make_policy(self.rcfg.policy, members, self.rcfg.load_factor, self.cfg.seed)
-        self._take_slot(r, r.max_inflight - r.load)
-        self._update_limits()
-        logger.info("replica %s is ready", r.replica_id)
-
-    def _update_limits(self) -> None:
-        self.limits = {g: (min(r.max_model_len for r in members), min(r.vocab_size for r in members))
-                       for g, members in self.groups.items() if members}
-
-    def _withdraw(self, r: Replica) -> None:
-        """Take a replica out of dispatch (it left, or began draining): its free slots, its place in
-        its group's policy, capacity and limits. Its in-flight requests are the caller's business."""
-        for fs in self.free_sets.values():
-            fs.pop(r, None)
-        if not r.serving:  # never counted (not ready), or withdrawn already (draining)
-            return
-        spare = r.max_inflight - r.load
-        for g in (r.group, None):
-            self.free[g] -= spare
-            self.capacity[g] -= r.max_inflight
-            members = self.groups[g]
-            members.remove(r)
-            self.policies[g].update(members)
-        self._update_limits()
-
     def drop(self, r: Replica, why: str) -> None:
         """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
         if r.shutdown_sent and not r.inflight:
             logger.info("replica %s is gone after its shutdown (%s)", r.replica_id, why)
         else:
             logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
-        self.replicas.pop(r.identity, None)
-        if self.by_id.get(r.replica_id) == r.identity:
-            del self.by_id[r.replica_id]
-        self._withdraw(r)
+        self.pool.remove(r)
         orphans = list(r.inflight.values())
         r.inflight.clear()
         now = time.time()
@@ -608,8 +469,7 @@ class Router(WeightsMixin, ElasticMixin):
             if req.replica is None:
                 self.queue.discard(req)
             else:
-                ident = self.by_id.get(req.replica)
-                r = self.replicas.get(ident) if ident is not None else None
+                r = self.pool.get(req.replica)
                 if r is not None:
                     self._release(r, req)
                     self.backend.send_multipart([r.identity, *P.encode(P.Abort(req.request_id))])

@@ -1,0 +1,104 @@
+"""Requests that move while they run, the router's part: at the tail flip (``tail.migrate_inflight``)
+and off a drained replica (``Drain`` with ``migrate``).
+
+A moving request is aborted on its replica and stays in that replica's slots until its partial Result
+(``cancelled``) comes back; then it continues on its target group from where it stopped: its prompt is
+the original prompt plus the tokens so far, its budget what is left. Its client gets one Result with
+the tokens, logprobs and weight versions of every leg, in order, so no token is lost or generated twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from toolkit import protocol as P
+from toolkit.router.queue import FairQueue, Request
+
+if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Callable
+
+    from toolkit.router.policy import Replica
+    from toolkit.router.tail import TailTracker
+    from toolkit.router.timeline import Timeline
+
+logger = logging.getLogger(__name__)
+
+
+class MigrationMixin:
+    """Part of :class:`toolkit.router.server.Router` (uses its sockets, replicas, queue and completion)."""
+
+    # Provided by Router.
+    backend: Any
+    replicas: dict[bytes, Replica]
+    queue: FairQueue
+    tail: TailTracker
+    timeline: Timeline
+    stats: Counter[str]
+    _complete: Callable[[Request, bytes], None]
+
+    def migrate(self, job: str, step: int) -> None:
+        """At the flip: abort the step's requests running outside the tail group; each continues
+        on the tail group from where it stopped once its partial Result comes back."""
+        tail = self.tail.group
+        n = 0
+        for r in list(self.replicas.values()):
+            if r.group == tail:
+                continue
+            for req in list(r.inflight.values()):
+                assert isinstance(req, Request)
+                m = req.msg
+                # Requests that name their group explicitly stay where they were sent.
+                if m.job == job and m.step == step and m.group is None and not req.migrating:
+                    self._start_migration(req, r, "tail", tail)
+                    n += 1
+        logger.info("migrating %d in-flight request(s) of %s step %d to group %s", n, job, step, tail)
+
+    def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
+        """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
+        any group). It stays in ``r``'s slots until that Result comes back, so no token is lost."""
+        req.migrating = why
+        req.migrate_group = group
+        self.backend.send_multipart([r.identity, *P.encode(P.Abort(req.request_id))])
+
+    def _continue(self, req: Request, res: P.Result, why: str) -> None:
+        out = res.output_token_ids
+        req.prefix_tokens.extend(out)
+        req.prefix_logprobs.extend(res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out))
+        if out:  # a leg without tokens generated nothing with its weights
+            req.prefix_versions = P.join_versions(req.prefix_versions, res.weight_versions or [res.weight_version])
+        m = req.msg
+        remaining = m.sampling.max_tokens - len(out)
+        if remaining <= 0:
+            self._complete(req, self._merged(req, msgspec.structs.replace(res, output_token_ids=[], logprobs=[],
+                                                                          status="ok", finish_reason="length")))
+            return
+        cont = msgspec.structs.replace(
+            m, prompt_token_ids=m.prompt_token_ids + out, group=req.migrate_group,
+            sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),
+            resumed_tokens=m.resumed_tokens + len(out),
+        )
+        req.msg = cont
+        req.payload = P._encoder.encode(cont)
+        if out:
+            req.hi = max(req.hi, max(out))
+        if why == "tail":
+            self.timeline.migrated(m.job, m.step)
+        self.stats["migrated" if why == "tail" else f"migrated:{why}"] += 1
+        self.queue.requeue_front([req])
+
+    def _merged(self, req: Request, res: P.Result) -> bytes:
+        """One Result for a request that moved: the tokens, logprobs and weight versions of every leg, in order."""
+        lps = res.logprobs if len(res.logprobs) == len(res.output_token_ids) else [0.0] * len(res.output_token_ids)
+        last = (res.weight_versions or [res.weight_version]) if res.output_token_ids else []
+        merged = msgspec.structs.replace(
+            res, output_token_ids=req.prefix_tokens + res.output_token_ids,
+            logprobs=req.prefix_logprobs + lps,
+            # Cached tokens of the original prompt on the replica that finished it.
+            cached_tokens=min(res.cached_tokens, req.prompt_len),
+            weight_versions=P.join_versions(req.prefix_versions, last) or res.weight_versions,
+        )
+        return P._encoder.encode(merged)
