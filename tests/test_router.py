@@ -248,10 +248,14 @@ def test_hung_engine_is_dropped_and_its_requests_move(make_run) -> None:  # type
 def test_jobs_take_turns_on_a_busy_replica(make_run) -> None:  # type: ignore[no-untyped-def]
     # One replica, one request at a time: the dispatch order is the queue's order.
     cfg, rd, procs, reps, address = start_cluster(
-        make_run, ["groups=single", "groups.throughput.max_inflight=1", "engine.time_scale=1.0"])
+        make_run, ["groups=single", "groups.throughput.max_inflight=1", "engine.time_scale=1.0",
+                   "engine.output_len_median=100000"])  # every request runs to its max_tokens
 
     async def body(c: RouterClient) -> None:
-        a = [asyncio.create_task(c.generate(g(f"a{i}", [1, 2, i + 3], job="A", max_tokens=16))) for i in range(20)]
+        # a0 holds the replica for about a second: A's flood and all of B are queued before the next
+        # dispatch, however slowly B's three sends arrive (else B may queue one request at a time).
+        a = [asyncio.create_task(c.generate(g(f"a{i}", [1, 2, i + 3], job="A", max_tokens=300 if i == 0 else 16)))
+             for i in range(20)]
         await asyncio.sleep(0.2)  # A's flood is queued first
         b = [asyncio.create_task(c.generate(g(f"b{i}", [1, 2, i + 3], job="B", max_tokens=16))) for i in range(3)]
         outs = {res.request_id: route for res, route in await asyncio.gather(*a, *b)}
@@ -263,3 +267,27 @@ def test_jobs_take_turns_on_a_busy_replica(make_run) -> None:  # type: ignore[no
         assert first_b < 8
 
     asyncio.run(with_client(rd, body))
+
+
+def test_a_closed_client_says_so_and_closing_never_hides_the_error_being_handled(make_run) -> None:  # type: ignore[no-untyped-def]
+    from toolkit.errors import RouterUnavailable
+
+    cfg, rd, stack = make_run([])
+    stack.start(timeout_s=30)
+
+    async def main() -> None:
+        c = RouterClient(rd)
+        await c.connect(10)
+        # The receiver died of something (here: a socket closed under it): close reports it in the log
+        # and still closes the socket and the context.
+        c.link.close()
+        await asyncio.wait_for(asyncio.wait(c._tasks), 10)
+        assert isinstance(c._tasks[0].exception(), RouterUnavailable)
+        await c.close()
+        assert c.link.closed and c.ctx.closed
+        await c.close()  # idempotent
+        await c.abort("r1")  # a closed client has nothing to abort through: no error
+        with pytest.raises(RouterUnavailable, match="link to the router's frontend is closed"):
+            await c.generate(Generate("r1", job="j", prompt_token_ids=[1, 2], sampling=Sampling(max_tokens=2)))
+
+    asyncio.run(asyncio.wait_for(main(), 30))

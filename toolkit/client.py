@@ -8,7 +8,6 @@ the router answers duplicates once, so callers see exactly one Result per reques
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -61,13 +60,23 @@ class RouterClient:
         self._tasks = [asyncio.create_task(self._receive(), name="client-recv")]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self.link.close()
-        self.ctx.term()
+        """Stop the receiver and close the socket; idempotent. Never raises: it runs in the ``finally``
+        of whatever failed, whose error is the one to report."""
+        tasks, self._tasks = self._tasks, []
+        try:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
+                except Exception:
+                    logger.exception("the client's receiver had failed")
+        finally:
+            self.link.close()
+            if not self.ctx.closed:
+                self.ctx.term()
 
     async def _send(self, msg: P.Message) -> None:
         await self.link.send(P.encode(msg))
@@ -83,6 +92,8 @@ class RouterClient:
             self.pending.pop(msg.request_id, None)
 
     async def abort(self, request_id: str) -> None:
+        if self.link.closed:
+            return  # closed: the run is ending, and the router aborts what nobody waits for
         await self._send(P.Abort(request_id))
 
     async def status(self, timeout_s: float = 5.0) -> P.Status:

@@ -11,6 +11,8 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from toolkit.errors import RouterUnavailable
+
 logger = logging.getLogger(__name__)
 
 
@@ -101,14 +103,22 @@ class RouterLink:
         self.connect(info[self.side])
         return True
 
+    @property
+    def closed(self) -> bool:
+        return self.sock is None
+
+    def _open(self) -> zmq.asyncio.Socket:
+        if self.sock is None:
+            # Not connected yet, or closed by its owner while another task still used it.
+            raise RouterUnavailable(f"the link to the router's {self.side} is closed")
+        return self.sock
+
     async def send(self, frames: list[bytes]) -> None:
-        assert self.sock is not None, "connect() first"
-        await self.sock.send_multipart(frames)
+        await self._open().send_multipart(frames)
 
     async def recv(self, timeout_s: float) -> list[bytes] | None:
         """The next message, or None if none came within ``timeout_s``."""
-        sock = self.sock
-        assert sock is not None, "connect() first"
+        sock = self._open()
         if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         return await sock.recv_multipart()
