@@ -249,6 +249,13 @@ def test_max_staleness_and_weights_timeout_are_validated_together(tmp_path: Path
 RUN = ["engine.time_scale=0.2", "sessions_per_step=6", "router.heartbeat_s=0.2"]
 
 
+def start_loop(tmp_path: Path, steps: int, max_staleness: int):  # type: ignore[no-untyped-def]
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    proc = start_launch([f"hydra.run.dir={run}", *RUN, f"steps={steps}", f"rollout.weights_dir={weights}",
+                         f"rollout.max_staleness={max_staleness}"])
+    return run, weights, proc
+
+
 def trainer(run: Path, weights: Path, steps: int, check, before_publish=None) -> None:  # type: ignore[no-untyped-def]
     """What a trainer does each step: wait for the step's samples, train, publish the next weights."""
     for s in range(steps):
@@ -262,10 +269,8 @@ def trainer(run: Path, weights: Path, steps: int, check, before_publish=None) ->
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_on_policy_each_step_runs_on_the_weights_from_the_step_before(tmp_path: Path) -> None:
-    run, weights = tmp_path / "run", tmp_path / "weights"
     steps = 3
-    proc = start_launch([f"hydra.run.dir={run}", *RUN, f"steps={steps}", f"rollout.weights_dir={weights}",
-                         "rollout.max_staleness=0"])
+    run, weights, proc = start_loop(tmp_path, steps, max_staleness=0)
 
     def on_policy(s: int, versions: list[list[int]]) -> None:
         assert versions and all(v == [s] for v in versions), (s, versions)
@@ -295,10 +300,8 @@ def test_on_policy_each_step_runs_on_the_weights_from_the_step_before(tmp_path: 
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_one_step_off_policy_is_never_more_than_one_version_behind(tmp_path: Path) -> None:
-    run, weights = tmp_path / "run", tmp_path / "weights"
     steps = 4
-    proc = start_launch([f"hydra.run.dir={run}", *RUN, f"steps={steps}", f"rollout.weights_dir={weights}",
-                         "rollout.max_staleness=1"])
+    run, weights, proc = start_loop(tmp_path, steps, max_staleness=1)
     seen: dict[int, set[int]] = {}
 
     def one_behind(s: int, versions: list[list[int]]) -> None:
