@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -32,12 +33,11 @@ from toolkit.weights import (
     wait_for_version,
 )
 
-torch = pytest.importorskip("torch")
-
 
 # ---- publish: the layout vLLM reloads ----------------------------------------------------------
 def tiny_llama_state_dict(tie: bool = False) -> tuple[dict, dict]:
     """A random Llama with the tiny model's shapes (``toolkit/engine/tiny.py``), no tokenizer needed."""
+    torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from toolkit.engine import tiny
 
@@ -51,6 +51,7 @@ def tiny_llama_state_dict(tie: bool = False) -> tuple[dict, dict]:
 
 
 def test_publish_writes_a_loadable_safetensors_checkpoint_of_the_tiny_model(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
@@ -76,6 +77,7 @@ def test_publish_writes_a_loadable_safetensors_checkpoint_of_the_tiny_model(tmp_
 
 
 def test_publish_takes_tied_views_and_non_contiguous_tensors_and_copies_model_dirs(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
     state, config = tiny_llama_state_dict(tie=True)
@@ -100,11 +102,14 @@ def test_publish_takes_tied_views_and_non_contiguous_tensors_and_copies_model_di
 
 
 def test_publish_takes_numpy_arrays(tmp_path: Path) -> None:
-    import numpy as np
     from safetensors.numpy import load_file
 
     out = publish(tmp_path, 0, {"w": np.arange(6, dtype=np.float32).reshape(2, 3).T})
     assert np.array_equal(load_file(str(out / "model.safetensors"))["w"], np.arange(6, dtype=np.float32).reshape(2, 3).T)
+
+
+def zeros(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.float32)
 
 
 # ---- atomicity --------------------------------------------------------------------------------
@@ -126,38 +131,38 @@ def test_latest_never_returns_a_temp_or_an_unmarked_checkpoint(tmp_path: Path) -
     hand.mkdir()
     (hand / "config.json").write_text("{}")
     assert latest(wd, 10) == (hand, 4) and published(wd, 4)
-    publish(wd, 5, {"w": torch.zeros(2)})
+    publish(wd, 5, {"w": zeros(2)})
     assert latest(wd, 10) == (wd / "step_00005", 5) and latest(wd, 4) == (hand, 4)
     assert versions(wd) == [4, 5] and versions(wd, 4) == [4]
     assert latest(None, 5) is None and latest(wd / "missing", 5) is None and not published(None, 5)
 
 
 def test_republishing_a_step_is_refused_and_a_failed_publish_leaves_nothing(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
+    from safetensors.numpy import load_file
 
-    first = publish(tmp_path, 1, {"w": torch.ones(2)})
+    first = publish(tmp_path, 1, {"w": np.ones(2)})
     with pytest.raises(CheckpointExists, match=r"step 1 already has a checkpoint.*\(published\)"):
-        publish(tmp_path, 1, {"w": torch.zeros(2)})
-    assert torch.equal(load_file(str(first / "model.safetensors"))["w"], torch.ones(2))  # not overwritten
+        publish(tmp_path, 1, {"w": zeros(2)})
+    assert np.array_equal(load_file(str(first / "model.safetensors"))["w"], np.ones(2))  # not overwritten
     crashed = tmp_path / "step_00002"
     crashed.mkdir()
     (crashed / IN_PROGRESS).write_text("{}")
     with pytest.raises(CheckpointExists, match=r"step 2 .*interrupted publish; remove it"):
-        publish(tmp_path, 2, {"w": torch.zeros(2)})
+        publish(tmp_path, 2, {"w": zeros(2)})
     with pytest.raises(TypeError, match=r"weights\['bad'\] is a str"):
-        publish(tmp_path, 3, {"w": torch.zeros(2), "bad": "x"})
+        publish(tmp_path, 3, {"w": zeros(2), "bad": "x"})
     with pytest.raises(ValueError, match="step must be an integer >= 0"):
-        publish(tmp_path, -1, {"w": torch.zeros(2)})
+        publish(tmp_path, -1, {"w": zeros(2)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00001", "step_00002"]  # no temp dir left
     assert latest(tmp_path, 10) == (first, 1)
 
 
 def test_wait_for_version_waits_for_a_publish_stops_and_times_out_naming_the_version(tmp_path: Path) -> None:
     wd = tmp_path / "weights"
-    publish(wd, 1, {"w": torch.zeros(1)})
+    publish(wd, 1, {"w": zeros(1)})
 
     async def wait_then_publish() -> tuple[Path, int] | None:
-        later = threading.Timer(0.3, lambda: publish(wd, 2, {"w": torch.zeros(1)}))
+        later = threading.Timer(0.3, lambda: publish(wd, 2, {"w": zeros(1)}))
         later.start()
         try:
             return await wait_for_version(wd, 2, 4, timeout_s=60, poll_s=0.05)
@@ -263,7 +268,7 @@ def trainer(run: Path, weights: Path, steps: int, check, before_publish=None) ->
         check(s, table.column("weight_versions").to_pylist())
         if before_publish is not None:
             before_publish(s)
-        publish(weights, s + 1, {"w": torch.full((4,), float(s + 1))})
+        publish(weights, s + 1, {"w": np.full(4, float(s + 1), dtype=np.float32)})
 
 
 @pytest.mark.mpi

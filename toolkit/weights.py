@@ -118,11 +118,15 @@ def _fsync(path: Path) -> None:
 
 
 def _save_tensors(weights: Mapping[str, Any], out: Path) -> None:
-    """``weights`` as one safetensors file, names kept. Torch tensors go to the CPU, contiguous; tensors
-    that share storage (tied embeddings, views of one fused tensor) are copied, as safetensors wants."""
-    values = list(weights.values())
-    if values and all(type(v).__module__ == "numpy" for v in values):
-        import numpy as np
+    """``weights`` as one safetensors file, names kept: numpy arrays, or torch tensors (moved to the
+    CPU, contiguous; tensors that share storage, such as tied embeddings or views of one fused tensor,
+    are copied, as safetensors wants). Any other value is refused, naming it, before anything is written."""
+    import numpy as np
+
+    for name, v in weights.items():
+        if not isinstance(v, np.ndarray) and not type(v).__module__.startswith("torch"):
+            raise TypeError(f"weights[{name!r}] is a {type(v).__name__}, not a torch.Tensor or a numpy array")
+    if all(isinstance(v, np.ndarray) for v in weights.values()):
         from safetensors.numpy import save_file as save_numpy
 
         save_numpy({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out))
@@ -132,9 +136,10 @@ def _save_tensors(weights: Mapping[str, Any], out: Path) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, t in weights.items():
+    for name, v in weights.items():
+        t = torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"weights[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+            raise TypeError(f"weights[{name!r}] is a {type(t).__name__}, not a torch.Tensor or a numpy array")
         t = t.detach().to("cpu").contiguous()
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen and t.numel():
