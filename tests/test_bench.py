@@ -61,6 +61,17 @@ def test_gateway_bench_reports_its_fields_and_finds_every_id_exact(tmp_path: Pat
     assert r["roundtrip_failures"] > 0
 
 
+@pytest.mark.mpi
+def test_loop_bench_reports_its_fields_and_aborts_nothing(tmp_path: Path) -> None:
+    r = bench("loop", tmp_path)
+    assert {"steps_per_s_sync", "steps_per_s_async", "ratio", "aborted_requests", "mean_staleness"} <= set(r)
+    assert r["ratio"] == pytest.approx(r["steps_per_s_async"] / r["steps_per_s_sync"], rel=0.01)
+    # Counts and versions, not timings: nothing aborted or retried, on-policy is never stale, one step
+    # of overlap is at most one behind.
+    assert r["aborted_requests"] == 0 and r["async_mid_step"]["aborted_requests"] == 0
+    assert r["mean_staleness"]["sync"] == 0 and 0 <= r["mean_staleness"]["async"] <= 1
+
+
 def test_unknown_benchmark_names_the_choices(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "toolkit.bench", "nope", "--json", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=60)

@@ -8,8 +8,10 @@ waits for the weights of the step before, so a step costs rollout + training; wi
 step s overlaps training on step s-1 and a step costs about the longer of the two: the ratio's ceiling
 is 2. Rates are measured between the first and the last step's samples becoming available (startup
 excluded). Reported: ``steps_per_s_sync``, ``steps_per_s_async``, ``ratio``, ``aborted_requests`` (any
-request that did not end ``ok`` on its first dispatch: cancelled, retried, migrated), ``mean_staleness``
-(per row: the step minus the oldest weight version that generated it).
+request that did not end ``ok`` on its first dispatch: cancelled, retried, migrated; over every arm),
+``mean_staleness`` (per row: the step minus the oldest weight version that generated it). A third arm,
+``async_mid_step``, has the stand-in train in half the time, so that its updates land in the middle of
+the steps (in place, ``update_mode=pause``): its ``updates_mid_step`` and ``aborted_requests``.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         train_s = sum(walls) / len(walls)
         sync = _arm(root, "sync", base, 0, steps, train_s, source)
         asyn = _arm(root, "async", base, 1, steps, train_s, source)
+        # With equal times each update lands about as the step ends; a trainer twice as fast publishes
+        # in the middle of every step: the in-place updates (update_mode=pause) with requests running.
+        mid = _arm(root, "async-mid", base, 1, steps, train_s / 2, source)
     ratio = (asyn["steps_per_s"] / sync["steps_per_s"]) if sync["steps_per_s"] and asyn["steps_per_s"] else None
     return {
         "steps": steps,
@@ -110,10 +115,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         "steps_per_s_sync": sync["steps_per_s"],
         "steps_per_s_async": asyn["steps_per_s"],
         "ratio": ratio,
-        "aborted_requests": sync["aborted_requests"] + asyn["aborted_requests"],
+        "aborted_requests": sync["aborted_requests"] + asyn["aborted_requests"] + mid["aborted_requests"],
         "mean_staleness": {"sync": sync["mean_staleness"], "async": asyn["mean_staleness"]},
         # Where the time goes: a step's wait for its weights, and the updates that landed mid-step.
         "mean_weights_wait_s": {"sync": sync["mean_weights_wait_s"], "async": asyn["mean_weights_wait_s"]},
         "updates_mid_step": {"sync": sync["updates_mid_step"], "async": asyn["updates_mid_step"]},
+        "async_mid_step": {"train_step_s": round(train_s / 2, 3), **mid},
         "target": {"ratio": ">= 1.6", "aborted_requests": 0},
     }
