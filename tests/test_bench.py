@@ -46,6 +46,7 @@ def test_tail_bench_reports_its_fields(tmp_path: Path) -> None:
     assert 0 < r["flip_share_of_step_off"] <= 1
     for lo, hi in r["ci95"].values():
         assert lo <= hi
+    assert set(r["bound_ratio"]) == {"off", "steer", "migrate"} and all(v > 0 for v in r["bound_ratio"].values())
 
 
 def test_gateway_bench_reports_its_fields_and_finds_every_id_exact(tmp_path: Path) -> None:

@@ -52,8 +52,13 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST])
     assert out.returncode == 0, out.stdout + out.stderr
-    check_outputs(run, steps=2, sessions=32)
+    for rep in check_outputs(run, steps=2, sessions=32):
+        # The sim's time model gives every step a lower bound; the step line shows the wall time against it.
+        b = rep["bound"]
+        assert rep["bound_s"] == max(b["critical_path_s"], b["throughput_s"]) > 0
+        assert rep["bound_ratio"] == rep["wall_s"] / rep["bound_s"] and 0 <= b["critical_session"] < 32
     assert "step 1/2" in out.stdout and "step 2/2" in out.stdout and "rollout summary" in out.stdout
+    assert "x its bound" in out.stdout
     assert (run / "config.yaml").exists() and (run / ".hydra" / "config.yaml").exists()
     logs = {p.name for p in (run / "logs").iterdir()}
     assert {"router.log", "replica-throughput-0.log", "replica-throughput-1.log", "replica-tail-0.log",

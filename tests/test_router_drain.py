@@ -387,7 +387,7 @@ def test_draining_takes_a_replica_out_of_every_count(tmp_path: Path) -> None:
 def test_no_replica_reaches_the_step_report_by_name() -> None:
     # Step reports gather a request's status as its index in STATUSES and name it back from there.
     log = RequestLog()
-    log.add(P.Result("r", status="no_replica", error="no ready replica in group tail for 300s"), None, 3, 0.0, 1.0)
-    log.add(P.Result("s"), None, 3, 0.0, 1.0)
+    log.add(P.Result("r", status="no_replica", error="no ready replica in group tail for 300s"), None, 3, 0.0, 1.0, 0)
+    log.add(P.Result("s"), None, 3, 0.0, 1.0, 0)
     codes = log.columns(["throughput", "tail"])["status"].tolist()
     assert [P.STATUSES[c] for c in codes] == ["no_replica", "ok"]

@@ -76,7 +76,7 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 def report_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"run report: {report.get('run_dir', '')}")
-    for col in ("step", "wall s", "sessions", "last 10% of sessions", "tok/s", "reward", "prefix hit", "flip", "flip s",
+    for col in ("step", "wall s", "bound s", "wall/bound", "sessions", "last 10% of sessions", "tok/s", "reward", "prefix hit", "flip", "flip s",
                 "spillover", "after flip by group", "failed requests"):
         table.add_column(col)
     for s in report.get("steps", []):
@@ -85,7 +85,8 @@ def report_table(report: dict[str, Any]) -> Table:
         bad = {k: v for k, v in s.get("requests_by_status", {}).items() if k != "ok"}
         tail10 = ((s.get("done_s") or {}).get("sessions") or {}).get("tail10_share")
         table.add_row(
-            str(s["step"]), _fmt(s.get("wall_s")), str(s.get("sessions")),
+            str(s["step"]), _fmt(s.get("wall_s")), _fmt(s.get("bound_s")), _fmt(s.get("bound_ratio")),
+            str(s.get("sessions")),
             f"{100 * tail10:.0f}% of step" if tail10 is not None else "-", _fmt(s.get("tokens_per_s"), ",.0f"),
             _fmt(s.get("reward_mean"), ".3f"), f"{100 * hit:.1f}%" if hit is not None else "-",
             f"{flip.get('count')}/{flip.get('expected_count')}" if flip else "off",

@@ -324,7 +324,7 @@ def progress_line(rep: dict[str, Any], steps: int) -> str:
     parts = [
         f"[bold]step {rep['step'] + 1}/{steps}[/bold]",
         f"{rep['sessions']} sessions ({st.get('completed', 0)} completed)",
-        f"{rep['wall_s']:.2f}s",
+        f"{rep['wall_s']:.2f}s" + (f" ({rep['bound_ratio']:.2f}x its bound)" if rep.get("bound_ratio") else ""),
         f"{(rep['tokens_per_s'] or 0):,.0f} tok/s",
     ]
     if rep.get("reward_mean") is not None:

@@ -159,6 +159,9 @@ def _measure(
                 column("steer", "prefix_hit_rate"), column("off", "prefix_hit_rate"), _mean_difference
             ),
         },
+        # How far each arm's steps are from their lower bound (critical path or throughput; the step
+        # report's ``bound_ratio``): what scheduling could still win.
+        "bound_ratio": {arm: round(mean(arm, "bound_ratio"), 3) for arm in results},
         "max_tokens": max_tokens,
         "step_times_s": {arm: [round(s["wall_s"], 3) for s in steps_] for arm, steps_ in results.items()},
     }

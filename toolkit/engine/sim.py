@@ -60,6 +60,19 @@ from toolkit.rollout.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 
+def tp_speedup(c: SimEngineConfig) -> float:
+    """How much faster than one device a replica reads its weights and KV (``tensor_parallel_size``)."""
+    return 1 + (c.tensor_parallel_size - 1) * c.tp_efficiency
+
+
+def step_seconds(c: SimEngineConfig, context_tokens: float, prefill_tokens: float = 0) -> float:
+    """Modelled seconds of one engine step (before ``time_scale``): the time model above. Also the
+    step report's lower bound (``toolkit/rollout/bound.py``) reads it."""
+    speedup = tp_speedup(c)
+    read = c.weight_bytes + context_tokens * c.kv_bytes_per_token
+    return c.step_overhead_s + read / (c.hbm_bandwidth * speedup) + prefill_tokens / (c.prefill_tokens_per_s * speedup)
+
+
 class PrefixCache:
     """LRU over prompt blocks; a block counts as cached only if every block before it is."""
 
@@ -174,8 +187,6 @@ class SimEngine(Engine):
         self.prefix_queries = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        tp = cfg.tensor_parallel_size
-        self._speedup = 1 + (tp - 1) * cfg.tp_efficiency
         self.steps = 0
         self.generated_tokens = 0
         self.hung = False
@@ -188,11 +199,7 @@ class SimEngine(Engine):
 
     def step_time(self, context_tokens: int, prefill_tokens: int = 0) -> float:
         """Modelled seconds of one step (before ``time_scale``)."""
-        c = self.cfg
-        read = c.weight_bytes + context_tokens * c.kv_bytes_per_token
-        return c.step_overhead_s + read / (c.hbm_bandwidth * self._speedup) + prefill_tokens / (
-            c.prefill_tokens_per_s * self._speedup
-        )
+        return step_seconds(self.cfg, context_tokens, prefill_tokens)
 
     def tokenizer(self) -> Tokenizer | None:
         """``engine.tokenizer``, loaded on first use (a structured request); a failure to load is kept."""

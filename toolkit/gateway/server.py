@@ -280,7 +280,7 @@ class Gateway:
                 entry.inflight.difference_update(g.request_id for g in gens)
             done = time.time()
             for res, route in outs:
-                entry.log.add(res, route, len(plan.prompt), sent, done)
+                entry.log.add(res, route, len(plan.prompt), sent, done, entry.session.index)
             if entry.closed:
                 raise GatewayError(404, "the session ended while this call ran")
             for res, _ in outs:

@@ -12,6 +12,7 @@ import numpy as np
 
 from toolkit.config import Config
 from toolkit.protocol import STATUSES, Result, Route
+from toolkit.rollout.bound import step_bound
 from toolkit.rollout.columns import Columns, final_rows
 from toolkit.rollout.sample import SAMPLE_STATUSES
 from toolkit.router.tail import flip_count
@@ -22,10 +23,12 @@ class RequestLog:
     """One row per generation request of this rank's sessions (gathered as flat arrays)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[float, float, float, float, str, int, int, int, int]] = []
+        self.rows: list[tuple[float, float, float, float, str, int, int, int, int, int]] = []
         self.sessions_done_at: list[float] = []
 
-    def add(self, res: Result, route: Route | None, prompt_len: int, sent_at: float, done_at: float) -> None:
+    def add(self, res: Result, route: Route | None, prompt_len: int, sent_at: float, done_at: float,
+            session: int) -> None:
+        """One request of session ``session`` (its index in the step) sent at ``sent_at``."""
         self.rows.append((
             done_at - sent_at,
             done_at,
@@ -36,6 +39,7 @@ class RequestLog:
             prompt_len,
             res.cached_tokens,
             len(res.output_token_ids),
+            session,
         ))
 
     def columns(self, group_names: list[str]) -> Columns:
@@ -51,6 +55,7 @@ class RequestLog:
             "prompt_tokens": np.array([r[6] for r in rows], dtype=np.int64),
             "cached_tokens": np.array([r[7] for r in rows], dtype=np.int64),
             "output_tokens": np.array([r[8] for r in rows], dtype=np.int64),
+            "session": np.array([r[9] for r in rows], dtype=np.int64),
             # Its own length (one per session), gathered like the rest.
             "session_done_at": np.array(self.sessions_done_at, dtype=np.float64),
         }
@@ -107,8 +112,11 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "done_s": {"sessions": completion(req["session_done_at"], t0),
                    "requests": completion(req["done_at"], t0)},
         "groups": by_group,
+        "bound_s": None,
+        "bound_ratio": None,
         "flip": None,
     }
+    report.update(step_bound(cfg, req, wall_s) or {})
     if cfg.tail.threshold is not None:
         expected = flip_count(cfg.tail.threshold, report["sessions"])
         report["flip"] = {"expected_count": expected, "count": None, "time_s": None, "spillover": None}

@@ -341,7 +341,7 @@ class RankRunner:
             except asyncio.CancelledError:  # the session timed out: its request leaves the engines too
                 await self.client.abort(msg.request_id)
                 raise
-            log.add(res, route, len(context), sent, time.time())
+            log.add(res, route, len(context), sent, time.time(), sample.index)
             if res.status != "ok":
                 sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
                 return

@@ -1,0 +1,71 @@
+"""The step's lower bound (toolkit/rollout/bound.py) on constructed request logs, against the sim's
+own time model summed step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toolkit.config import compose_config, group_engine
+from toolkit.engine.sim import step_seconds
+from toolkit.protocol import Result
+from toolkit.rollout.bound import step_bound
+from toolkit.rollout.stepreport import RequestLog
+
+
+def alone(c, prompt: int, cached: int, out: int) -> float:  # type: ignore[no-untyped-def]
+    """One request alone, step by step as the sim runs it: the prefill rides on the first step."""
+    return sum(step_seconds(c, prompt + k, prompt - cached if k == 0 else 0) for k in range(out))
+
+
+def log_of(calls: list[tuple[int, float, list[tuple[int, int, int]]]]) -> dict[str, np.ndarray]:
+    """Requests as (session, sent_at, [(prompt, cached, output), ...] sent together)."""
+    log = RequestLog()
+    for session, sent, reqs in calls:
+        for prompt, cached, out in reqs:
+            log.add(Result("r", output_token_ids=[7] * out, cached_tokens=cached), None, prompt, sent, sent + 1.0,
+                    session)
+    return log.columns(["tail", "throughput"])
+
+
+def test_the_critical_path_is_the_longest_session_alone_on_the_fastest_group() -> None:
+    cfg = compose_config(["engine.time_scale=1.0"])  # throughput: TP-1, tail: TP-2
+    tail = group_engine(cfg, "tail")
+    req = log_of([
+        (0, 0.0, [(100, 0, 50)]), (0, 2.0, [(160, 140, 400)]),  # two turns, one after the other
+        (1, 0.0, [(100, 0, 300), (100, 0, 20)]),                # a call with n = 2: counts once
+        (2, 0.0, [(50, 0, 10)]),
+    ])
+    b = step_bound(cfg, req, wall_s=10.0)
+    assert b is not None
+    want = alone(tail, 100, 0, 50) + alone(tail, 160, 140, 400)
+    assert b["bound"]["critical_path_s"] == pytest.approx(want, rel=1e-9)
+    assert b["bound"]["critical_session"] == 0 and b["bound"]["limited_by"] == "critical_path"
+    assert b["bound_s"] == b["bound"]["critical_path_s"] and b["bound_ratio"] == pytest.approx(10.0 / b["bound_s"])
+    # Slower engines in time_scale: everything scales with it.
+    half = step_bound(compose_config(["engine.time_scale=0.5"]), req, wall_s=10.0)
+    assert half is not None and half["bound_s"] == pytest.approx(b["bound_s"] / 2)
+
+
+def test_many_short_sessions_on_one_replica_are_bound_by_throughput() -> None:
+    cfg = compose_config(["groups=single", "groups.throughput.replicas=1", "engine.time_scale=1.0",
+                          "engine.max_num_seqs=8"])
+    c = group_engine(cfg, "throughput")
+    req = log_of([(i, 0.0, [(20, 0, 30)]) for i in range(64)])
+    b = step_bound(cfg, req, wall_s=5.0)
+    assert b is not None and b["bound"]["limited_by"] == "throughput"
+    # 64 x 30 tokens in full batches of 8: 240 steps of weights shared, every token's own KV and prefill.
+    per_token = (step_seconds(c, 0) / 8 + (20 + 29 / 2) * c.kv_bytes_per_token / c.hbm_bandwidth
+                 + 20 / 30 / c.prefill_tokens_per_s)
+    assert b["bound_s"] == pytest.approx(64 * 30 * per_token, rel=1e-9)
+    assert b["bound"]["critical_path_s"] == pytest.approx(alone(c, 20, 0, 30), rel=1e-9)
+    # Two replicas halve it; the critical path stays.
+    two = step_bound(compose_config(["groups=single", "groups.throughput.replicas=2", "engine.time_scale=1.0",
+                                     "engine.max_num_seqs=8"]), req, wall_s=5.0)
+    assert two is not None and two["bound"]["throughput_s"] == pytest.approx(b["bound_s"] / 2)
+
+
+def test_no_bound_without_a_time_model_or_without_tokens() -> None:
+    req = log_of([(0, 0.0, [(10, 0, 5)])])
+    assert step_bound(compose_config(["engine=vllm", "model=tiny"]), req, 1.0) is None
+    assert step_bound(compose_config([]), log_of([(0, 0.0, [(10, 0, 0)])]), 1.0) is None
