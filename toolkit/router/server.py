@@ -21,6 +21,7 @@ import zmq
 from toolkit import protocol as P
 from toolkit.config import Config
 from toolkit.router.elastic import ElasticMixin
+from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
 from toolkit.router.migration import MigrationMixin
 from toolkit.router.policy import Replica
 from toolkit.router.pool import ReplicaPool
@@ -34,7 +35,6 @@ from toolkit.sockets import advertised, make_socket
 
 logger = logging.getLogger(__name__)
 
-PROBE_PREFIX = "__probe__:"
 # Messages taken from one socket before dispatching: small batches keep the pipeline to the
 # replicas and back to the clients flowing instead of moving in bursts.
 _DRAIN = 128
@@ -67,7 +67,7 @@ def _recv(sock: zmq.Socket) -> list[bytes]:
     return frames
 
 
-class Router(WeightsMixin, ElasticMixin, MigrationMixin):
+class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.rcfg = cfg.router
@@ -324,56 +324,13 @@ class Router(WeightsMixin, ElasticMixin, MigrationMixin):
             return
         msg = P.decode(mtype, payload)
         if isinstance(msg, P.Heartbeat):
-            r = self.replicas.get(ident)
-            if r is None:
-                if not self.refuse_retired(ident, msg.replica_id):
-                    self.backend.send_multipart([ident, *P.encode(P.Reregister("unknown replica"))])
-                return
-            r.last_seen = time.monotonic()
-            r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
-            r.prefix_hits, r.prefix_queries = msg.prefix_hits, msg.prefix_queries
-            r.weight_version = msg.weight_version
-            if msg.generated_tokens != r.generated:
-                r.generated = msg.generated_tokens
-                r.progress_at = r.last_seen
-            if r.draining:
-                self.shutdown_if_idle(r)
+            self.heartbeat(ident, msg)
         elif isinstance(msg, P.Register):
             self.register(ident, msg)
         elif isinstance(msg, P.WeightsUpdated):
             self.weights_updated(ident, msg)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
-
-    def register(self, ident: bytes, msg: P.Register) -> None:
-        if self.refuse_retired(ident, msg.replica_id):
-            return
-        was_draining = False
-        old = self.pool.get(msg.replica_id)
-        if old is not None:
-            was_draining = old.draining
-            self.drop(old, "re-registered")
-        if ident in self.replicas:
-            self.drop(self.replicas[ident], "re-registered")
-        r = Replica(msg.replica_id, ident, msg.group, msg.max_inflight, msg.max_model_len, msg.vocab_size,
-                    msg.model, dict(msg.labels), last_seen=time.monotonic())
-        self.pool.add(r)
-        if was_draining:
-            # It stays on its way out: never probed into service; it holds nothing now, so it stops.
-            r.draining = True
-            self.shutdown_if_idle(r)
-            return
-        logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
-        self._push_weights(r)
-        self._probe(r)
-
-    def _probe(self, r: Replica) -> None:
-        """Readiness is a real generation, not a health flag: send one token's worth of work."""
-        self._probe_n += 1
-        probe = P.Generate(request_id=f"{PROBE_PREFIX}{r.replica_id}:{self._probe_n}", job="__probe__",
-                           prompt_token_ids=[1, 2, 3], sampling=P.Sampling(max_tokens=1))
-        r.probe_sent_at = time.monotonic()
-        self.backend.send_multipart([r.identity, *P.encode(probe)])
 
     def _on_result(self, ident: bytes, res: P.Result, payload: bytes) -> None:
         r = self.replicas.get(ident)
@@ -402,32 +359,6 @@ class Router(WeightsMixin, ElasticMixin, MigrationMixin):
             payload = self._merged(req, res)
         self._complete(req, payload)
 
-    def drop(self, r: Replica, why: str) -> None:
-        """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
-        if r.shutdown_sent and not r.inflight:
-            logger.info("replica %s is gone after its shutdown (%s)", r.replica_id, why)
-        else:
-            logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
-        self.pool.remove(r)
-        orphans = list(r.inflight.values())
-        r.inflight.clear()
-        now = time.time()
-        for req in orphans:
-            assert isinstance(req, Request)
-            self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
-            self._engine_died_under(req, r.replica_id, why)
-
-    def _engine_died_under(self, req: Request, replica_id: str, why: str) -> None:
-        req.deaths += 1
-        req.replica = None
-        req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
-        if req.deaths >= self.rcfg.max_engine_deaths:
-            # Poison: this request was in flight at every one of these deaths; stop it killing more.
-            self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
-        else:
-            self.queue.requeue_front([req])
-            self.stats["requeued"] += 1
-
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes) -> None:
         if self.live.pop(req.request_id, None) is not None and req.msg.deadline:
@@ -447,18 +378,7 @@ class Router(WeightsMixin, ElasticMixin, MigrationMixin):
 
     # ---- timers ----------------------------------------------------------------------------
     def sweep(self) -> None:
-        now = time.monotonic()
-        silent_after = self.rcfg.heartbeat_s * self.rcfg.missed_heartbeats
-        for r in list(self.replicas.values()):
-            if now - r.last_seen > silent_after:
-                self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
-            elif r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s:
-                # Heartbeats alone prove nothing: an engine can beat while generation hangs.
-                self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
-            elif not r.ready and not r.draining and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
-                logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
-                               self.rcfg.probe_timeout_s)
-                self._probe(r)
+        self.check_replicas(time.monotonic())
         wall = time.time()
         self.check_empty_groups(wall)
         if self._deadlines > 0:

@@ -1,0 +1,132 @@
+"""Which replicas serve, the router's part: registration, the readiness probe, heartbeats, and
+dropping a replica that died (no heartbeat for ``missed_heartbeats`` intervals, no token for
+``stall_timeout_s`` with work in flight, or a re-registration under the same id). A dropped replica's
+requests go back to the front of their jobs' queues; one that was in flight at ``max_engine_deaths``
+deaths fails as ``engine_dead`` instead (a poison request). Slots and groups: ``router/pool.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from toolkit import protocol as P
+from toolkit.router.policy import Replica
+from toolkit.router.queue import FairQueue, Request
+
+if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Callable
+
+    from toolkit.config import RouterConfig
+    from toolkit.router.pool import ReplicaPool
+    from toolkit.router.timeline import Timeline
+
+logger = logging.getLogger(__name__)
+
+PROBE_PREFIX = "__probe__:"
+
+
+class MembershipMixin:
+    """Part of :class:`toolkit.router.server.Router` (uses its sockets, pool, queue and completion)."""
+
+    # Provided by Router.
+    backend: Any
+    rcfg: RouterConfig
+    pool: ReplicaPool
+    replicas: dict[bytes, Replica]
+    queue: FairQueue
+    timeline: Timeline
+    stats: Counter[str]
+    _probe_n: int
+    refuse_retired: Callable[[bytes, str], bool]
+    shutdown_if_idle: Callable[[Replica], None]
+    _push_weights: Callable[[Replica], None]
+    _fail: Callable[[Request, str, str], None]
+
+    def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
+        r = self.replicas.get(ident)
+        if r is None:
+            if not self.refuse_retired(ident, msg.replica_id):
+                self.backend.send_multipart([ident, *P.encode(P.Reregister("unknown replica"))])
+            return
+        r.last_seen = time.monotonic()
+        r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
+        r.prefix_hits, r.prefix_queries = msg.prefix_hits, msg.prefix_queries
+        r.weight_version = msg.weight_version
+        if msg.generated_tokens != r.generated:
+            r.generated = msg.generated_tokens
+            r.progress_at = r.last_seen
+        if r.draining:
+            self.shutdown_if_idle(r)
+
+    def register(self, ident: bytes, msg: P.Register) -> None:
+        if self.refuse_retired(ident, msg.replica_id):
+            return
+        was_draining = False
+        old = self.pool.get(msg.replica_id)
+        if old is not None:
+            was_draining = old.draining
+            self.drop(old, "re-registered")
+        if ident in self.replicas:
+            self.drop(self.replicas[ident], "re-registered")
+        r = Replica(msg.replica_id, ident, msg.group, msg.max_inflight, msg.max_model_len, msg.vocab_size,
+                    msg.model, dict(msg.labels), last_seen=time.monotonic())
+        self.pool.add(r)
+        if was_draining:
+            # It stays on its way out: never probed into service; it holds nothing now, so it stops.
+            r.draining = True
+            self.shutdown_if_idle(r)
+            return
+        logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
+        self._push_weights(r)
+        self._probe(r)
+
+    def _probe(self, r: Replica) -> None:
+        """Readiness is a real generation, not a health flag: send one token's worth of work."""
+        self._probe_n += 1
+        probe = P.Generate(request_id=f"{PROBE_PREFIX}{r.replica_id}:{self._probe_n}", job="__probe__",
+                           prompt_token_ids=[1, 2, 3], sampling=P.Sampling(max_tokens=1))
+        r.probe_sent_at = time.monotonic()
+        self.backend.send_multipart([r.identity, *P.encode(probe)])
+
+    def drop(self, r: Replica, why: str) -> None:
+        """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""
+        if r.shutdown_sent and not r.inflight:
+            logger.info("replica %s is gone after its shutdown (%s)", r.replica_id, why)
+        else:
+            logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
+        self.pool.remove(r)
+        orphans = list(r.inflight.values())
+        r.inflight.clear()
+        now = time.time()
+        for req in orphans:
+            assert isinstance(req, Request)
+            self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
+            self._engine_died_under(req, r.replica_id, why)
+
+    def _engine_died_under(self, req: Request, replica_id: str, why: str) -> None:
+        req.deaths += 1
+        req.replica = None
+        req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
+        if req.deaths >= self.rcfg.max_engine_deaths:
+            # Poison: this request was in flight at every one of these deaths; stop it killing more.
+            self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
+        else:
+            self.queue.requeue_front([req])
+            self.stats["requeued"] += 1
+
+    def check_replicas(self, now: float) -> None:
+        """The sweep's part: drop the silent and the stalled, probe again an unanswered probe."""
+        silent_after = self.rcfg.heartbeat_s * self.rcfg.missed_heartbeats
+        for r in list(self.replicas.values()):
+            if now - r.last_seen > silent_after:
+                self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
+            elif r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s:
+                # Heartbeats alone prove nothing: an engine can beat while generation hangs.
+                self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
+            elif not r.ready and not r.draining and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
+                logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
+                               self.rcfg.probe_timeout_s)
+                self._probe(r)
