@@ -160,6 +160,10 @@ class GroupStatus(Message):
     """Tokens its registered replicas' engines report generated (as of their last heartbeat)."""
     draining: int = 0
     """Registered replicas being drained (``Drain``): they take no new request; not counted in ``ready``."""
+    tokens_per_s: float = 0.0
+    """Decode rate of its ready replicas together, as learned from their heartbeats."""
+    request_tokens_per_s: float = 0.0
+    """The best rate one running request gets on one of its ready replicas (tokens/s)."""
 
 
 class Status(Message):

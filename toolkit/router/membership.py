@@ -55,6 +55,7 @@ class MembershipMixin:
         r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
         r.prefix_hits, r.prefix_queries = msg.prefix_hits, msg.prefix_queries
         r.weight_version = msg.weight_version
+        r.speed.update(r.last_seen, msg.generated_tokens, msg.running)
         if msg.generated_tokens != r.generated:
             r.generated = msg.generated_tokens
             r.progress_at = r.last_seen

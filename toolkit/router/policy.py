@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from toolkit.config import POLICIES
 from toolkit.errors import ConfigError, FieldError
+from toolkit.router.speed import SpeedMeter
 
 
 @dataclass(eq=False)
@@ -44,6 +45,8 @@ class Replica:
     draining: bool = False
     """Drained (``Drain``): out of dispatch, its in-flight requests finish or move; then ``Shutdown``."""
     shutdown_sent: bool = False
+    speed: SpeedMeter = field(default_factory=SpeedMeter)
+    """Its decode rate and the rate one running request gets, learned from heartbeats."""
 
     @property
     def serving(self) -> bool:

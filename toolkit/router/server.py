@@ -255,6 +255,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 inflight=sum(r.load for r in members),
                 generated_tokens=sum(r.generated for r in members),
                 draining=sum(r.draining for r in members),
+                tokens_per_s=sum(r.speed.tokens_per_s for r in members if r.serving),
+                request_tokens_per_s=max((r.speed.request_tokens_per_s for r in members if r.serving), default=0.0),
             )
         return P.Status(groups=groups, queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),

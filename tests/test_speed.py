@@ -1,0 +1,53 @@
+"""SpeedMeter: a replica's decode rate and the rate one running request gets, from heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conftest import with_client
+from toolkit.client import RouterClient, router_status
+from toolkit.protocol import Generate, Sampling
+from toolkit.router.speed import ALPHA, SpeedMeter
+
+
+def test_rates_come_from_the_intervals_with_work_smoothed() -> None:
+    m = SpeedMeter()
+    m.update(0.0, 0, 0)
+    m.update(1.0, 0, 0)  # idle: nothing learned
+    assert (m.tokens_per_s, m.request_tokens_per_s) == (0.0, 0.0)
+    m.update(2.0, 400, 4)  # 400 tokens in 1 s, 2 running on average (0 then 4)
+    assert (m.tokens_per_s, m.request_tokens_per_s) == (400.0, 200.0)
+    m.update(3.0, 1200, 4)  # 800 tokens/s over 4 running
+    assert m.tokens_per_s == pytest.approx(ALPHA * 800 + (1 - ALPHA) * 400)
+    assert m.request_tokens_per_s == pytest.approx(ALPHA * 200 + (1 - ALPHA) * 200)
+    assert m.peak_tokens_per_s == m.tokens_per_s
+    before = (m.tokens_per_s, m.request_tokens_per_s, m.peak_tokens_per_s)
+    m.update(4.0, 50, 1)  # the engine restarted (its counter went back): a new baseline only
+    assert (m.tokens_per_s, m.request_tokens_per_s, m.peak_tokens_per_s) == before
+    m.update(5.0, 150, 1)
+    assert m.request_tokens_per_s == pytest.approx(ALPHA * 100 + (1 - ALPHA) * 200)
+    assert m.peak_tokens_per_s == before[2]  # lower now: the peak stays
+
+
+def test_the_router_reports_what_it_learned_per_group(make_run) -> None:  # type: ignore[no-untyped-def]
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.1", "engine.time_scale=1.0", "engine.output_len_median=100000"])
+    stack.start(timeout_s=30)
+
+    async def body(c: RouterClient) -> None:
+        reqs = [Generate(f"r{i}", job="j", session_id=f"s{i}", step=0, prompt_token_ids=[1, 2, i + 3],
+                         sampling=Sampling(max_tokens=300)) for i in range(6)]
+        running = [asyncio.create_task(c.generate(m)) for m in reqs]
+        while True:
+            st = await asyncio.to_thread(router_status, stack.frontend, 1.0)
+            groups = st.groups if st is not None else {}
+            if any(g.tokens_per_s > 0 for g in groups.values()):
+                break
+            await asyncio.sleep(0.05)
+        learned = [g for g in groups.values() if g.tokens_per_s > 0]
+        assert all(0 < g.request_tokens_per_s <= g.tokens_per_s for g in learned)
+        for res, _ in await asyncio.gather(*running):
+            assert res.status == "ok"
+
+    asyncio.run(with_client(rd, body))

@@ -1,0 +1,44 @@
+"""What the router learns of each replica's speed from its heartbeats.
+
+Between two heartbeats a replica reports how many tokens its engine generated in all and how many
+requests it runs. Their quotient over the interval is its decode rate (tokens/s, all requests), and
+that rate over the requests running is what one request gets there (tokens/s per running request):
+the figure that says where a long request would finish soonest. Both are smoothed (an exponential
+moving average over intervals with requests running); an idle interval teaches nothing and an engine
+restart (its counter going back) restarts the count.
+"""
+
+from __future__ import annotations
+
+ALPHA = 0.3
+"""Weight of the newest interval: about the last five heartbeats with work count."""
+
+
+class SpeedMeter:
+    __slots__ = ("tokens_per_s", "request_tokens_per_s", "peak_tokens_per_s", "_at", "_generated", "_running")
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+        """Smoothed decode rate of the whole replica (0 until an interval with work was seen)."""
+        self.request_tokens_per_s = 0.0
+        """Smoothed rate one running request gets."""
+        self.peak_tokens_per_s = 0.0
+        """The highest smoothed decode rate seen: what the replica can do when it is full."""
+        self._at: float | None = None
+        self._generated = 0
+        self._running = 0
+
+    def update(self, now: float, generated: int, running: int) -> None:
+        """A heartbeat at ``now`` (monotonic seconds): ``generated`` tokens since the engine started,
+        ``running`` requests in it."""
+        if self._at is not None and generated >= self._generated and now > self._at:
+            busy = (self._running + running) / 2  # running at the interval's start and its end
+            produced = generated - self._generated
+            if busy > 0 and produced > 0:
+                rate = produced / (now - self._at)
+                self.tokens_per_s = rate if not self.tokens_per_s else ALPHA * rate + (1 - ALPHA) * self.tokens_per_s
+                per = rate / busy
+                self.request_tokens_per_s = (per if not self.request_tokens_per_s
+                                             else ALPHA * per + (1 - ALPHA) * self.request_tokens_per_s)
+                self.peak_tokens_per_s = max(self.peak_tokens_per_s, self.tokens_per_s)
+        self._at, self._generated, self._running = now, generated, running
