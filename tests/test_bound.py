@@ -69,3 +69,18 @@ def test_no_bound_without_a_time_model_or_without_tokens() -> None:
     req = log_of([(0, 0.0, [(10, 0, 5)])])
     assert step_bound(compose_config(["engine=vllm", "model=tiny"]), req, 1.0) is None
     assert step_bound(compose_config([]), log_of([(0, 0.0, [(10, 0, 0)])]), 1.0) is None
+
+
+def test_other_engines_are_bound_by_the_speeds_the_router_measured() -> None:
+    from toolkit.protocol import GroupStatus
+
+    cfg = compose_config(["engine=vllm", "model=tiny"])
+    req = log_of([(0, 0.0, [(10, 0, 100)]), (0, 1.0, [(120, 0, 300)]), (1, 0.0, [(10, 0, 50), (10, 0, 80)])])
+    groups = {"throughput": GroupStatus(peak_tokens_per_s=1000.0, peak_request_tokens_per_s=40.0),
+              "tail": GroupStatus(peak_tokens_per_s=500.0, peak_request_tokens_per_s=100.0)}
+    b = step_bound(cfg, req, 20.0, groups)
+    assert b is not None and b["bound"]["source"] == "measured"
+    assert b["bound"]["critical_path_s"] == pytest.approx(400 / 100.0)  # session 0 at the fastest per-request rate
+    assert b["bound"]["throughput_s"] == pytest.approx(530 / 1500.0)
+    assert b["bound_s"] == pytest.approx(4.0) and b["bound_ratio"] == pytest.approx(5.0)
+    assert step_bound(cfg, req, 20.0, {"tail": GroupStatus()}) is None  # nothing measured yet

@@ -29,6 +29,7 @@ def test_rates_come_from_the_intervals_with_work_smoothed() -> None:
     m.update(5.0, 150, 1)
     assert m.request_tokens_per_s == pytest.approx(ALPHA * 100 + (1 - ALPHA) * 200)
     assert m.peak_tokens_per_s == before[2]  # lower now: the peak stays
+    assert m.peak_request_tokens_per_s == 200.0
 
 
 def test_the_router_reports_what_it_learned_per_group(make_run) -> None:  # type: ignore[no-untyped-def]

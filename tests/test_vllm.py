@@ -331,6 +331,9 @@ def test_launch_engine_vllm_model_tiny_end_to_end(models: dict[str, Path], tmp_p
             assert r["weight_versions"] == [step]
     report = json.loads((run / "report.json").read_text())
     assert report["status"] == "ok" and report["summary"]["sessions"] == 16
+    # No time model: the bound comes from the speeds the router measured (once a heartbeat saw work).
+    bounds = [s["bound"] for s in report["steps"] if s["bound_s"] is not None]
+    assert bounds and all(b["source"] == "measured" and b["critical_path_s"] > 0 for b in bounds), report["steps"]
     left = [(r.pid, r.name) for r in read_pidfiles(run / "pids") if r.alive()]
     assert not left, left
     assert any(r.name.endswith("-engine") for r in read_pidfiles(run / "pids"))

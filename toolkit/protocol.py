@@ -164,6 +164,10 @@ class GroupStatus(Message):
     """Decode rate of its ready replicas together, as learned from their heartbeats."""
     request_tokens_per_s: float = 0.0
     """The best rate one running request gets on one of its ready replicas (tokens/s)."""
+    peak_tokens_per_s: float = 0.0
+    """The sum of its ready replicas' highest decode rates seen (what the group can do when full)."""
+    peak_request_tokens_per_s: float = 0.0
+    """The highest per-request rate seen on one of its ready replicas (about a request alone there)."""
 
 
 class Status(Message):

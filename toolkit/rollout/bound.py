@@ -12,8 +12,13 @@ requests as they ran (prompt, cached and generated tokens of every turn):
   context's KV and its share of the prefill. All tokens over the fleet's summed peak rate.
 
 ``bound_ratio = wall_s / bound_s`` says how far scheduling (and everything outside generation:
-environments, tools, the step's bookkeeping) left the step from that floor. Only engines with a
-time model give a bound (the ``sim``); for others it is null.
+environments, tools, the step's bookkeeping) left the step from that floor.
+
+Where the bound's speeds come from (``bound.source``): for the ``sim``, its own time model (``model``);
+for other engines, what the router measured from heartbeats (``measured``): a request alone decodes at
+the highest per-request rate seen on any replica, the fleet at the sum of its replicas' highest rates.
+Measured rates include the prefills they ran, and a replica seen only busy understates what one request
+gets alone there, so a measured bound is an estimate, not a proof. Without either it is null.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.sim import step_seconds, tp_speedup
+from toolkit.protocol import GroupStatus
 from toolkit.rollout.columns import Columns
 
 
@@ -47,13 +53,46 @@ def _calls(req: Columns) -> tuple[np.ndarray, np.ndarray]:
     return call.reshape(-1), req["session"][first]
 
 
-def step_bound(cfg: Config, req: Columns, wall_s: float) -> dict[str, Any] | None:
-    engines = {g: group_engine(cfg, g) for g in cfg.groups}
-    if not all(isinstance(e, SimEngineConfig) for e in engines.values()):
-        return None
+def step_bound(cfg: Config, req: Columns, wall_s: float,
+               measured: dict[str, GroupStatus] | None = None) -> dict[str, Any] | None:
+    """The step's bound from its requests: from the sim's time model if every group runs the sim,
+    else from ``measured`` (the router's per-group status at the step's end), else None."""
     out = req["output_tokens"].astype(np.float64)
     if not out.size or out.sum() == 0:
         return None
+    engines = {g: group_engine(cfg, g) for g in cfg.groups}
+    if all(isinstance(e, SimEngineConfig) for e in engines.values()):
+        return _modelled(cfg, engines, req, out, wall_s)
+    if measured:
+        return _measured(req, out, measured, wall_s)
+    return None
+
+
+def _result(critical: float, throughput: float, session: int, wall_s: float, source: str) -> dict[str, Any]:
+    bound = max(critical, throughput)
+    return {
+        "bound_s": bound,
+        "bound_ratio": wall_s / bound if bound > 0 else None,
+        "bound": {"critical_path_s": critical, "throughput_s": throughput, "critical_session": session,
+                  "limited_by": "critical_path" if critical >= throughput else "throughput", "source": source},
+    }
+
+
+def _measured(req: Columns, out: np.ndarray, groups: dict[str, GroupStatus], wall_s: float) -> dict[str, Any] | None:
+    alone = max((g.peak_request_tokens_per_s for g in groups.values()), default=0.0)
+    fleet = sum(g.peak_tokens_per_s for g in groups.values())
+    if alone <= 0 or fleet <= 0:
+        return None  # nothing measured yet (no heartbeat interval with work)
+    call, call_session = _calls(req)
+    per_call = np.zeros(int(call.max()) + 1)
+    np.maximum.at(per_call, call, out / alone)
+    per_session = np.bincount(call_session, weights=per_call)
+    return _result(float(per_session.max()), float(out.sum() / fleet), int(np.argmax(per_session)), wall_s,
+                   "measured")
+
+
+def _modelled(cfg: Config, engines: dict[str, Any], req: Columns, out: np.ndarray,
+              wall_s: float) -> dict[str, Any] | None:
     prompt = req["prompt_tokens"].astype(np.float64)
     cached = np.minimum(req["cached_tokens"], req["prompt_tokens"]).astype(np.float64)
     scale = engines[next(iter(engines))].time_scale
@@ -80,13 +119,5 @@ def step_bound(cfg: Config, req: Columns, wall_s: float) -> dict[str, Any] | Non
         fleet_rate += cfg.groups[g].replicas / token_s
     if fleet_rate == 0:
         return None
-    critical = float(best_session.max()) * scale
-    throughput = float(tokens / fleet_rate) * scale
-    bound = max(critical, throughput)
-    return {
-        "bound_s": bound,
-        "bound_ratio": wall_s / bound if bound > 0 else None,
-        "bound": {"critical_path_s": critical, "throughput_s": throughput,
-                  "critical_session": int(np.argmax(best_session)),
-                  "limited_by": "critical_path" if critical >= throughput else "throughput"},
-    }
+    return _result(float(best_session.max()) * scale, float(tokens / fleet_rate) * scale,
+                   int(np.argmax(best_session)), wall_s, "model")

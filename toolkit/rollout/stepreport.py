@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import Config
-from toolkit.protocol import STATUSES, Result, Route
+from toolkit.protocol import STATUSES, GroupStatus, Result, Route
 from toolkit.rollout.bound import step_bound
 from toolkit.rollout.columns import Columns, final_rows
 from toolkit.rollout.sample import SAMPLE_STATUSES
@@ -80,7 +80,8 @@ def completion(done_at: np.ndarray, t0: float) -> dict[str, float | None]:
 
 
 def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns, group_names: list[str],
-                cfg: Config, flip: dict[str, Any] | None) -> dict[str, Any]:
+                cfg: Config, flip: dict[str, Any] | None,
+                speeds: dict[str, GroupStatus] | None = None) -> dict[str, Any]:
     gen = int(cols["generated_tokens"].sum())
     by_group: dict[str, Any] = {}
     for i, g in enumerate(group_names):
@@ -116,7 +117,7 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "bound_ratio": None,
         "flip": None,
     }
-    report.update(step_bound(cfg, req, wall_s) or {})
+    report.update(step_bound(cfg, req, wall_s, speeds) or {})
     if cfg.tail.threshold is not None:
         expected = flip_count(cfg.tail.threshold, report["sessions"])
         report["flip"] = {"expected_count": expected, "count": None, "time_s": None, "spillover": None}

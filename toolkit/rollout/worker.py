@@ -22,11 +22,11 @@ import numpy as np
 from hydra.utils import instantiate
 
 from toolkit.client import RouterClient
-from toolkit.config import Config, group_engine
+from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.entry import enter_component
-from toolkit.errors import ToolkitError
+from toolkit.errors import RouterUnavailable, ToolkitError
 from toolkit.lifecycle import ProcessRef, quiet_gc
-from toolkit.protocol import Generate, Sampling
+from toolkit.protocol import Generate, GroupStatus, Sampling
 from toolkit.rollout.columns import (
     STAT_COLUMNS,
     Columns,
@@ -234,14 +234,26 @@ class RankRunner:
         shards = gather_shard_info(self.comm, *shard) if shard is not None else None
         if self.rank == 0:
             assert gathered is not None and requests is not None
-            self._write_step(step, t0, gathered, requests, shards)
+            speeds = await self._measured_speeds()
+            self._write_step(step, t0, gathered, requests, shards, speeds)
+
+    async def _measured_speeds(self) -> dict[str, GroupStatus] | None:
+        """Rank 0, for the step's bound with engines that have no time model (not the sim): the speeds
+        the router learned from heartbeats. None if all groups run the sim or the router is silent."""
+        if all(isinstance(group_engine(self.cfg, g), SimEngineConfig) for g in self.cfg.groups):
+            return None
+        try:
+            return (await self.client.status(timeout_s=5.0)).groups
+        except RouterUnavailable as exc:
+            logger.warning("no speeds for the step's bound: %s", exc)
+            return None
 
     def _session_ids(self, step: int, cols: Columns) -> list[str]:
         return [f"{self.cfg.job}/{step}/{i}" + (f"#{b}" if b else "")
                 for i, b in zip(cols["index"].tolist(), cols["branch"].tolist(), strict=True)]
 
     def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns,
-                    shards: np.ndarray | None = None) -> None:
+                    shards: np.ndarray | None = None, speeds: dict[str, GroupStatus] | None = None) -> None:
         cfg = self.cfg
         if shards is not None:
             write_manifest(self.run_dir.steps, step, shards)
@@ -252,7 +264,7 @@ class RankRunner:
         flip = self.tail.info() if cfg.tail.threshold is not None else None
         if flip is not None and flip.get("step") != step:
             flip = None
-        report = step_report(step, wall, t0, cols, requests, self.group_names, cfg, flip)
+        report = step_report(step, wall, t0, cols, requests, self.group_names, cfg, flip, speeds)
         # Launch's record of what interrupted this step: the resume that restarted it, replicas
         # added, removed or preempted while it ran.
         end = time.time()

@@ -257,6 +257,9 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 draining=sum(r.draining for r in members),
                 tokens_per_s=sum(r.speed.tokens_per_s for r in members if r.serving),
                 request_tokens_per_s=max((r.speed.request_tokens_per_s for r in members if r.serving), default=0.0),
+                peak_tokens_per_s=sum(r.speed.peak_tokens_per_s for r in members if r.serving),
+                peak_request_tokens_per_s=max((r.speed.peak_request_tokens_per_s for r in members if r.serving),
+                                              default=0.0),
             )
         return P.Status(groups=groups, queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),

@@ -15,7 +15,8 @@ ALPHA = 0.3
 
 
 class SpeedMeter:
-    __slots__ = ("tokens_per_s", "request_tokens_per_s", "peak_tokens_per_s", "_at", "_generated", "_running")
+    __slots__ = ("tokens_per_s", "request_tokens_per_s", "peak_tokens_per_s", "peak_request_tokens_per_s",
+                 "_at", "_generated", "_running")
 
     def __init__(self) -> None:
         self.tokens_per_s = 0.0
@@ -24,6 +25,8 @@ class SpeedMeter:
         """Smoothed rate one running request gets."""
         self.peak_tokens_per_s = 0.0
         """The highest smoothed decode rate seen: what the replica can do when it is full."""
+        self.peak_request_tokens_per_s = 0.0
+        """The highest smoothed per-request rate seen: about what one request gets alone there."""
         self._at: float | None = None
         self._generated = 0
         self._running = 0
@@ -41,4 +44,5 @@ class SpeedMeter:
                 self.request_tokens_per_s = (per if not self.request_tokens_per_s
                                              else ALPHA * per + (1 - ALPHA) * self.request_tokens_per_s)
                 self.peak_tokens_per_s = max(self.peak_tokens_per_s, self.tokens_per_s)
+                self.peak_request_tokens_per_s = max(self.peak_request_tokens_per_s, self.request_tokens_per_s)
         self._at, self._generated, self._running = now, generated, running
