@@ -199,6 +199,10 @@ class VllmEngineConfig:
     max_restarts: int = 2
     """Engine restarts a replica makes after engine deaths; at the next death the replica process exits
     and the cluster backend replaces it."""
+    cpu_engine_nice: int = 10
+    """On vLLM's CPU build only: niceness added to the engine processes. Their worker threads spin on
+    every core they have; lowered, they leave the replica process (its heartbeats, the router's
+    messages, vLLM's output handling) the CPU it needs, as a GPU engine does. 0 = as they are."""
     adapter_poll_s: float = 0.5
     """How often a request whose LoRA adapter directory has no ``adapter_config.json`` yet looks again."""
     adapter_wait_s: float = 600.0

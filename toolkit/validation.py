@@ -223,6 +223,7 @@ def _vllm_checks(e: VllmEngineConfig) -> list[tuple[str, Any, bool, str]]:
         ("tensor_parallel_size", e.tensor_parallel_size, e.tensor_parallel_size >= 1, "an integer >= 1"),
         ("kv_cache_gib", e.kv_cache_gib, e.kv_cache_gib is None or e.kv_cache_gib > 0, "> 0, or null"),
         ("max_restarts", e.max_restarts, e.max_restarts >= 0, "an integer >= 0"),
+        ("cpu_engine_nice", e.cpu_engine_nice, 0 <= e.cpu_engine_nice <= 19, "an integer in [0, 19]"),
         ("adapter_poll_s", e.adapter_poll_s, e.adapter_poll_s > 0, "> 0"),
         ("adapter_wait_s", e.adapter_wait_s, e.adapter_wait_s >= 0, ">= 0"),
         ("adapter_margin_s", e.adapter_margin_s, e.adapter_margin_s >= 0, ">= 0"),

@@ -238,6 +238,8 @@ class VllmEngine(Engine):
             pass
         if self.weights_path is not None:
             await self._reload(self.weights_path)
+        if v.platform.is_cpu() and self.cfg.cpu_engine_nice:
+            self._lower_priority(self.cfg.cpu_engine_nice)
         mc = self.llm.model_config
         self.info = EngineInfo(self.cfg.model, int(mc.max_model_len), int(mc.get_vocab_size()))
         logger.info("vLLM engine up in %.1fs: %s (max_model_len %d, vocab %d, pids %s)", time.monotonic() - t0,
@@ -271,6 +273,20 @@ class VllmEngine(Engine):
             return await self._boot()
         except Exception as exc:
             raise EngineGone(f"the engine did not come back: {type(exc).__name__}: {exc}") from exc
+
+    def _lower_priority(self, nice: int) -> None:
+        """Add ``nice`` to every thread of the engine processes (threads they start later inherit it)."""
+        for pid in self.pids():
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+                except OSError:
+                    pass  # a thread that ended meanwhile
+        logger.info("engine processes %s at niceness +%d (cpu_engine_nice)", self.pids(), nice)
 
     def pids(self) -> list[int]:
         try:
