@@ -127,6 +127,10 @@ def test_latest_never_returns_a_temp_or_an_unmarked_checkpoint(tmp_path: Path) -
     (wd / "step_00004.tmp-y" / "config.json").write_text("{}")
     assert latest(wd, 3) is None and versions(wd) == []
     assert not published(wd, 1) and not published(wd, 2) and not published(wd, 3)
+    for odd in ("step_3", "step_000004"):  # not the name checkpoint_dir() gives: not a checkpoint
+        (wd / odd).mkdir()
+        (wd / odd / "config.json").write_text("{}")
+    assert latest(wd, 10) is None and versions(wd) == []
     hand = wd / "step_00004"          # a copy made by hand (no publish() files): counts once it has a file
     hand.mkdir()
     (hand / "config.json").write_text("{}")
@@ -350,3 +354,13 @@ def test_no_trainer_fails_the_run_naming_the_missing_version_and_never_loads_an_
     assert not (run / "steps" / "step_00001.json").exists()
     with pytest.raises(samples.RunEnded, match="without step 1; the last step with a report is 0"):
         samples.wait_step(run, 1, timeout_s=3600)
+
+
+def test_a_checkpoint_of_version_0_published_later_still_replaces_the_models_own_weights(tmp_path: Path) -> None:
+    from toolkit.rollout.stepweights import StepWeights
+
+    sw = StepWeights(compose_config([]).rollout, client=None, stop=lambda: False)  # type: ignore[arg-type]
+    sw.held = (None, 0)  # the model's own weights, version 0
+    assert sw._newer((tmp_path / "step_00000", 0))
+    sw.held = (str(tmp_path / "step_00000"), 0)
+    assert not sw._newer((tmp_path / "step_00000", 0)) and sw._newer((tmp_path / "step_00001", 1))

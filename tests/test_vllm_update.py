@@ -115,3 +115,40 @@ def test_an_update_mid_generation_aborts_nothing_and_the_later_tokens_change(sta
             await c.close()
 
     asyncio.run(main())
+
+
+def test_an_update_that_fails_half_way_resumes_nothing_on_its_weights(stack: Any, tmp_path: Any) -> None:
+    """A checkpoint whose weights vLLM cannot read (the directory exists, its safetensors is garbage):
+    the requests in the engine are not resumed on half-loaded weights. They end as engine_dead, the
+    router runs them again on the restarted engine (the last good weights), and the update fails loudly."""
+    import shutil
+
+    from toolkit.client import WeightsUpdateFailed
+
+    st, ckpt = stack
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "model.safetensors").write_bytes(b"\0" * 64)
+
+    async def body(c: RouterClient) -> None:
+        start = await generated(st)
+        msgs = [P.Generate(f"bad-{k}", job="t", session_id=f"b{k}", step=0, prompt_token_ids=PROMPTS[k],
+                           sampling=P.Sampling(max_tokens=200, temperature=0.0, ignore_eos=True)) for k in range(2)]
+        running = [asyncio.create_task(c.generate(m)) for m in msgs]
+        while await generated(st) < start + 20:
+            await asyncio.sleep(0.02)
+        with pytest.raises(WeightsUpdateFailed, match="bad"):
+            await c.update_weights(str(bad), 7)
+        for res, route in await asyncio.gather(*running):
+            assert res.status == "ok" and len(res.output_token_ids) == 200, res
+            assert 7 not in res.weight_versions and route is not None and route.dispatches == 2
+
+    async def main() -> None:
+        c = RouterClient(st.run_dir)
+        await c.connect(10)
+        try:
+            await asyncio.wait_for(body(c), 600)
+        finally:
+            await c.close()
+
+    asyncio.run(main())

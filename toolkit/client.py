@@ -126,8 +126,9 @@ class RouterClient:
 
     async def update_weights(self, path: str, version: int, timeout_s: float = 1800.0,
                              resend_s: float = 2.0) -> P.WeightsUpdated:
-        """Have every ready replica finish its requests and load the checkpoint directory ``path`` as
-        weight ``version``; returns the router's answer once all have (``replicas`` = how many).
+        """Have every ready replica load the checkpoint directory ``path`` as weight ``version`` (with
+        its requests running, or after they finish: ``rollout.update_mode``); returns the router's
+        answer once all have (``replicas`` = how many).
         Replicas that register later get it before they are ready. Resends (a restarted router learns
         the weights from the resend); raises WeightsUpdateFailed if a replica could not load it."""
         fut: asyncio.Future[P.WeightsUpdated] = asyncio.get_running_loop().create_future()

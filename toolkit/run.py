@@ -306,7 +306,7 @@ class Run:
             "error": error,
             "wall_s": time.time() - self.t_start,
             "summary": summary,
-            "router": read_json(self.run_dir.root / "router_stats.json"),
+            "router": read_json(self.run_dir.router_stats),
             "interruptions": self.run_dir.read_events(),
             "steps": self.step_reports,
         }

@@ -60,6 +60,11 @@ class RunDir:
         return self.root / "router.json"
 
     @property
+    def router_stats(self) -> Path:
+        """The router's counters (requeued, migrated, dispatched per group...), rewritten as it runs."""
+        return self.root / "router_stats.json"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

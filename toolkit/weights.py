@@ -92,21 +92,36 @@ def versions(weights_dir: PathLike | None, up_to: int | None = None) -> list[int
         names = os.listdir(root)  # a listing, not a lookup: NFS caches a failed lookup
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = []
+    return [v for v in _candidates(names, up_to) if _is_published(root / f"step_{v:05d}")]
+
+
+def _candidates(names: list[str], up_to: int | None) -> list[int]:
+    """Versions named the way :func:`checkpoint_dir` names them (``step_3`` or ``step_000003`` is
+    not ``step_00003``: such a directory is not a checkpoint), ascending."""
+    out = []
     for name in names:
         m = _NAME.match(name)
-        if m and (up_to is None or int(m.group(1)) <= up_to) and _is_published(root / name):
-            found.append(int(m.group(1)))
-    return sorted(found)
+        if m and name == f"step_{int(m.group(1)):05d}" and (up_to is None or int(m.group(1)) <= up_to):
+            out.append(int(m.group(1)))
+    return sorted(out)
 
 
 def latest(weights_dir: PathLike | None, up_to: int) -> tuple[Path, int] | None:
     """The highest published checkpoint for a step ``<= up_to`` and its version, or None (none
-    published, or no ``weights_dir``). Temp and half-written directories are never returned."""
-    found = versions(weights_dir, up_to)
-    if not found:
+    published, or no ``weights_dir``). Temp and half-written directories are never returned. It
+    looks at the highest-numbered directories first and stops at the first published one."""
+    if not weights_dir:
         return None
-    return checkpoint_dir(weights_dir, found[-1]), found[-1]  # type: ignore[arg-type]
+    root = Path(weights_dir).expanduser()
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for v in reversed(_candidates(names, up_to)):
+        path = root / f"step_{v:05d}"
+        if _is_published(path):
+            return path, v
+    return None
 
 
 def _fsync(path: Path) -> None:

@@ -27,7 +27,7 @@ from rich.console import Console
 
 from toolkit.config import compose_config
 from toolkit.rundir import RunDir, read_json
-from toolkit.samples import wait_step
+from toolkit.samples import read_step, wait_step
 from toolkit.validation import validate
 from toolkit.weights import publish
 
@@ -71,17 +71,18 @@ def _arm(root: Path, name: str, base: list[str], k: int, steps: int, train_s: fl
     trainer.join(timeout=120)
     if trainer.error is not None:
         raise trainer.error
-    import pyarrow.parquet as pq
-
+    if trainer.is_alive() or len(trainer.available) != steps:
+        raise RuntimeError(f"the trainer stand-in saw {len(trainer.available)} of {steps} steps of {run}")
+    rd = RunDir(run)
     stale, aborted, waited, mid_step = [], 0, [], 0
     for step in range(steps):
-        rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet", columns=["weight_versions"]).to_pylist()
+        rows = read_step(run, step, columns=["weight_versions"]).to_pylist()
         stale += [step - min(r["weight_versions"]) for r in rows]
-        rep = read_json(run / "steps" / f"step_{step:05d}.json") or {}
+        rep = read_json(rd.step_report(step)) or {}
         aborted += sum(n for s, n in rep.get("requests_by_status", {}).items() if s != "ok")
         waited.append(rep["weights"]["waited_s"])
         mid_step += len(rep["weights"]["updates"])
-    stats = read_json(run / "router_stats.json") or {}
+    stats = read_json(rd.router_stats) or {}
     aborted += sum(int(v) for key, v in stats.items() if key == "requeued" or key.startswith("migrated"))
     span = trainer.available[-1] - trainer.available[0]
     return {"steps_per_s": (steps - 1) / span if span > 0 else None, "aborted_requests": aborted,

@@ -188,9 +188,14 @@ class VllmEngine(Engine):
         self.counters = Counters()
         self.restarts = 0
         self.weights_path: str | None = None
+        self.broken = ""
+        """Why the engine cannot go on although vLLM still runs (an in-place update that failed half
+        way): it counts as dead, and the replica restarts it on the last good weights."""
         # LoRA: a stable id per adapter path; the ids added to this engine; requests waiting for one.
         self.lora_ids: dict[str, int] = {}
         self.loras_added: set[int] = set()
+        self.active: set[str] = set()
+        """Request ids in ``llm.generate`` now (an in-place update that fails aborts them)."""
         self.lora_lock = asyncio.Lock()
         self.adapter_waits: dict[str, asyncio.Event] = {}
 
@@ -257,7 +262,7 @@ class VllmEngine(Engine):
             ev.set()
 
     def dead(self) -> bool:
-        return self.llm is not None and bool(self.llm.errored)
+        return self.llm is not None and (bool(self.llm.errored) or bool(self.broken))
 
     async def restart(self) -> EngineInfo:
         self.restarts += 1
@@ -265,6 +270,7 @@ class VllmEngine(Engine):
             raise EngineGone(f"the engine died {self.restarts} times (engine.max_restarts = {self.cfg.max_restarts})")
         logger.warning("restarting the vLLM engine (%d of at most %d restarts)", self.restarts, self.cfg.max_restarts)
         await self.close()
+        self.broken = ""
         self.adapter_waits.clear()
         self.loras_added.clear()
         self.counters.running = self.counters.waiting = 0
@@ -333,10 +339,13 @@ class VllmEngine(Engine):
             if llm.errored:
                 return Result(request_id=rid, status="engine_dead", error="the engine died")
         final = None
+        self.active.add(rid)
         try:
             async for out in llm.generate(v.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params, rid,
                                           lora_request=lora):
                 final = out
+            if self.broken:  # aborted by a failed in-place update: run again elsewhere, not "cancelled"
+                return Result(request_id=rid, status="engine_dead", error=self.broken)
         except v.EngineDeadError as exc:
             return Result(request_id=rid, status="engine_dead", error=f"EngineDeadError: {exc}")
         except (v.VLLMClientError, ValueError, TypeError) as exc:
@@ -346,6 +355,8 @@ class VllmEngine(Engine):
         except Exception as exc:  # EngineGenerateError and the like: this request failed in the engine
             logger.exception("request %s failed in vLLM", rid)
             return Result(request_id=rid, status="engine_dead", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.active.discard(rid)
         res = self.to_result(rid, final)
         if req.sampling.structured is not None and res.finish_reason == "error":
             # The only request-level error of a plain engine: its grammar did not compile (vLLM logs why).
@@ -476,11 +487,17 @@ class VllmEngine(Engine):
                 raise RuntimeError("vLLM could not reset its prefix cache after the reload")
             self.loras_added.clear()  # reload_weights removed the adapters: add_lora validates again
             await llm.update_weight_version(str(version))
-            self.weights_path = path
-            self.weight_version = version
-        finally:
-            if not llm.errored:
-                await llm.resume_generation()
+        except BaseException as exc:
+            # The weights may be half loaded: no request resumes on them under either version's name.
+            # They end now as engine_dead (the router runs them again elsewhere), and the engine counts
+            # as dead: the replica restarts it on the last good weights.
+            self.broken = f"in-place update to {path} failed: {type(exc).__name__}: {exc}"
+            if self.active:
+                await llm.abort(list(self.active))  # their Results say engine_dead (see generate)
+            raise
+        self.weights_path = path
+        self.weight_version = version
+        await llm.resume_generation()
         logger.info("weights reloaded in place from %s in %.2fs", path, time.monotonic() - t0)
 
     async def _reload(self, path: str) -> None:

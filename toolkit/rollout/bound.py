@@ -1,24 +1,30 @@
 """A step's lower bound: how soon the step could have ended on this fleet, whatever the scheduling.
 
 ``bound_s`` is the larger of two bounds, each from the engines' own time model and the step's
-requests as they ran (prompt, cached and generated tokens of every turn):
+requests (prompt and generated tokens of every turn that generated any):
 
 - **critical path**: a session's turns run one after another, so the step lasts at least as long as
-  its longest session would take alone on the fastest group: each turn's uncached prompt prefilled,
-  then its tokens decoded one step each with nothing else in the batch (the context growing by one
-  per token). A gateway call with ``n > 1`` counts once (its samples run side by side).
+  its longest session would take alone on the fastest group: each turn's new tokens prefilled, then
+  its tokens decoded one step each with nothing else in the batch (the context growing by one per
+  token). A gateway call with ``n > 1`` counts once (its samples run side by side).
 - **throughput**: every generated token has to be decoded somewhere; at best each replica runs
   full batches (``max_num_seqs``), sharing the weight reads, while each token still reads its own
-  context's KV and its share of the prefill. All tokens over the fleet's summed peak rate.
+  context's KV. Every request at its cheapest group's cost, over the fleet's replica count: no
+  allocation of requests to replicas does better.
+
+Prefill is counted schedule-free: only the tokens a turn adds to its session's previous context
+(observations, tool results), which no prefix cache can hold; a session's first turn and all cached
+context cost nothing. So a schedule with better cache hits does not get a lower bound.
 
 ``bound_ratio = wall_s / bound_s`` says how far scheduling (and everything outside generation:
 environments, tools, the step's bookkeeping) left the step from that floor.
 
-Where the bound's speeds come from (``bound.source``): for the ``sim``, its own time model (``model``);
-for other engines, what the router measured from heartbeats (``measured``): a request alone decodes at
-the highest per-request rate seen on any replica, the fleet at the sum of its replicas' highest rates.
-Measured rates include the prefills they ran, and a replica seen only busy understates what one request
-gets alone there, so a measured bound is an estimate, not a proof. Without either it is null.
+Where the bound's speeds come from (``bound.source``): for the ``sim``, its own time model (``model``,
+``toolkit/engine/sim.py:step_seconds``); for other engines, what the router measured from heartbeats
+(``measured``): a request alone decodes at the highest per-request rate seen on any replica, the fleet
+at the sum of its replicas' highest rates. Measured rates include the prefills they ran, and a replica
+seen only busy understates what one request gets alone there, so a measured bound is an estimate, not
+a proof. Without either it is null.
 """
 
 from __future__ import annotations
@@ -28,20 +34,30 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import Config, SimEngineConfig, group_engine
-from toolkit.engine.sim import step_seconds, tp_speedup
+from toolkit.engine.sim import step_seconds
 from toolkit.protocol import GroupStatus
 from toolkit.rollout.columns import Columns
 
 
-def _alone_s(c: SimEngineConfig, prompt: np.ndarray, cached: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Seconds (before ``time_scale``) of each request alone on a replica of config ``c``: its
-    uncached prompt prefilled in its first step, then one decode step per token at context
-    ``prompt + k``. The sum over k of the KV term has a closed form."""
-    s = tp_speedup(c)
-    per_step = step_seconds(c, 0)
-    kv = c.kv_bytes_per_token / (c.hbm_bandwidth * s)
-    context_sum = out * prompt + out * (out - 1) / 2
-    return out * per_step + kv * context_sum + (prompt - cached) / (c.prefill_tokens_per_s * s)
+class _Costs:
+    """The sim's time model per group, taken apart from :func:`step_seconds` (so the bound follows
+    any change to it), in seconds after ``time_scale``."""
+
+    def __init__(self, c: SimEngineConfig) -> None:
+        base = step_seconds(c, 0)
+        self.step = base * c.time_scale                                    # one step: weights + overhead
+        self.kv = (step_seconds(c, 1) - base) * c.time_scale               # per token of context read
+        self.prefill = (step_seconds(c, 0, 1) - base) * c.time_scale       # per prefilled token
+        self.batch = c.max_num_seqs
+
+    def alone(self, prompt: np.ndarray, new: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Each request alone on one replica: its ``new`` tokens prefilled in its first step, then one
+        decode step per token at context ``prompt + k`` (the sum over k in closed form)."""
+        return out * self.step + self.kv * (out * prompt + out * (out - 1) / 2) + self.prefill * new
+
+    def batched(self, prompt: np.ndarray, new: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Each request's share of full batches: the step's fixed cost split ``max_num_seqs`` ways."""
+        return out * self.step / self.batch + self.kv * (out * prompt + out * (out - 1) / 2) + self.prefill * new
 
 
 def _calls(req: Columns) -> tuple[np.ndarray, np.ndarray]:
@@ -57,14 +73,15 @@ def step_bound(cfg: Config, req: Columns, wall_s: float,
                measured: dict[str, GroupStatus] | None = None) -> dict[str, Any] | None:
     """The step's bound from its requests: from the sim's time model if every group runs the sim,
     else from ``measured`` (the router's per-group status at the step's end), else None."""
-    out = req["output_tokens"].astype(np.float64)
-    if not out.size or out.sum() == 0:
+    ran = req["output_tokens"] > 0  # requests that never ran (client errors, timeouts in the queue) cost nothing
+    if not ran.any():
         return None
+    req = {k: v[ran] for k, v in req.items() if k != "session_done_at"}
     engines = {g: group_engine(cfg, g) for g in cfg.groups}
     if all(isinstance(e, SimEngineConfig) for e in engines.values()):
-        return _modelled(cfg, engines, req, out, wall_s)
+        return _modelled(cfg, engines, req, wall_s)
     if measured:
-        return _measured(req, out, measured, wall_s)
+        return _measured(req, req["output_tokens"].astype(np.float64), measured, wall_s)
     return None
 
 
@@ -91,33 +108,44 @@ def _measured(req: Columns, out: np.ndarray, groups: dict[str, GroupStatus], wal
                    "measured")
 
 
-def _modelled(cfg: Config, engines: dict[str, Any], req: Columns, out: np.ndarray,
-              wall_s: float) -> dict[str, Any] | None:
-    prompt = req["prompt_tokens"].astype(np.float64)
-    cached = np.minimum(req["cached_tokens"], req["prompt_tokens"]).astype(np.float64)
-    scale = engines[next(iter(engines))].time_scale
-    call, call_session = _calls(req)
-    n_sessions = int(call_session.max()) + 1
+def _new_tokens(req: Columns, call: np.ndarray) -> np.ndarray:
+    """Per request, the tokens its prompt adds to its session's previous call (the longest context
+    that call ended with); 0 for a session's first call. No prefix cache can hold them."""
+    prompt, out, session = req["prompt_tokens"], req["output_tokens"], req["session"]
+    new = np.zeros(prompt.size, dtype=np.float64)
+    ended: dict[int, int] = {}  # session -> context its latest call ended with
+    order = np.lexsort((req["done_at"] - req["latency_s"], session))
+    last_call = -1
+    pending: dict[int, int] = {}
+    for i in order.tolist():
+        sid = int(session[i])
+        if call[i] != last_call:  # a new call: the previous one's contexts are now known
+            ended.update(pending)
+            pending = {}
+            last_call = int(call[i])
+        if sid in ended:
+            new[i] = max(0, int(prompt[i]) - ended[sid])
+        pending[sid] = max(pending.get(sid, 0), int(prompt[i]) + int(out[i]))
+    return new
 
+
+def _modelled(cfg: Config, engines: dict[str, Any], req: Columns, wall_s: float) -> dict[str, Any] | None:
+    groups = {g: _Costs(c) for g, c in engines.items() if cfg.groups[g].replicas > 0}  # scaled to zero: none
+    replicas = sum(cfg.groups[g].replicas for g in groups)
+    if not groups:
+        return None
+    out = req["output_tokens"].astype(np.float64)
+    prompt = req["prompt_tokens"].astype(np.float64)
+    call, call_session = _calls(req)
+    new = _new_tokens(req, call)
+    n_sessions = int(call_session.max()) + 1
     best_session = np.full(n_sessions, np.inf)
-    fleet_rate = 0.0
-    tokens = out.sum()
-    context_per_token = (out * prompt + out * (out - 1) / 2).sum() / tokens
-    prefill_per_token = (prompt - cached).sum() / tokens
-    for g, c in engines.items():
-        if cfg.groups[g].replicas <= 0:
-            continue  # scaled to zero: runs nothing
+    cheapest = np.full(out.size, np.inf)
+    for costs in groups.values():
         # Critical path: each session alone on this group; a call lasts as long as its longest request.
         per_call = np.zeros(int(call.max()) + 1)
-        np.maximum.at(per_call, call, _alone_s(c, prompt, cached, out))
-        per_session = np.bincount(call_session, weights=per_call, minlength=n_sessions)
-        best_session = np.minimum(best_session, per_session)
-        # Throughput: full batches share the weight reads; each token reads its own KV and prefill.
-        s = tp_speedup(c)
-        token_s = (step_seconds(c, 0) / c.max_num_seqs + context_per_token * c.kv_bytes_per_token
-                   / (c.hbm_bandwidth * s) + prefill_per_token / (c.prefill_tokens_per_s * s))
-        fleet_rate += cfg.groups[g].replicas / token_s
-    if fleet_rate == 0:
-        return None
-    return _result(float(best_session.max()) * scale, float(tokens / fleet_rate) * scale,
-                   int(np.argmax(best_session)), wall_s, "model")
+        np.maximum.at(per_call, call, costs.alone(prompt, new, out))
+        best_session = np.minimum(best_session, np.bincount(call_session, weights=per_call, minlength=n_sessions))
+        cheapest = np.minimum(cheapest, costs.batched(prompt, new, out))
+    return _result(float(best_session.max()), float(cheapest.sum() / replicas), int(np.argmax(best_session)),
+                   wall_s, "model")

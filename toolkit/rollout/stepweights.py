@@ -92,7 +92,8 @@ class StepWeights:
         return self.steps.pop(step, None)
 
     def _newer(self, ckpt: tuple[Path, int]) -> bool:
-        return self.held is None or ckpt[1] > self.held[1]
+        # On the model's own weights (no path) any published checkpoint is newer, version 0 included.
+        return self.held is None or self.held[0] is None or ckpt[1] > self.held[1]
 
     async def _load(self, step: int, ckpt: tuple[Path, int]) -> float:
         """Every replica loads ``ckpt``; returns how long that took."""

@@ -211,10 +211,13 @@ class RankRunner:
                   if self.rank == 0 and cfg.rollout.weights_dir else None)
         try:
             per_session = await asyncio.gather(*(run(step, i, sem, log) for i in mine))
-        finally:
-            done.set()
+        except BaseException:
             if follow is not None:
-                await follow
+                follow.cancel()  # the step failed: its error is the one to report, not a load's
+            raise
+        done.set()
+        if follow is not None:
+            await follow  # a load under way is finished: the report lists every version the rows hold
         samples = [s for group in per_session for s in group]
         del per_session
         cols = pack(samples, self.group_names)
@@ -225,6 +228,9 @@ class RankRunner:
             table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
             shard = write_shard(self.run_dir.steps, step, self.rank, table)
             cols = {name: cols[name] for name in STAT_COLUMNS}
+        # Rank 0's sessions are done: the speeds for the step's bound, while the other ranks finish
+        # theirs (not counted in the step's wall time beyond what they take anyway).
+        speeds = await self._measured_speeds() if self.rank == 0 else None
         # Everyone is at the gather before it starts: blocking collectives spin a core while they
         # wait, and the cores belong to the engines and the router until the last session ends.
         await async_barrier(self.comm)
@@ -234,7 +240,6 @@ class RankRunner:
         shards = gather_shard_info(self.comm, *shard) if shard is not None else None
         if self.rank == 0:
             assert gathered is not None and requests is not None
-            speeds = await self._measured_speeds()
             self._write_step(step, t0, gathered, requests, shards, speeds)
 
     async def _measured_speeds(self) -> dict[str, GroupStatus] | None:

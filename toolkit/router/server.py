@@ -403,7 +403,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def write_stats(self) -> None:
         self.timeline.write_all()
         stats = {**self.stats, **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
-        atomic_write(self.run_dir.root / "router_stats.json", json.dumps(stats, indent=1))
+        atomic_write(self.run_dir.router_stats, json.dumps(stats, indent=1))
 
 
 def _limit_error(req: Request, max_model_len: int, vocab_size: int) -> str:
