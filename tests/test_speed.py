@@ -28,6 +28,8 @@ def test_rates_come_from_the_intervals_with_work_smoothed() -> None:
     assert (m.tokens_per_s, m.request_tokens_per_s, m.peak_tokens_per_s) == before
     m.update(5.0, 150, 1)
     assert m.request_tokens_per_s == pytest.approx(ALPHA * 100 + (1 - ALPHA) * 200)
+    m.update(6.0, 250, 0)  # 100 tokens while 1 then 0 ran: one request got them all, not two
+    assert m.request_tokens_per_s <= m.tokens_per_s
     assert m.peak_tokens_per_s == before[2]  # lower now: the peak stays
     assert m.peak_request_tokens_per_s == 200.0
 

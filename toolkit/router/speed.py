@@ -39,6 +39,9 @@ class SpeedMeter:
             produced = generated - self._generated
             if busy > 0 and produced > 0:
                 rate = produced / (now - self._at)
+                # At least one request ran whenever a token came out: a per-request rate is never
+                # above the replica's (so a half-idle interval does not overstate it).
+                busy = max(1.0, busy)
                 self.tokens_per_s = rate if not self.tokens_per_s else ALPHA * rate + (1 - ALPHA) * self.tokens_per_s
                 per = rate / busy
                 self.request_tokens_per_s = (per if not self.request_tokens_per_s
