@@ -133,14 +133,15 @@ def test_an_update_that_fails_half_way_resumes_nothing_on_its_weights(stack: Any
     async def body(c: RouterClient) -> None:
         start = await generated(st)
         msgs = [P.Generate(f"bad-{k}", job="t", session_id=f"b{k}", step=0, prompt_token_ids=PROMPTS[k],
-                           sampling=P.Sampling(max_tokens=200, temperature=0.0, ignore_eos=True)) for k in range(2)]
+                           sampling=P.Sampling(max_tokens=BUDGET, temperature=0.0, ignore_eos=True)) for k in range(2)]
         running = [asyncio.create_task(c.generate(m)) for m in msgs]
-        while await generated(st) < start + 20:
+        while await generated(st) < start + 40:
             await asyncio.sleep(0.02)
+        assert not any(t.done() for t in running)
         with pytest.raises(WeightsUpdateFailed, match="bad"):
             await c.update_weights(str(bad), 7)
         for res, route in await asyncio.gather(*running):
-            assert res.status == "ok" and len(res.output_token_ids) == 200, res
+            assert res.status == "ok" and len(res.output_token_ids) == BUDGET, res
             assert 7 not in res.weight_versions and route is not None and route.dispatches == 2
 
     async def main() -> None:
