@@ -18,7 +18,7 @@ if os.environ.get("TOOLKIT_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm")
 
-from tests.conftest import compose_config  # noqa: E402
+from tests.conftest import compose_config, with_client  # noqa: E402
 from toolkit import protocol as P  # noqa: E402
 from toolkit.client import RouterClient, router_status  # noqa: E402
 from toolkit.lifecycle import read_pidfiles  # noqa: E402
@@ -106,15 +106,7 @@ def test_an_update_mid_generation_aborts_nothing_and_the_later_tokens_change(sta
         assert after.status == "ok" and after.weight_versions == [1] and len(after.output_token_ids) == BUDGET
         assert after.output_token_ids != base[0][0].output_token_ids
 
-    async def main() -> None:
-        c = RouterClient(st.run_dir)
-        await c.connect(10)
-        try:
-            await asyncio.wait_for(body(c), 600)
-        finally:
-            await c.close()
-
-    asyncio.run(main())
+    asyncio.run(with_client(st.run_dir, body, timeout_s=600))
 
 
 def test_an_update_that_fails_half_way_resumes_nothing_on_its_weights(stack: Any, tmp_path: Any) -> None:
@@ -144,12 +136,4 @@ def test_an_update_that_fails_half_way_resumes_nothing_on_its_weights(stack: Any
             assert res.status == "ok" and len(res.output_token_ids) == BUDGET, res
             assert 7 not in res.weight_versions and route is not None and route.dispatches == 2
 
-    async def main() -> None:
-        c = RouterClient(st.run_dir)
-        await c.connect(10)
-        try:
-            await asyncio.wait_for(body(c), 600)
-        finally:
-            await c.close()
-
-    asyncio.run(main())
+    asyncio.run(with_client(st.run_dir, body, timeout_s=600))
