@@ -69,6 +69,11 @@ def _calls(req: Columns) -> tuple[np.ndarray, np.ndarray]:
     return call.reshape(-1), req["session"][first]
 
 
+def has_time_model(cfg: Config) -> bool:
+    """Every group runs the sim: the bound needs no measured speeds."""
+    return all(isinstance(group_engine(cfg, g), SimEngineConfig) for g in cfg.groups)
+
+
 def step_bound(cfg: Config, req: Columns, wall_s: float,
                measured: dict[str, GroupStatus] | None = None) -> dict[str, Any] | None:
     """The step's bound from its requests: from the sim's time model if every group runs the sim,
@@ -77,9 +82,8 @@ def step_bound(cfg: Config, req: Columns, wall_s: float,
     if not ran.any():
         return None
     req = {k: v[ran] for k, v in req.items() if k != "session_done_at"}
-    engines = {g: group_engine(cfg, g) for g in cfg.groups}
-    if all(isinstance(e, SimEngineConfig) for e in engines.values()):
-        return _modelled(cfg, engines, req, wall_s)
+    if has_time_model(cfg):
+        return _modelled(cfg, {g: group_engine(cfg, g) for g in cfg.groups}, req, wall_s)
     if measured:
         return _measured(req, req["output_tokens"].astype(np.float64), measured, wall_s)
     return None

@@ -22,11 +22,12 @@ import numpy as np
 from hydra.utils import instantiate
 
 from toolkit.client import RouterClient
-from toolkit.config import Config, SimEngineConfig, group_engine
+from toolkit.config import Config, group_engine
 from toolkit.entry import enter_component
 from toolkit.errors import RouterUnavailable, ToolkitError
 from toolkit.lifecycle import ProcessRef, quiet_gc
 from toolkit.protocol import Generate, GroupStatus, Sampling
+from toolkit.rollout.bound import has_time_model
 from toolkit.rollout.columns import (
     STAT_COLUMNS,
     Columns,
@@ -245,7 +246,7 @@ class RankRunner:
     async def _measured_speeds(self) -> dict[str, GroupStatus] | None:
         """Rank 0, for the step's bound with engines that have no time model (not the sim): the speeds
         the router learned from heartbeats. None if all groups run the sim or the router is silent."""
-        if all(isinstance(group_engine(self.cfg, g), SimEngineConfig) for g in self.cfg.groups):
+        if has_time_model(self.cfg):
             return None
         try:
             return (await self.client.status(timeout_s=5.0)).groups
