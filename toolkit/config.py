@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from toolkit.errors import ConfigError, FieldError
 
 POLICIES = ("consistent_hash", "least_loaded", "power_of_two", "round_robin")
+TAIL_POLICIES = ("count", "age", "predict")
 QUEUES = ("fair", "fifo")
 CLUSTERS = ("local", "slurm", "allocation")
 OUTPUTS = ("gather", "shards")
@@ -160,6 +161,10 @@ class SimEngineConfig:
     output_len_session_share: float = 0.0
     """Share of the log-length variance the turns of one session have in common (0 = independent
     turns; a hard task makes every turn of its session long)."""
+    output_len_prompt_share: float = 0.0
+    """Share of the log-length variance the sessions of one prompt (``Generate.prompt_key``: GRPO
+    siblings; a session without one is its own prompt) have in common, on top of the session's share
+    (their sum at most 1). Sampled siblings (temperature > 0, no seed) get different tokens."""
     tokenizer: Any = None
     """Only for structured outputs (the gateway's ``tool_choice``/``response_format``): the tokenizer
     (as ``workload.tokenizer``) that encodes the seeded instance of the schema the sim emits;
@@ -268,13 +273,34 @@ class RouterConfig:
 
 @dataclass
 class TailConfig:
+    policy: str = "count"
+    """How a step's long runners reach ``group`` (``toolkit/router/tail/``): ``count``: only at the flip
+    (``threshold``); ``age``: a running request whose turn has generated more than a long turn
+    (``long_quantile``/``long_tokens``) moves there with its tokens at once, oldest first, while the group
+    has room; ``predict``: a session whose earlier turns or prompt siblings were long starts its next turn
+    there. With ``age`` and ``predict`` the group serves only such requests until the flip, and a session
+    that ran there keeps its later turns there while it has room."""
     threshold: float | None = None
-    """Fraction of a step's sessions done at which the rest of the step flips to ``group``; null = off."""
+    """Fraction of a step's sessions done at which the rest of the step flips to ``group``; null = no
+    flip (with ``policy=count``: tail routing off)."""
     group: str = "tail"
-    """The fast group that serves a step after its flip."""
+    """The fast group that takes a step's long runners, and the whole step after its flip."""
     migrate_inflight: bool = False
-    """At the flip, abort the step's requests running outside the tail group and continue them on
-    it from where they stopped (prompt + tokens so far, remaining budget), keeping tokens and logprobs."""
+    """After the flip, the step's requests running outside the tail group move to it too (aborted and
+    continued from where they stopped: prompt + tokens so far, remaining budget), oldest first, as
+    it has room."""
+    long_quantile: float = 0.9
+    """A turn is long when it has generated more tokens than this quantile of the turns the step has
+    finished so far (``age`` and ``predict``)."""
+    long_tokens: int | None = None
+    """A fixed token count to call a turn long, instead of ``long_quantile``; null = the quantile."""
+    long_min_finished: int = 8
+    """Turns the step must have finished before ``long_quantile`` means anything (no move before)."""
+
+    @property
+    def active(self) -> bool:
+        """Tail routing is on: a flip, or a policy that moves long runners early."""
+        return self.threshold is not None or self.policy != "count"
 
 
 @dataclass

@@ -85,6 +85,9 @@ class Generate(Message):
     """Tokens at the end of ``prompt_token_ids`` that this request generated itself before it moved
     to another replica (tail migration); ``sampling.max_tokens`` is what is left of its budget.
     Engines read them as prompt; the sim continues the output it had planned."""
+    prompt_key: str = ""
+    """Sessions that share a prompt (``samples_per_prompt``: GRPO siblings) share this key; the ``predict``
+    tail policy reads their lengths together. Empty: the session stands alone."""
 
 
 class Result(Message):
@@ -124,6 +127,8 @@ class Route(Message):
     queue_s: float = 0.0
     dispatched_at: float = 0.0
     dispatches: int = 0
+    moves: int = 0
+    """Times it moved to another replica while it ran (a tail move or flip, a drained replica)."""
 
 
 class Abort(Message):

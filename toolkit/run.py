@@ -331,6 +331,9 @@ def progress_line(rep: dict[str, Any], steps: int) -> str:
         parts.append(f"reward {rep['reward_mean']:.3f}")
     if rep.get("prefix_hit_rate") is not None:
         parts.append(f"prefix hit {100 * rep['prefix_hit_rate']:.1f}%")
+    tail = rep.get("tail")
+    if tail:
+        parts.append(f"{tail['policy']}: {tail['moves']} moves to the tail group")
     flip = rep.get("flip")
     if flip and flip.get("count") is not None:
         parts.append(f"flip {flip['count']}/{rep['sessions']} at {flip['time_s']:.2f}s, "

@@ -15,6 +15,7 @@ from toolkit.config import (
     OUTPUTS,
     POLICIES,
     QUEUES,
+    TAIL_POLICIES,
     UPDATE_MODES,
     VLLM_OWN_ARGS,
     Config,
@@ -103,8 +104,14 @@ def validate(cfg: Config) -> None:
     _validate_engine(cfg, errors)
 
     threshold = cfg.tail.threshold
+    tc = cfg.tail
+    need(tc.policy in TAIL_POLICIES, "tail.policy", tc.policy, f"one of {list(TAIL_POLICIES)}")
+    need(0 < tc.long_quantile < 1, "tail.long_quantile", tc.long_quantile, "a fraction in (0, 1)")
+    need(tc.long_tokens is None or tc.long_tokens >= 1, "tail.long_tokens", tc.long_tokens, "an integer >= 1, or null")
+    need(tc.long_min_finished >= 1, "tail.long_min_finished", tc.long_min_finished, "an integer >= 1")
     if threshold is not None:
-        need(0 < threshold <= 1, "tail.threshold", threshold, "a fraction in (0, 1], or null to turn tail routing off")
+        need(0 < threshold <= 1, "tail.threshold", threshold, "a fraction in (0, 1], or null for no flip")
+    if tc.active:
         if cfg.tail.group not in cfg.groups:
             errors.append(FieldError("tail.group", cfg.tail.group, f"one of the defined groups {sorted(cfg.groups)}"))
         elif cfg.groups[cfg.tail.group].replicas < 1:
@@ -241,6 +248,9 @@ def _sim_checks(e: SimEngineConfig) -> list[tuple[str, Any, bool, str]]:
          ">= 0"),
         ("output_len_session_share", e.output_len_session_share, 0 <= e.output_len_session_share <= 1,
          "in [0, 1]"),
+        ("output_len_prompt_share", e.output_len_prompt_share,
+         0 <= e.output_len_prompt_share <= 1 - e.output_len_session_share,
+         f"in [0, 1 - output_len_session_share = {1 - e.output_len_session_share:g}]"),
         ("tokenizer", e.tokenizer, tokenizer_problem(e.tokenizer) is None, f"{tokenizer_problem(e.tokenizer)}"),
     ]
 

@@ -91,8 +91,20 @@ def _ci95(a: np.ndarray, b: np.ndarray, stat: Any, resamples: int = 4000) -> lis
     return [round(float(lo), 4), round(float(hi), 4)]
 
 
+ARMS: dict[str, tuple[str, ...]] = {
+    "off": ("tail.threshold=null",),
+    "steer": (f"tail.threshold={THRESHOLD}",),
+    "migrate": (f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"),
+    "age": ("tail.policy=age", "tail.threshold=null"),
+    "predict": ("tail.policy=predict", "tail.threshold=null"),
+    "age+count": ("tail.policy=age", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"),
+}
+"""Each arm's tail settings (the rest of the config is the same in every arm)."""
+
+
 def _measure(
-    sessions: int, steps: int, max_tokens: int, root: Path, fleet: tuple[str, ...] = ()
+    sessions: int, steps: int, max_tokens: int, root: Path, fleet: tuple[str, ...] = (),
+    arms: tuple[str, ...] = tuple(ARMS),
 ) -> dict[str, Any]:
     base = [
         *fleet,
@@ -102,15 +114,10 @@ def _measure(
         f"workload.max_tokens={max_tokens}",
         "seed=7",
     ]
-    arms = {
-        "off": [*base, "tail.threshold=null"],
-        "steer": [*base, f"tail.threshold={THRESHOLD}"],
-        "migrate": [*base, f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"],
-    }
     tag = f"{max_tokens}-{len(fleet)}"
     # Every arm's first step also pays for first use (imports, Parquet writer, caches): not counted.
     results = {
-        name: _arm(f"{name}-{tag}", overrides, root)[WARMUP_STEPS:] for name, overrides in arms.items()
+        name: _arm(f"{name}-{tag}".replace("+", "_"), [*base, *ARMS[name]], root)[WARMUP_STEPS:] for name in arms
     }
 
     def mean(arm: str, key: str) -> float:
@@ -119,29 +126,29 @@ def _measure(
     def column(arm: str, key: str) -> np.ndarray:
         return np.array([s[key] for s in results[arm]], dtype=np.float64)
 
-    def hit(arm: str) -> float:
-        return statistics.fmean(s["prefix_hit_rate"] for s in results[arm])
-
     def tail10(what: str) -> float:
         return statistics.fmean(s["done_s"][what]["tail10_share"] for s in results["off"])
 
-    flips = [s["flip"] for arm in ("steer", "migrate") for s in results[arm]]
+    flips = [s["flip"] for arm in results for s in results[arm] if s.get("flip") and s["flip"].get("count")]
     after = sum(sum(f.get("requests_after_by_group", {}).values()) for f in flips)
     spilled = sum(f["spillover"] * sum(f.get("requests_after_by_group", {}).values()) for f in flips)
-    off, steer, migrate = mean("off", "wall_s"), mean("steer", "wall_s"), mean("migrate", "wall_s")
     counts = sorted({f["count"] for f in flips})
-    return {
-        "step_time_off_s": round(off, 3),
-        "step_time_steer_s": round(steer, 3),
-        "step_time_migrate_s": round(migrate, 3),
-        "speedup_steer": round(off / steer, 3),
-        "speedup_migrate": round(off / migrate, 3),
+    wall = {arm: mean(arm, "wall_s") for arm in results}
+    policies = [arm for arm in results if arm != "off"]
+    best = min(policies, key=lambda arm: wall[arm])
+    lost = {arm: sum(n for s in results[arm] for k, n in s["requests_by_status"].items() if k != "ok")
+            for arm in results}
+    out: dict[str, Any] = {
+        **{f"step_time_{arm}_s": round(wall[arm], 3) for arm in results},
+        **{f"speedup_{arm}": round(wall["off"] / wall[arm], 3) for arm in policies},
+        **{f"prefix_hit_{arm}": round(mean(arm, "prefix_hit_rate"), 4) for arm in results},
+        "best_policy": best,
+        "speedup_best": round(wall["off"] / wall[best], 3),
+        "bound_ratio_best": round(mean(best, "bound_ratio"), 3),
+        "prefix_hit_best": round(mean(best, "prefix_hit_rate"), 4),
         "flip_at": counts[0] if len(counts) == 1 else counts,
         "expected_flip_at": flip_count(THRESHOLD, sessions),
         "spillover": round(spilled / after, 6) if after else 0.0,
-        "prefix_hit_off": round(hit("off"), 4),
-        "prefix_hit_steer": round(hit("steer"), 4),
-        "prefix_hit_migrate": round(hit("migrate"), 4),
         "tail10_share_requests_off": round(tail10("requests"), 3),
         "tail10_share_sessions_off": round(tail10("sessions"), 3),
         "flip_share_of_step_off": round(
@@ -150,21 +157,28 @@ def _measure(
             ),
             3,
         ),
-        # Step k holds the same sessions in every arm, but where its longest sessions land (a TP 1 or
-        # the TP 2 replica) depends on timing: identical runs differ by up to ~30% on one step.
+        # Step k holds the same sessions in every arm, but where its longest sessions land depends on
+        # timing: identical runs differ by up to ~30% on one step.
         "ci95": {
-            "speedup_steer": _ci95(column("off", "wall_s"), column("steer", "wall_s"), _ratio_of_means),
-            "speedup_migrate": _ci95(column("off", "wall_s"), column("migrate", "wall_s"), _ratio_of_means),
-            "prefix_hit_steer_minus_off": _ci95(
-                column("steer", "prefix_hit_rate"), column("off", "prefix_hit_rate"), _mean_difference
+            **{f"speedup_{arm}": _ci95(column("off", "wall_s"), column(arm, "wall_s"), _ratio_of_means)
+               for arm in policies},
+            "speedup_best": _ci95(column("off", "wall_s"), column(best, "wall_s"), _ratio_of_means),
+            "prefix_hit_best_minus_off": _ci95(
+                column(best, "prefix_hit_rate"), column("off", "prefix_hit_rate"), _mean_difference
             ),
         },
         # How far each arm's steps are from their lower bound (critical path or throughput; the step
         # report's ``bound_ratio``): what scheduling could still win.
         "bound_ratio": {arm: round(mean(arm, "bound_ratio"), 3) for arm in results},
+        # Requests moved to the tail group while they ran, per step (a long runner, or after the flip).
+        "moves_per_step": {arm: round(statistics.fmean((s.get("tail") or {}).get("moves", 0) for s in results[arm]), 1)
+                           for arm in results},
+        # Requests that did not end ``ok`` (a moved request is one request: it ends once, with every token).
+        "requests_not_ok": lost,
         "max_tokens": max_tokens,
         "step_times_s": {arm: [round(s["wall_s"], 3) for s in steps_] for arm, steps_ in results.items()},
     }
+    return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:

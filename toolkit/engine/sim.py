@@ -17,7 +17,8 @@ An LRU cache over ``block_size``-token blocks (chained hashes, as vLLM's prefix 
 how many prompt tokens are cached. Output lengths are lognormal (median ``output_len_median``,
 sigma ``output_len_sigma``) cut at ``max_tokens`` and ``max_model_len``: the heavy tail of RL
 rollouts. ``output_len_session_share`` of the log-variance can be drawn once per session, so a hard
-task is long on every turn (RL systems report that requests of one prompt have similar lengths). A
+task is long on every turn, and ``output_len_prompt_share`` once per prompt (``Generate.prompt_key``),
+so GRPO siblings are alike (RL systems report that requests of one prompt have similar lengths). A
 request continued elsewhere (``resumed_tokens``) keeps the length and tokens planned where it began.
 ``time_scale`` multiplies every duration (tests run at 0.05-0.2).
 
@@ -144,14 +145,20 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
         return tokens[k:], logprobs[k:], finish
     prompt = req.prompt_token_ids
     seed = str(req.sampling.seed).encode()
-    rng = _rng(np.asarray(prompt, dtype=np.int64).tobytes(), seed)
+    material = [np.asarray(prompt, dtype=np.int64).tobytes(), seed]
+    if req.sampling.seed is None and req.sampling.temperature > 0 and req.prompt_key:
+        material.append(req.session_id.encode())  # siblings sample apart (the same prompt, other sessions)
+    rng = _rng(*material)
     budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
     if req.sampling.structured is not None:
         return _plan_structured(cfg, req.sampling.structured, tokenizer, rng, budget)
     z = rng.standard_normal()
-    share = cfg.output_len_session_share
-    if share > 0 and req.session_id:
-        z = math.sqrt(share) * _rng(req.session_id.encode(), seed).standard_normal() + math.sqrt(1 - share) * z
+    share, pshare = cfg.output_len_session_share, cfg.output_len_prompt_share
+    if (share > 0 or pshare > 0) and req.session_id:
+        shared = _rng(req.session_id.encode(), seed).standard_normal()
+        of_prompt = _rng(b"prompt", (req.prompt_key or req.session_id).encode(), seed).standard_normal()
+        z = (math.sqrt(pshare) * of_prompt + math.sqrt(share) * shared
+             + math.sqrt(max(0.0, 1 - share - pshare)) * z)
     natural = max(1, math.ceil(cfg.output_len_median * math.exp(cfg.output_len_sigma * z)))
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"

@@ -34,6 +34,11 @@ class PromptSource(ABC):
     def get(self, step: int, index: int) -> Prompt:
         """The prompt of session ``index`` of ``step``; the same arguments give the same prompt."""
 
+    def prompt_key(self, step: int, index: int) -> str:
+        """Sessions of ``step`` that share a prompt (``samples_per_prompt``: GRPO siblings) share this key
+        (``Generate.prompt_key``); "" (the default): each session stands alone."""
+        return ""
+
     @classmethod
     def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
         """Problems with this source's Hydra arguments, found before anything starts (``validate``
@@ -44,19 +49,27 @@ class PromptSource(ABC):
 class SyntheticPrompts(PromptSource):
     """Random token prompts behind a shared system prompt (so the prefix cache has something to share).
 
-    Lengths are uniform in [min_len, max_len]; ids lie in [1, vocab_size).
+    Lengths are uniform in [min_len, max_len]; ids lie in [1, vocab_size). ``samples_per_prompt``
+    consecutive sessions share a prompt (a GRPO group).
     """
 
     def __init__(self, min_len: int = 64, max_len: int = 384, system_len: int = 32,
-                 vocab_size: int = 32000, seed: int = 0) -> None:
+                 vocab_size: int = 32000, seed: int = 0, samples_per_prompt: int = 1) -> None:
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len} max_len={max_len}")
+        if samples_per_prompt < 1:
+            raise ValueError(f"need samples_per_prompt >= 1, got {samples_per_prompt}")
         self.min_len, self.max_len, self.vocab_size, self.seed = min_len, max_len, vocab_size, seed
+        self.samples_per_prompt = samples_per_prompt
         rng = np.random.default_rng([seed, 0xC0FFEE])
         self.system = rng.integers(1, vocab_size, size=system_len).tolist()
 
+    def prompt_key(self, step: int, index: int) -> str:
+        return f"{step}/{index // self.samples_per_prompt}" if self.samples_per_prompt > 1 else ""
+
     def get(self, step: int, index: int) -> Prompt:
-        digest = hashlib.blake2b(f"{self.seed}/{step}/{index}".encode(), digest_size=8).digest()
+        p = index // self.samples_per_prompt
+        digest = hashlib.blake2b(f"{self.seed}/{step}/{p}".encode(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         n = int(rng.integers(self.min_len, self.max_len + 1))
         body = rng.integers(1, self.vocab_size, size=max(0, n - len(self.system))).tolist()
@@ -122,6 +135,9 @@ class FilePrompts(PromptSource):
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
         return int(self._perm[1][p % n])
+
+    def prompt_key(self, step: int, index: int) -> str:
+        return f"{step}/{index // self.samples_per_prompt}" if self.samples_per_prompt > 1 else ""
 
     def get(self, step: int, index: int) -> Prompt:
         k = self._record_number(step, index)

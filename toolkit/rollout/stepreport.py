@@ -23,7 +23,7 @@ class RequestLog:
     """One row per generation request of this rank's sessions (gathered as flat arrays)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[float, float, float, float, str, int, int, int, int, int]] = []
+        self.rows: list[tuple[float, float, float, float, str, int, int, int, int, int, int]] = []
         self.sessions_done_at: list[float] = []
 
     def add(self, res: Result, route: Route | None, prompt_len: int, sent_at: float, done_at: float,
@@ -40,6 +40,7 @@ class RequestLog:
             res.cached_tokens,
             len(res.output_token_ids),
             session,
+            route.moves if route else 0,
         ))
 
     def columns(self, group_names: list[str]) -> Columns:
@@ -56,6 +57,7 @@ class RequestLog:
             "cached_tokens": np.array([r[7] for r in rows], dtype=np.int64),
             "output_tokens": np.array([r[8] for r in rows], dtype=np.int64),
             "session": np.array([r[9] for r in rows], dtype=np.int64),
+            "moves": np.array([r[10] for r in rows], dtype=np.int64),
             # Its own length (one per session), gathered like the rest.
             "session_done_at": np.array(self.sessions_done_at, dtype=np.float64),
         }
@@ -116,8 +118,17 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "bound_s": None,
         "bound_ratio": None,
         "flip": None,
+        "tail": None,
     }
     report.update(step_bound(cfg, req, wall_s, speeds) or {})
+    if cfg.tail.active:
+        moved = req["moves"] > 0
+        report["tail"] = {
+            "policy": cfg.tail.policy,
+            "moves": int(req["moves"].sum()),
+            "moved_requests": int(moved.sum()),
+            "moved_tokens": int(req["output_tokens"][moved].sum()),
+        }
     if cfg.tail.threshold is not None:
         expected = flip_count(cfg.tail.threshold, report["sessions"])
         report["flip"] = {"expected_count": expected, "count": None, "time_s": None, "spillover": None}

@@ -352,6 +352,7 @@ class RankRunner:
                 sampling=Sampling(budget, self.sampling.temperature, self.sampling.top_p),
                 group=self.tail.group_for(step),
                 deadline=time.time() + cfg.rollout.request_timeout_s,
+                prompt_key=self.prompts.prompt_key(step, sample.index),
             )
             sent = time.time()
             try:

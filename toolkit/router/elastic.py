@@ -19,13 +19,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from toolkit import protocol as P
+from toolkit.router.pool import BULK
 from toolkit.router.queue import FairQueue, Request
 
 if TYPE_CHECKING:
     from toolkit.config import RouterConfig
     from toolkit.router.policy import Replica
     from toolkit.router.pool import ReplicaPool
-    from toolkit.router.tail import TailTracker
+    from toolkit.router.tail.routing import TailRouting
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class ElasticMixin:
     pool: ReplicaPool
     known_groups: set[str]
     queue: FairQueue
-    tail: TailTracker
+    tail: TailRouting
     retired: set[str]
     empty_since: dict[str | None, float]
     _start_migration: Callable[[Request, Replica, str, str | None], None]
@@ -105,7 +106,10 @@ class ElasticMixin:
     def check_empty_groups(self, wall: float) -> None:
         """Note since when each target group (None: any group) has had no serving replica, and fail
         the queued requests that have waited ``no_replica_timeout_s`` for one."""
-        for g in (*self.known_groups, None):
+        keys: list[str | None] = [*self.known_groups, None]
+        if self.pool.reserved is not None:
+            keys.append(BULK)
+        for g in keys:
             if self.pool.groups.get(g):
                 self.empty_since.pop(g, None)
             else:
@@ -117,9 +121,9 @@ class ElasticMixin:
         if not expired:
             return
         # Only the buckets that can target an empty group: a request's bucket is the group it names;
-        # the unnamed bucket targets any group, or the tail group once its step flipped.
+        # the unnamed bucket targets any group, the bulk or the tail group (tail routing).
         scan: set[str | None] = set(expired)
-        if self.tail.threshold is not None and self.tail.group in expired:
+        if self.tail.policy is not None and (self.tail.group in expired or BULK in expired):
             scan.add(None)
         doomed = []
         for req in self.queue.waiting_for(scan):
@@ -128,7 +132,7 @@ class ElasticMixin:
                 doomed.append((req, g))
         for req, g in doomed:
             self.queue.discard(req)
-            where = f"group {g}" if g is not None else "any group"
+            where = "any group" if g is None else "any group but the tail group" if g == BULK else f"group {g}"
             self._fail(req, "no_replica", f"no ready replica in {where} for {wall - expired[g]:.0f}s")
         if doomed:
             logger.warning("%d request(s) failed: no ready replica for %.0fs", len(doomed), timeout)

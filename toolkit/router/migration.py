@@ -1,5 +1,6 @@
-"""Requests that move while they run, the router's part: at the tail flip (``tail.migrate_inflight``)
-and off a drained replica (``Drain`` with ``migrate``).
+"""Requests that move while they run, the router's part: to the tail group (a long runner, or after the
+flip with ``tail.migrate_inflight``: ``toolkit/router/tail/routing.py`` picks them) and off a drained
+replica (``Drain`` with ``migrate``).
 
 A moving request is aborted on its replica and stays in that replica's slots until its partial Result
 (``cancelled``) comes back; then it continues on its target group from where it stopped: its prompt is
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from toolkit.router.policy import Replica
-    from toolkit.router.tail import TailTracker
     from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -35,27 +35,9 @@ class MigrationMixin:
     backend: Any
     replicas: dict[bytes, Replica]
     queue: FairQueue
-    tail: TailTracker
     timeline: Timeline
     stats: Counter[str]
     _complete: Callable[[Request, bytes], None]
-
-    def migrate(self, job: str, step: int) -> None:
-        """At the flip: abort the step's requests running outside the tail group; each continues
-        on the tail group from where it stopped once its partial Result comes back."""
-        tail = self.tail.group
-        n = 0
-        for r in list(self.replicas.values()):
-            if r.group == tail:
-                continue
-            for req in list(r.inflight.values()):
-                assert isinstance(req, Request)
-                m = req.msg
-                # Requests that name their group explicitly stay where they were sent.
-                if m.job == job and m.step == step and m.group is None and not req.migrating:
-                    self._start_migration(req, r, "tail", tail)
-                    n += 1
-        logger.info("migrating %d in-flight request(s) of %s step %d to group %s", n, job, step, tail)
 
     def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
         """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
@@ -85,7 +67,8 @@ class MigrationMixin:
         req.payload = P._encoder.encode(cont)
         if out:
             req.hi = max(req.hi, max(out))
-        if why == "tail":
+        req.moves += 1
+        if why != "drain":
             self.timeline.migrated(m.job, m.step)
         self.stats["migrated" if why == "tail" else f"migrated:{why}"] += 1
         self.queue.requeue_front([req])

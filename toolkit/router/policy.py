@@ -13,10 +13,14 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from toolkit.config import POLICIES
 from toolkit.errors import ConfigError, FieldError
 from toolkit.router.speed import SpeedMeter
+
+if TYPE_CHECKING:
+    from toolkit.router.queue import Request
 
 
 @dataclass(eq=False)
@@ -32,7 +36,7 @@ class Replica:
     ready: bool = False
     last_seen: float = 0.0
     probe_sent_at: float = 0.0
-    inflight: dict[str, object] = field(default_factory=dict)
+    inflight: dict[str, Request] = field(default_factory=dict)
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -73,6 +77,9 @@ class Policy(ABC):
     def update(self, replicas: list[Replica]) -> None:
         """The group's ready replicas changed."""
         self.replicas = replicas
+
+    def reweight(self) -> None:  # noqa: B027 (a hook: only speed-aware policies override it)
+        """A step boundary: take in what was learned of the replicas' speeds (if the policy uses them)."""
 
     @abstractmethod
     def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
@@ -132,27 +139,49 @@ class ConsistentHash(Policy):
     group's total (replicas of different sizes get bounds in proportion). Sessions stay on one
     replica (prefix cache) unless that replica is overloaded, which plain consistent hashing lets
     happen.
+
+    Each replica's share of the ring follows its speed (its peak decode rate, learned from heartbeats),
+    so a faster replica is the first choice of more sessions. The ring changes only at step boundaries
+    (:meth:`reweight`) and only when a speed moved by more than :data:`REWEIGHT_CHANGE`, so a
+    session's turns within a step keep their replica.
     """
 
     VNODES = 64
     WALK = 64
+    REWEIGHT_CHANGE = 0.2
 
     def __init__(self, replicas: list[Replica], load_factor: float = 1.25) -> None:
         self.load_factor = load_factor
         self._ring: list[int] = []
         self._owners: list[Replica] = []
         self._capacity = 1
+        self.weights: dict[str, float] = {}
+        """Ring weight per replica id (mean 1 over those with a known speed; 1 for the others)."""
         super().__init__(replicas)
         self.update(replicas)
 
     def update(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
+        vnodes = {r.replica_id: max(1, round(self.VNODES * self.weights.get(r.replica_id, 1.0))) for r in replicas}
         points = sorted(
-            (_hash64(f"{r.replica_id}#{v}"), i) for i, r in enumerate(replicas) for v in range(self.VNODES)
+            (_hash64(f"{r.replica_id}#{v}"), i) for i, r in enumerate(replicas) for v in range(vnodes[r.replica_id])
         )
         self._ring = [p for p, _ in points]
         self._owners = [replicas[i] for _, i in points]
         self._capacity = max(1, sum(r.max_inflight for r in replicas))
+
+    def reweight(self) -> None:
+        speeds = {r.replica_id: r.speed.peak_tokens_per_s for r in self.replicas if r.speed.peak_tokens_per_s > 0}
+        if len(speeds) < 2:
+            return
+        mean = sum(speeds.values()) / len(speeds)
+        weights = {rid: s / mean for rid, s in speeds.items()}
+        old = self.weights
+        if old and all(abs(w - old.get(rid, 1.0)) <= self.REWEIGHT_CHANGE * old.get(rid, 1.0)
+                       for rid, w in weights.items()):
+            return
+        self.weights = weights
+        self.update(self.replicas)
 
     def bound(self, r: Replica, group_load: int) -> int:
         return math.ceil(self.load_factor * (group_load + 1) * r.max_inflight / self._capacity)

@@ -3,8 +3,9 @@
 Every replica that registered is known by its socket identity and by its id. Only a *serving* one
 (probed ready, not draining) is in a group: it counts toward the group's capacity and free slots, its
 group's policy may choose it, and its limits bound what the group accepts. Every count is kept per
-group and for all groups together (key ``None``), so a dispatch decision reads numbers instead of
-scanning replicas.
+group and for all groups together (key ``None``), and, when a tail policy keeps the tail group for
+long runners, for every group but that one (key ``BULK``), so a dispatch decision reads numbers
+instead of scanning replicas.
 """
 
 from __future__ import annotations
@@ -18,10 +19,16 @@ from toolkit.router.policy import Policy, Replica, make_policy
 logger = logging.getLogger(__name__)
 
 
+BULK = "\x00bulk"
+"""Key of the serving replicas outside the reserved (tail) group."""
+
+
 class ReplicaPool:
-    def __init__(self, rcfg: RouterConfig, seed: int) -> None:
+    def __init__(self, rcfg: RouterConfig, seed: int, reserved: str | None = None) -> None:
         self.rcfg = rcfg
         self.seed = seed
+        self.reserved = reserved
+        """A group that ``BULK`` leaves out (the tail group, kept for long runners), or None."""
         self.replicas: dict[bytes, Replica] = {}
         """Every registered replica, by socket identity (draining ones too, until they are gone)."""
         self.by_id: dict[str, bytes] = {}
@@ -36,6 +43,15 @@ class ReplicaPool:
         """Smallest (max_model_len, vocab_size) over each group's serving replicas."""
         self.free_sets: dict[str | None, dict[Replica, None]] = {None: {}}
         """Serving replicas with a free slot (insertion-ordered sets)."""
+        if reserved is not None:
+            self.groups[BULK] = []
+            self.free_sets[BULK] = {}
+
+    def keys(self, r: Replica) -> tuple[str | None, ...]:
+        """The pool keys ``r`` counts under."""
+        if self.reserved is not None and r.group != self.reserved:
+            return (r.group, None, BULK)
+        return (r.group, None)
 
     def add(self, r: Replica) -> None:
         """A registered replica: known, not serving until :meth:`set_ready`."""
@@ -56,7 +72,7 @@ class ReplicaPool:
     def set_ready(self, r: Replica) -> None:
         """The replica answered its probe: it joins its group and the all-groups pool."""
         r.ready = True
-        for g in (r.group, None):
+        for g in self.keys(r):
             self.capacity[g] += r.max_inflight
             members = self.groups.setdefault(g, [])
             members.append(r)
@@ -76,7 +92,7 @@ class ReplicaPool:
         if not r.serving:  # never counted (not ready), or withdrawn already (draining)
             return
         spare = r.max_inflight - r.load
-        for g in (r.group, None):
+        for g in self.keys(r):
             self.free[g] -= spare
             self.capacity[g] -= r.max_inflight
             members = self.groups[g]
@@ -88,14 +104,20 @@ class ReplicaPool:
         """``delta`` slots of ``r`` were freed (> 0) or taken (< 0)."""
         if r.draining:
             return  # its slots left the counts when it began draining; freed ones are not offered
-        self.free[r.group] += delta
-        self.free[None] += delta
+        keys = self.keys(r)
+        for g in keys:
+            self.free[g] += delta
         has_room = r.ready and len(r.inflight) < r.max_inflight and r.identity in self.replicas
-        for fs in (self.free_sets.setdefault(r.group, {}), self.free_sets[None]):
+        for fs in (self.free_sets.setdefault(g, {}) for g in keys):
             if has_room:
                 fs[r] = None
             else:
                 fs.pop(r, None)
+
+    def reweight(self) -> None:
+        """A step boundary: every group's policy takes in the replicas' learned speeds."""
+        for policy in self.policies.values():
+            policy.reweight()
 
     def choose(self, g: str | None, key: str) -> Replica | None:
         """The replica of group ``g`` (None: any) the policy gives ``key`` (a session) now, or None."""

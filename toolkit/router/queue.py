@@ -22,7 +22,7 @@ class Request:
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
-        "prompt_len",
+        "prompt_len", "est_mark", "moves",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -49,6 +49,9 @@ class Request:
         self.prefix_logprobs: list[float] = []
         self.prefix_versions: list[int] = []  # weight versions of prefix_tokens, in order
         self.prompt_len = len(msg.prompt_token_ids)
+        # Its replica's per-request token count at dispatch (its tokens there: that count now minus this).
+        self.est_mark = 0.0
+        self.moves = 0
 
 
 class JobQueue:

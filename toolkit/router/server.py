@@ -26,7 +26,7 @@ from toolkit.router.migration import MigrationMixin
 from toolkit.router.policy import Replica
 from toolkit.router.pool import ReplicaPool
 from toolkit.router.queue import FairQueue, Request
-from toolkit.router.tail import TailTracker
+from toolkit.router.tail.routing import TICK_S, TailRouting, reserved_group
 from toolkit.router.timeline import Timeline
 from toolkit.router.weights import WeightsMixin
 from toolkit.rundir import RunDir, atomic_write
@@ -80,9 +80,9 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.queue = FairQueue()
         self.live: dict[str, Request] = {}
         self.results: OrderedDict[str, bytes] = OrderedDict()
-        self.pool = ReplicaPool(cfg.router, cfg.seed)
+        self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail))
         self.replicas = self.pool.replicas  # every registered replica, by socket identity
-        self.tail = TailTracker(run_dir, cfg.tail.threshold, cfg.tail.group)
+        self.tail = TailRouting(cfg.tail, run_dir, self.pool)
         self.timeline = Timeline(run_dir)
         self.known_groups = set(cfg.groups)
         self.stats: Counter[str] = Counter()
@@ -125,8 +125,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         poller.register(self.backend, zmq.POLLIN)
         sweep_every = min(self.rcfg.heartbeat_s / 2, 0.25)
         next_sweep = time.monotonic() + sweep_every
+        moving = self.tail.policy is not None
+        next_move = time.monotonic() + TICK_S if moving else float("inf")
         while not should_stop():
-            timeout_ms = max(0.0, (next_sweep - time.monotonic()) * 1000)
+            timeout_ms = max(0.0, (min(next_sweep, next_move) - time.monotonic()) * 1000)
             events = dict(poller.poll(timeout_ms))
             # Results first: they free the slots the new requests need.
             if self.backend in events:
@@ -136,10 +138,14 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             if self.frontend in events:
                 self._drain(self.frontend, self._on_frontend)
                 changed = True
-            if time.monotonic() >= next_sweep:
+            now = time.monotonic()
+            if now >= next_sweep:
                 self.sweep()
                 next_sweep = time.monotonic() + sweep_every
                 changed = True
+            if now >= next_move:
+                self.move_long_runners()
+                next_move = time.monotonic() + TICK_S
             if changed:  # else the dispatch after the backend drain has already seen this state
                 self.dispatch()
 
@@ -176,14 +182,14 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         elif isinstance(msg, P.StepBegin):
             self.tail.step_begin(msg.job, msg.step, msg.n_sessions)
             self.timeline.begin(msg.job, msg.step)
+            self.pool.reweight()
             self.frontend.send_multipart([client, *P.encode(msg)])
         elif isinstance(msg, P.SessionDone):
             if self.tail.session_done(msg.job, msg.step, msg.session_id):
-                st = self.tail.steps[msg.job]
+                st = self.tail.flip.steps[msg.job]
                 assert st.flipped_at is not None
                 self.timeline.flipped(msg.job, msg.step, st.flipped_at, st.flip_count)
-                if self.cfg.tail.migrate_inflight:
-                    self.migrate(msg.job, msg.step)
+                self.move_long_runners()
         elif isinstance(msg, P.StatusRequest):
             self.frontend.send_multipart([client, *P.encode(self.status())])
         elif isinstance(msg, P.UpdateWeights):
@@ -267,19 +273,25 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
 
     # ---- dispatch --------------------------------------------------------------------------
     def target_group(self, req: Request) -> str | None:
-        g = req.msg.group
-        if g is not None:
-            return g
-        if self.tail.threshold is not None and self.tail.flipped(req.msg.job, req.msg.step):
-            return self.tail.group
-        return None
+        """The pool key ``req`` waits for (None: any group)."""
+        return self.tail.targets(req)[0]
 
     def _choose(self, req: Request) -> Replica | None:
         """The replica this request would go to now, or None if it must wait."""
-        g = self.target_group(req)
+        g, fallback = self.tail.targets(req)
         if req.deaths:
             return self.pool.choose_for_suspect(g)
-        return self.pool.choose(g, req.msg.session_id or req.request_id)
+        key = req.msg.session_id or req.request_id
+        r = self.pool.choose(g, key)
+        if r is None and fallback is not None:
+            r = self.pool.choose(fallback, key)
+        return r
+
+    def move_long_runners(self) -> None:
+        """Move what tail routing picks (long runners; after a flip, the step's running requests)."""
+        for req, r in self.tail.to_move(time.monotonic()):
+            why = "tail" if self.tail.flipped(req.msg.job, req.msg.step) else self.cfg.tail.policy
+            self._start_migration(req, r, why, self.tail.group)
 
     def dispatch(self) -> None:
         while self.queue.size and self.pool.free[None] > 0:
@@ -302,6 +314,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         if req.deaths:
             r.suspects += 1
         self.pool.take_slot(r, -1)
+        self.tail.dispatched(req, r, time.monotonic())
         req.replica = r.replica_id
         req.t_dispatch = time.time()
         req.dispatches += 1
@@ -360,6 +373,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         if why and res.status == "cancelled" and not req.client_aborted:
             self._continue(req, res, why)
             return
+        if res.status == "ok":
+            self.tail.finished(req, len(req.prefix_tokens) + len(res.output_token_ids))
         if req.prefix_tokens:
             payload = self._merged(req, res)
         self._complete(req, payload)
@@ -368,8 +383,9 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def _complete(self, req: Request, payload: bytes) -> None:
         if self.live.pop(req.request_id, None) is not None and req.msg.deadline:
             self._deadlines -= 1
+        self.tail.forget(req)
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
-                        dispatches=req.dispatches)
+                        dispatches=req.dispatches, moves=req.moves)
         _send(self.frontend, req.client, _T_RESULT, payload, _enc.encode(route))
         self.results[req.request_id] = payload
         if len(self.results) > self.rcfg.result_cache:

@@ -1,4 +1,4 @@
-"""Tail routing: once a fraction of a step's sessions are done, the rest of the step goes to the tail group.
+"""The count flip: once a fraction of a step's sessions are done, the rest of the step goes to the tail group.
 
 The router counts ``SessionDone`` per (job, step). At exactly ``ceil(threshold * n_sessions)`` it
 writes the job's sentinel file into the run dir (temp file + rename) and from then on every request
@@ -33,7 +33,7 @@ def flip_count(threshold: float, n_sessions: int) -> int:
     return max(1, math.ceil(round(threshold * n_sessions, 9)))
 
 
-class TailTracker:
+class CountFlip:
     def __init__(self, run_dir: RunDir, threshold: float | None, group: str) -> None:
         self.run_dir = run_dir
         self.threshold = threshold

@@ -1,0 +1,203 @@
+"""Tail policies and the router's tail routing, on constructed timelines (no processes): which turn
+starts on the tail group, which running request moves, in what order and into how much room."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.config import compose_config
+from toolkit.protocol import Generate, Sampling
+from toolkit.router.policy import ConsistentHash, Replica
+from toolkit.router.pool import BULK, ReplicaPool
+from toolkit.router.queue import Request
+from toolkit.router.speed import SpeedMeter
+from toolkit.router.tail.age import AgePolicy
+from toolkit.router.tail.base import StepRecord
+from toolkit.router.tail.count import CountPolicy
+from toolkit.router.tail.predict import PredictPolicy
+from toolkit.router.tail.routing import TailRouting, reserved_group
+from toolkit.rundir import RunDir
+
+
+def tail_cfg(*overrides: str):  # type: ignore[no-untyped-def]
+    return compose_config(list(overrides)).tail
+
+
+def record(lengths: list[int], step: int = 0) -> StepRecord:
+    rec = StepRecord(step)
+    for i, n in enumerate(lengths):
+        rec.finished(f"s{i}", "", n)
+    return rec
+
+
+def test_the_quantile_is_of_the_finished_turns_so_far() -> None:
+    rec = record([50, 10, 40, 20, 30])
+    assert rec.lengths == [10, 20, 30, 40, 50]
+    assert (rec.quantile(0.0), rec.quantile(0.5), rec.quantile(0.9), rec.quantile(0.99)) == (10, 30, 50, 50)
+
+
+def test_age_moves_a_request_past_the_long_turn_of_the_step_and_never_before_it_is_known() -> None:
+    age = AgePolicy(tail_cfg("tail.policy=age", "tail.long_quantile=0.5", "tail.long_min_finished=4"))
+    rec = record([100, 200, 300])
+    assert age.long_turn(rec) is None and not age.move(rec, 10_000)  # 3 finished < long_min_finished
+    rec.finished("s9", "", 400)
+    assert age.long_turn(rec) == 300  # the median of 100..400 by nearest rank
+    assert not age.move(rec, 300) and age.move(rec, 301)
+    fixed = AgePolicy(tail_cfg("tail.policy=age", "tail.long_tokens=50"))
+    assert fixed.move(StepRecord(0), 51) and not fixed.move(StepRecord(0), 50)  # needs nothing finished
+
+
+def test_predict_starts_a_session_on_the_tail_after_its_own_or_its_siblings_long_turns() -> None:
+    pred = PredictPolicy(tail_cfg("tail.policy=predict", "tail.long_quantile=0.75", "tail.long_min_finished=4"))
+    rec = StepRecord(0)
+    for sid, key, n in [("a", "p0", 10), ("b", "p0", 20), ("c", "p1", 30), ("d", "p1", 900)]:
+        rec.finished(sid, key, n)
+    assert pred.long_turn(rec) == 900
+    rec.finished("e", "p2", 1000)  # 10, 20, 30, 900, 1000: the 0.75 quantile is 900
+    assert pred.start_on_tail(rec, "e", "p2")  # its own turn was long
+    assert not pred.start_on_tail(rec, "d", "p1")  # 900 is not above 900
+    assert pred.start_on_tail(rec, "f", "p2")  # a sibling of e: its prompt's turns average 1000
+    assert not pred.start_on_tail(rec, "g", "p0") and not pred.start_on_tail(rec, "h", "")
+    rec.on_tail.add("h")
+    assert pred.start_on_tail(rec, "h", "")  # it ran there: it stays for its prefix cache
+    assert not CountPolicy(tail_cfg("tail.threshold=0.9")).start_on_tail(rec, "e", "p2")  # count: only the flip
+
+
+def replica(n: int, group: str, slots: int) -> Replica:
+    return Replica(f"{group}-{n}@h:{n}", f"id-{group}{n}".encode(), group, slots, 10_000, 1000)
+
+
+def request(rid: str, session: str, step: int = 0, group: str | None = None, seq: int = 0) -> Request:
+    msg = Generate(rid, job="j", session_id=session, step=step, prompt_token_ids=[1, 2, 3],
+                   sampling=Sampling(max_tokens=5000), group=group)
+    return Request(msg, b"", b"client", "j", seq, 0.0)
+
+
+class Fleet:
+    """A pool of two throughput replicas (4 slots) and one tail replica (2 slots), with tail routing."""
+
+    def __init__(self, tmp: Path, *overrides: str) -> None:
+        cfg = compose_config(["router.policy=consistent_hash", *overrides])
+        self.pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
+        self.tail = TailRouting(cfg.tail, RunDir(tmp / "run"), self.pool)
+        self.tp = [replica(0, "throughput", 4), replica(1, "throughput", 4)]
+        self.fast = replica(0, "tail", 2)
+        for r in (*self.tp, self.fast):
+            self.pool.add(r)
+            self.pool.set_ready(r)
+            r.speed.update(0.0, 0, 0)
+        self.tail.step_begin("j", 0, 8)
+
+    def run(self, req: Request, r: Replica, now: float = 0.0) -> None:
+        r.inflight[req.request_id] = req
+        self.pool.take_slot(r, -1)
+        req.replica = r.replica_id
+        self.tail.dispatched(req, r, now)
+
+    def heartbeat(self, r: Replica, now: float, generated: int) -> None:
+        r.speed.update(now, generated, len(r.inflight))
+
+
+def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Path) -> None:
+    f = Fleet(tmp_path, "tail.policy=age", "tail.long_tokens=100")
+    assert f.pool.reserved == "tail" and f.tail.targets(request("x", "x"))[0] == BULK
+    a, b = f.tp
+    early = [request(f"e{i}", f"e{i}", seq=i) for i in range(2)]  # dispatched at 0
+    for req in early:
+        f.run(req, a, 0.0)
+    late = [request(f"l{i}", f"l{i}", seq=10 + i) for i in range(3)]
+    f.heartbeat(a, 1.0, 0)
+    for req in late:
+        f.run(req, b, 1.0)
+    f.heartbeat(b, 1.0, 0)
+    # a: 2 running for 1 s at 60 tokens/s each -> 120 tokens each by t=2; b's began at t=1.
+    f.heartbeat(a, 2.0, 240)
+    f.heartbeat(b, 2.0, 150)  # 50 tokens each
+    assert f.tail.to_move(2.0) == list(zip(early, [a, a], strict=True))  # over 100 tokens: a's two
+    assert f.tail.room() == 0 and f.tail.to_move(2.5) == []  # the tail's 2 slots are spoken for
+    # Extrapolated between heartbeats: by t=4, b's requests are at 50 + 2 * 50 = 150 tokens.
+    for req in early:  # the moved requests run on the tail replica now: their room is theirs
+        a.inflight.pop(req.request_id)
+        f.pool.take_slot(a, +1)
+        f.run(req, f.fast, 2.1)
+    assert f.tail.room() == 0
+    f.fast.inflight.pop("e0")
+    f.pool.take_slot(f.fast, +1)
+    moved = f.tail.to_move(4.0)
+    assert [req.request_id for req, _ in moved] == ["l0"]  # one slot: the oldest (lowest seq) of equals
+    assert f.tail.targets(request("l0/1", "l0")) == (BULK, None)  # it prefers the tail: no room left there
+    rec = f.tail.records["j"]
+    assert {"e0", "e1", "l0"} <= rec.on_tail  # their later turns prefer the tail group
+
+
+def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path) -> None:
+    f = Fleet(tmp_path, "tail.policy=age", "tail.long_tokens=1")
+    a = f.tp[0]
+    named, moving, dead = request("n", "n", group="throughput"), request("m", "m"), request("d", "d")
+    moving.migrating = "drain"
+    dead.deaths = 1
+    for req in (named, moving, dead):
+        f.run(req, a, 0.0)
+    f.heartbeat(a, 1.0, 300)
+    assert f.tail.to_move(1.0) == []
+    other_step = request("o", "o", step=3)  # not the job's current step: nothing is known of it
+    f.run(other_step, f.tp[1], 0.0)
+    f.heartbeat(f.tp[1], 1.0, 300)
+    assert f.tail.to_move(1.0) == []
+
+
+def test_count_moves_nothing_before_the_flip_and_everything_after_it_with_migrate_inflight(tmp_path: Path) -> None:
+    f = Fleet(tmp_path, "tail.threshold=0.25", "tail.migrate_inflight=true")
+    assert f.pool.reserved is None and f.tail.targets(request("x", "x"))[0] is None
+    a = f.tp[0]
+    reqs = [request(f"r{i}", f"r{i}", seq=i) for i in range(3)]
+    for req in reqs:
+        f.run(req, a, 0.0)
+    f.heartbeat(a, 1.0, 3000)
+    assert f.tail.to_move(1.0) == []
+    assert not f.tail.session_done("j", 0, "s0") and f.tail.session_done("j", 0, "s1")  # 2 of 8 = 0.25
+    assert f.tail.targets(request("y", "y"))[0] == "tail"
+    assert len(f.tail.to_move(1.0)) == 2  # the tail group's room, not all three at once
+
+
+def test_a_predicted_session_falls_back_to_the_bulk_when_the_tail_is_full(tmp_path: Path) -> None:
+    f = Fleet(tmp_path, "tail.policy=predict", "tail.long_tokens=100")
+    rec = f.tail.records["j"]
+    rec.finished("s", "", 500)
+    assert f.tail.targets(request("s/1", "s")) == ("tail", BULK)
+    for i in range(2):
+        f.run(request(f"t{i}", f"t{i}", group="tail"), f.fast)
+    assert f.tail.targets(request("s/1", "s")) == (BULK, None)  # no room: it starts on the bulk
+
+
+@pytest.mark.parametrize(("speeds", "expect_more"), [((100.0, 300.0), 1)])
+def test_the_ring_follows_speed_at_step_boundaries_only_when_it_changed(speeds: tuple[float, float],
+                                                                         expect_more: int) -> None:
+    rs = [replica(i, "g", 64) for i in range(2)]
+    ring = ConsistentHash(rs, load_factor=100.0)
+    before = {s: ring.choose(f"s{s}", 0, rs) for s in range(400)}
+    for r, rate in zip(rs, speeds, strict=True):
+        r.speed = SpeedMeter()
+        r.speed.peak_tokens_per_s = rate
+    ring.reweight()
+    after = {s: ring.choose(f"s{s}", 0, rs) for s in range(400)}
+    share = sum(1 for r in after.values() if r is rs[expect_more]) / len(after)
+    assert 0.65 < share < 0.85  # ~3/4 of the sessions map to the 3x faster replica
+    # Only sessions that moved toward the faster replica changed (consistent hashing).
+    assert all(after[s] is rs[expect_more] for s in after if after[s] is not before[s])
+    rs[0].speed.peak_tokens_per_s = 110.0  # a 10% change: the ring stays as it is
+    ring.reweight()
+    assert {s: ring.choose(f"s{s}", 0, rs) for s in range(400)} == after
+
+
+def test_a_request_s_tokens_are_estimated_from_heartbeats() -> None:
+    m = SpeedMeter()
+    m.update(0.0, 0, 2)
+    assert m.per_request_at(5.0) == 0.0  # no rate known yet
+    m.update(1.0, 200, 2)  # 2 running: 100 tokens each
+    assert m.per_request_total == 100.0
+    assert m.per_request_at(1.5) == pytest.approx(150.0)  # carried on at 100 tokens/s
+    m.update(2.0, 300, 0)  # 100 more over 1 running on average
+    assert m.per_request_total == pytest.approx(200.0)

@@ -1,0 +1,12 @@
+"""Tail routing: getting a step's long runners onto the fast tail group (``tail.*``).
+
+Two mechanisms, both the router's alone: the count flip (``flip.py``: at ``ceil(threshold * n)``
+sessions done the rest of the step goes to the tail group, and a sentinel file tells the ranks), and a
+policy that picks long runners before any flip (``tail.policy``: ``count.py``, ``age.py``,
+``predict.py``, one class each over the ABC in ``base.py``). ``routing.py`` holds them together for the
+router: where a request goes, which running requests move, and what each step has revealed.
+"""
+
+from toolkit.router.tail.flip import CountFlip, flip_count
+
+__all__ = ["CountFlip", "flip_count"]

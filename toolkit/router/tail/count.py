@@ -1,0 +1,15 @@
+"""``count``: nothing before the flip. Every group serves the step until ``ceil(threshold * n)`` of its
+sessions are done; then the rest goes to the tail group (``flip.py``). The seed's behaviour, and the
+right one when lengths cannot be told apart early (a cap close to the typical turn)."""
+
+from __future__ import annotations
+
+from toolkit.router.tail.base import StepRecord, TailPolicy
+
+
+class CountPolicy(TailPolicy):
+    name = "count"
+    reserves_group = False
+
+    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str) -> bool:
+        return False

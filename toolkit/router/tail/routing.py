@@ -1,0 +1,168 @@
+"""The router's tail routing: where a request of a step goes, and which running requests move.
+
+It owns the count flip (``flip.py``), the policy (``tail.policy``) and what each job's current step
+has revealed (:class:`StepRecord`). The server asks it for a request's target (a group, or
+:data:`BULK`: every group but the tail group) and, every :data:`TICK_S`, for the running requests to
+move to the tail group. Moves happen only into room: the tail group's free slots less the moves on
+their way, so a moved request never waits in the queue while it could have gone on running.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from toolkit.config import TailConfig
+from toolkit.errors import ConfigError, FieldError
+from toolkit.router.pool import BULK
+from toolkit.router.tail.age import AgePolicy
+from toolkit.router.tail.base import StepRecord, TailPolicy
+from toolkit.router.tail.count import CountPolicy
+from toolkit.router.tail.flip import CountFlip
+from toolkit.router.tail.predict import PredictPolicy
+from toolkit.rundir import RunDir
+
+if TYPE_CHECKING:
+    from toolkit.protocol import Generate
+    from toolkit.router.policy import Replica
+    from toolkit.router.pool import ReplicaPool
+    from toolkit.router.queue import Request
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.05
+"""How often the router looks for running requests to move: a request on a busy replica makes ~100-300
+tokens a second, so a move comes within a few percent of a long turn of its threshold."""
+
+TAIL_POLICIES: dict[str, type[TailPolicy]] = {p.name: p for p in (CountPolicy, AgePolicy, PredictPolicy)}
+
+
+def make_tail_policy(tc: TailConfig) -> TailPolicy:
+    cls = TAIL_POLICIES.get(tc.policy)
+    if cls is None:
+        raise ConfigError([FieldError("tail.policy", tc.policy, f"one of {list(TAIL_POLICIES)}")])
+    return cls(tc)
+
+
+def reserved_group(tc: TailConfig) -> str | None:
+    """The group a tail policy keeps for its long runners before the flip, if any (``ReplicaPool``'s)."""
+    return tc.group if tc.active and TAIL_POLICIES[tc.policy].reserves_group else None
+
+
+class TailRouting:
+    def __init__(self, tc: TailConfig, run_dir: RunDir, pool: ReplicaPool) -> None:
+        self.tc = tc
+        self.group = tc.group
+        self.flip = CountFlip(run_dir, tc.threshold, tc.group)
+        self.policy: TailPolicy | None = make_tail_policy(tc) if tc.active else None
+        self.pool = pool
+        self.records: dict[str, StepRecord] = {}
+        """Per job: what its current step has revealed."""
+        self.inbound: set[str] = set()
+        """Requests moving to the tail group that do not run there yet (each holds a slot of its room)."""
+
+    @property
+    def reserved(self) -> str | None:
+        """The group kept for what the policy sends there before the flip, if any."""
+        return self.group if self.policy is not None and self.policy.reserves_group else None
+
+    # ---- steps -----------------------------------------------------------------------------
+    def step_begin(self, job: str, step: int, n_sessions: int) -> None:
+        self.flip.step_begin(job, step, n_sessions)
+        rec = self.records.get(job)
+        if rec is None or rec.step != step:
+            self.records[job] = StepRecord(step)
+
+    def session_done(self, job: str, step: int, session_id: str) -> bool:
+        """Count a finished session; True when this flipped the step."""
+        return self.flip.session_done(job, step, session_id)
+
+    def flipped(self, job: str, step: int) -> bool:
+        return self.flip.threshold is not None and self.flip.flipped(job, step)
+
+    def _record(self, msg: Generate) -> StepRecord | None:
+        rec = self.records.get(msg.job)
+        return rec if rec is not None and rec.step == msg.step else None
+
+    # ---- placement -------------------------------------------------------------------------
+    def targets(self, req: Request) -> tuple[str | None, str | None]:
+        """Where ``req`` goes: (a pool key, or None for any group; a second key to try when the first
+        has no room, or None to wait for it)."""
+        m = req.msg
+        if m.group is not None:
+            return m.group, None
+        if self.policy is None:
+            return None, None
+        if self.flipped(m.job, m.step):
+            return self.group, None
+        bulk = BULK if self.policy.reserves_group else None
+        rec = self._record(m)
+        if (rec is not None and m.session_id and self.room() > 0
+                and self.policy.start_on_tail(rec, m.session_id, m.prompt_key)):
+            return self.group, bulk
+        return bulk, None
+
+    def dispatched(self, req: Request, r: Replica, now: float) -> None:
+        """``req`` was sent to ``r`` (``now``: monotonic): the origin of its token estimate there."""
+        req.est_mark = r.speed.per_request_at(now)
+        if r.group == self.group:
+            self.inbound.discard(req.request_id)
+            m = req.msg
+            rec = self._record(m)
+            if rec is not None and m.session_id and not self.flipped(m.job, m.step):
+                rec.on_tail.add(m.session_id)
+
+    def finished(self, req: Request, tokens: int) -> None:
+        """``req`` ended ``ok`` with ``tokens`` output tokens in all (every leg)."""
+        m = req.msg
+        rec = self._record(m)
+        if rec is not None:
+            rec.finished(m.session_id, m.prompt_key, tokens)
+
+    def forget(self, req: Request) -> None:
+        """``req`` has its Result."""
+        self.inbound.discard(req.request_id)
+
+    # ---- moves -----------------------------------------------------------------------------
+    def room(self) -> int:
+        return self.pool.free[self.group] - len(self.inbound)
+
+    def to_move(self, now: float) -> list[tuple[Request, Replica]]:
+        """The running requests to move to the tail group now, longest first, as many as it has room
+        for: after a flip with ``migrate_inflight`` every request of the step; before it, those the
+        policy calls long runners. Each is counted in the room until it runs there."""
+        if self.policy is None:
+            return []
+        room = self.room()
+        if room <= 0:
+            return []
+        found: list[tuple[float, int, Request, Replica]] = []
+        for r in self.pool.replicas.values():
+            if r.group == self.group or not r.serving or not r.inflight:
+                continue
+            here = r.speed.per_request_at(now)
+            for req in r.inflight.values():
+                m = req.msg
+                if req.migrating or m.group is not None or req.deaths:
+                    continue
+                rec = self._record(m)
+                if rec is None:
+                    continue
+                tokens = len(req.prefix_tokens) + here - req.est_mark
+                if self.flipped(m.job, m.step):
+                    if not self.tc.migrate_inflight:
+                        continue
+                elif not (self.policy.moves_running and self.policy.move(rec, tokens)):
+                    continue
+                found.append((tokens, req.seq, req, r))
+        found.sort(key=lambda f: (-f[0], f[1]))
+        moves = [(req, r) for _, _, req, r in found[:room]]
+        for req, _ in moves:
+            self.inbound.add(req.request_id)
+            rec = self._record(req.msg)
+            if rec is not None and req.msg.session_id:
+                rec.on_tail.add(req.msg.session_id)
+        return moves
+
+    def adopt_sentinels(self) -> None:
+        self.flip.adopt_sentinels()
