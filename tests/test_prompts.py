@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import compose_config
 from toolkit.errors import ConfigError
 from toolkit.rollout.envs import SingleTurnEnv
-from toolkit.rollout.prompts import FilePrompts, Prompt
+from toolkit.rollout.prompts import FilePrompts, Prompt, SyntheticPrompts
 from toolkit.rollout.tokenizer import ByteTokenizer, load_tokenizer
 from toolkit.validation import validate
 
@@ -40,6 +40,13 @@ def test_samples_per_prompt_groups_sessions_and_shuffle_is_a_seeded_permutation(
     grouped = FilePrompts(str(f), sessions_per_step=6, samples_per_prompt=3)
     assert [grouped.get(0, i).token_ids for i in range(6)] == [[1], [1], [1], [2], [2], [2]]
     assert grouped.get(1, 0).token_ids == [3]
+    # Siblings share a prompt key (the router's predict policy reads their lengths together).
+    assert [grouped.prompt_key(1, i) for i in range(6)] == ["1/0"] * 3 + ["1/1"] * 3
+    assert FilePrompts(str(f), sessions_per_step=6).prompt_key(0, 1) == ""  # alone: no key
+    synthetic = SyntheticPrompts(samples_per_prompt=2, seed=1)
+    assert synthetic.get(0, 2).token_ids == synthetic.get(0, 3).token_ids != synthetic.get(0, 4).token_ids
+    assert (synthetic.prompt_key(0, 2), synthetic.prompt_key(0, 3), synthetic.prompt_key(0, 4)) == ("0/1", "0/1", "0/2")
+    assert SyntheticPrompts(seed=1).get(0, 3).token_ids != SyntheticPrompts(seed=1).get(0, 2).token_ids
     shuffled = FilePrompts(str(f), sessions_per_step=6, shuffle=True, seed=3)
     first = sorted(shuffled.get(0, i).token_ids[0] for i in range(6))
     assert first == [1, 2, 3, 4, 5, 6]  # one pass visits every record once

@@ -78,6 +78,31 @@ def test_session_share_makes_a_sessions_turns_alike() -> None:
     assert 0.35 < log_corr(turn_lengths(0.5)) < 0.65  # the shared share is the correlation of log lengths
 
 
+def test_prompt_share_makes_siblings_alike_and_they_still_sample_apart() -> None:
+    """GRPO siblings: the same prompt, other sessions. Their log lengths correlate by the prompt share;
+    sampled (temperature > 0) they get different tokens, greedy ones the same."""
+    import numpy as np
+
+    def sibling_lengths(share: float) -> np.ndarray:
+        cfg = SimEngineConfig(output_len_median=100, output_len_prompt_share=share)
+        return np.log(np.array([[len(plan_output(cfg, Generate(f"p{p}/s{k}", session_id=f"p{p}/s{k}",
+                                                                prompt_key=f"p{p}", prompt_token_ids=[p + 1, 5],
+                                                                sampling=Sampling(4000)))[0]) for k in (0, 1)]
+                                for p in range(400)], dtype=float))
+
+    a = sibling_lengths(0.0)
+    assert abs(float(np.corrcoef(a[:, 0], a[:, 1])[0, 1])) < 0.2
+    b = sibling_lengths(0.5)
+    assert 0.35 < float(np.corrcoef(b[:, 0], b[:, 1])[0, 1]) < 0.65
+    cfg = SimEngineConfig()
+    one, two = (plan_output(cfg, Generate(f"s{k}", session_id=f"s{k}", prompt_key="p", prompt_token_ids=[3, 4],
+                                          sampling=Sampling(64)))[0] for k in (0, 1))
+    assert one != two
+    greedy = [plan_output(cfg, Generate(f"s{k}", session_id=f"s{k}", prompt_key="p", prompt_token_ids=[3, 4],
+                                        sampling=Sampling(64, temperature=0.0)))[0] for k in (0, 1)]
+    assert greedy[0] == greedy[1]
+
+
 def test_prefix_cache_matches_block_prefixes_and_evicts_lru() -> None:
     cache = PrefixCache(block_size=4, capacity_tokens=16)
     a = list(range(1, 14))

@@ -20,6 +20,8 @@ from toolkit.router.tail import flip_count
 from toolkit.validation import validate
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
+# The count flip alone (the seed's behaviour): every group serves a step until its flip.
+COUNT = [*FAST, "tail.policy=count", "tail.migrate_inflight=false"]
 
 
 def gen(rid: str, step: int, prompt: list[int], max_tokens: int = 32, group: str | None = None) -> Generate:
@@ -34,7 +36,7 @@ def test_flip_count(threshold: float, n: int, expected: int) -> None:
 
 
 def test_flip_at_exact_count_and_sentinel_removed_at_each_step_begin(make_run) -> None:  # type: ignore[no-untyped-def]
-    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.75"])
+    cfg, rd, stack = make_run([*COUNT, "tail.threshold=0.75"])
     stack.start()
     sentinel = rd.sentinel("j")
 
@@ -58,7 +60,7 @@ def test_flip_at_exact_count_and_sentinel_removed_at_each_step_begin(make_run) -
 
 
 def test_after_the_flip_no_request_of_the_step_reaches_another_group(make_run) -> None:  # type: ignore[no-untyped-def]
-    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.5"])
+    cfg, rd, stack = make_run([*COUNT, "tail.threshold=0.5"])
     stack.start()
 
     async def body(c: RouterClient) -> None:
@@ -78,7 +80,8 @@ def test_after_the_flip_no_request_of_the_step_reaches_another_group(make_run) -
 
 def test_queued_requests_follow_the_flip(make_run) -> None:  # type: ignore[no-untyped-def]
     # Throughput slots are few and busy: requests queued before the flip must still go to the tail.
-    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.5", "engine.time_scale=0.5",
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.2", "tail.policy=count", "tail.migrate_inflight=false",
+                               "tail.threshold=0.5", "engine.time_scale=0.5",
                                "groups.throughput.max_inflight=2", "groups.tail.max_inflight=2"])
     stack.start()
 
@@ -99,7 +102,8 @@ def test_queued_requests_follow_the_flip(make_run) -> None:  # type: ignore[no-u
 
 
 def test_migrated_requests_lose_no_token(make_run) -> None:  # type: ignore[no-untyped-def]
-    cfg, rd, stack = make_run([*FAST, "tail.threshold=0.5", "tail.migrate_inflight=true", "engine.time_scale=1.0",
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.2", "tail.policy=count", "tail.threshold=0.5",
+                               "tail.migrate_inflight=true", "engine.time_scale=1.0",
                                "engine.output_len_median=100000", "router.policy=round_robin"])
     stack.start()
     sim = cfg.engine
@@ -142,6 +146,87 @@ def test_migrated_requests_lose_no_token(make_run) -> None:  # type: ignore[no-u
     timeline = json.loads((rd.root / "timeline" / "j.step_00000.json").read_text())
     assert timeline["migrated"] >= 2
     assert set(timeline["dispatched_after_flip"]) == {"tail"}
+
+
+def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> None:  # type: ignore[no-untyped-def]
+    # age: a turn past 60 tokens moves to the tail group at once; the count flip (0.9 of 10 sessions)
+    # never comes, as no session reports done.
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.2", "tail.policy=age", "tail.long_tokens=60",
+                               "tail.threshold=0.9", "engine.time_scale=1.0", "engine.output_len_median=100000"])
+    stack.start()
+    sim = cfg.engine
+
+    async def generated(c: RouterClient) -> int:
+        return sum(g.generated_tokens for g in (await c.status()).groups.values())
+
+    async def body(c: RouterClient) -> None:
+        await asyncio.sleep(0.5)  # heartbeats after the readiness probes report their tokens
+        before = await generated(c)
+        await c.step_begin("j", 0, 10)
+        longs = [gen(f"long{i}", 0, [1, 2, 50 + i], max_tokens=400) for i in range(4)]
+        shorts = [gen(f"short{i}", 0, [1, 2, 80 + i], max_tokens=30) for i in range(6)]
+        outs = await asyncio.gather(*(c.generate(m) for m in [*longs, *shorts]))
+        for m, (res, route) in zip([*longs, *shorts], outs, strict=True):
+            assert res.status == "ok" and route is not None
+            full, full_lp, _ = plan_output(sim, m)
+            # Every token once, and exactly what it would have been had it never moved.
+            assert res.output_token_ids == full and res.logprobs == pytest.approx(full_lp)
+            if m in longs:
+                assert (len(full), route.moves, route.dispatches, res.group) == (400, 1, 2, "tail")
+            else:  # short turns never reach 60 tokens: they stay on the throughput group
+                assert (len(full), route.moves, res.group) == (30, 0, "throughput")
+        assert not rd.sentinel("j").exists()  # it moved before (and without) any flip
+        deadline = time.monotonic() + 10
+        want = 4 * 400 + 6 * 30
+        while (n := await generated(c) - before) < want and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # more heartbeats: nothing further arrives
+        assert await generated(c) - before == n == want  # no leg regenerated a token
+
+    asyncio.run(with_client(rd, body))
+    stack.stop()
+    stats = json.loads(rd.router_stats.read_text())
+    assert stats["migrated:age"] == 4 and "migrated" not in stats
+    timeline = json.loads((rd.root / "timeline" / "j.step_00000.json").read_text())
+    assert timeline["migrated"] == 4 and timeline["flip_time"] is None
+
+
+def test_the_speed_weighted_ring_keeps_a_sessions_turns_on_one_replica_within_a_step(make_run) -> None:  # type: ignore[no-untyped-def]
+    # No tail routing: every group's replica is on the one ring of the step's sessions.
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.1", "router.policy=consistent_hash", "engine.time_scale=0.5",
+                               "engine.output_len_median=100000", "tail.policy=count", "tail.threshold=null"])
+    stack.start()
+
+    async def turns(c: RouterClient, step: int, n: int) -> dict[str, list[str]]:
+        """Two turns of each of ``n`` sessions, one request at a time: the ring alone decides."""
+        where: dict[str, list[str]] = {}
+        for i in range(n):
+            for turn in range(2):
+                m = Generate(f"{step}/s{i}/{turn}", job="j", session_id=f"s{i}", step=step,
+                             prompt_token_ids=[1, 2, 3 + i, turn], sampling=Sampling(max_tokens=2))
+                res, _ = await c.generate(m)
+                assert res.status == "ok"
+                where.setdefault(f"s{i}", []).append(res.replica_id)
+        return where
+
+    async def body(c: RouterClient) -> None:
+        await c.step_begin("j", 0, 40)
+        before = await turns(c, 0, 40)  # no speed known yet: an even ring
+        # Load every replica so the router learns their peak rates (the TP-2 replica is faster per
+        # request, the TP-1 ones hold 4x the requests).
+        load = [gen(f"load{i}", 0, [9, 9, 9, i], max_tokens=300, group=g)
+                for i, g in enumerate(["throughput"] * 80 + ["tail"] * 16)]
+        await asyncio.gather(*(c.generate(m) for m in load))
+        status = await c.status()
+        assert all(g.peak_tokens_per_s > 0 for g in status.groups.values())
+        await c.step_begin("j", 1, 40)  # a step boundary: the ring takes in the speeds
+        after = await turns(c, 1, 40)
+        assert all(len(set(w)) == 1 for w in after.values()), after  # both turns on one replica
+        assert all(len(set(w)) == 1 for w in before.values()), before
+        moved = [s for s in after if after[s][0] != before[s][0]]
+        assert moved, "the ring did not change with the learned speeds"
+
+    asyncio.run(with_client(rd, body))
 
 
 def test_each_tail_validation_error_is_reported_at_setup() -> None:

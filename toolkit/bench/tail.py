@@ -30,13 +30,23 @@ than modelled real time. A migrated request continues exactly the output it was 
 (``Generate.resumed_tokens``): moving it changes where it runs, never how long it is.
 
 Arms, each a full ``launch`` run (router, sim replicas, 2 MPI ranks) in this process, one after
-another: ``off`` (tail.threshold null: every group serves the whole step under consistent hashing),
-``steer`` (threshold 0.95: after ceil(0.95 * 128) = 122 sessions, every request of the step, queued
-ones included, goes to the tail group) and ``migrate`` (steer + ``tail.migrate_inflight``: the
-step's requests running on the throughput group move to the tail group with their tokens). Step
-time is the step report's ``wall_s`` (step begin to the step's Parquet file written), averaged over
-12 steps per arm (6 for the sensitivity runs) after one warm-up step; step ``k`` has the same sessions
-in every arm. ``ci95`` gives paired-bootstrap 95% intervals over the steps.
+another: ``off`` (no tail routing: every group serves the whole step under consistent hashing),
+``steer`` (the count flip at 0.95: after ceil(0.95 * 128) = 122 sessions, every request of the step,
+queued ones included, goes to the tail group), ``migrate`` (steer + ``tail.migrate_inflight``: the
+step's requests running elsewhere move to the tail group with their tokens, as it has room), ``age``
+(``tail.policy=age``: the tail group takes only long runners, moved with their tokens the moment
+they pass the step's 0.9 quantile of finished turn lengths, oldest first, while it has room),
+``predict`` (``tail.policy=predict``: a session whose earlier turn was long starts its next turn on
+the tail group) and ``age+count`` (age, then the flip at 0.95 with migration). Step time is the
+step report's ``wall_s`` (step begin to the step's Parquet file written), averaged over 12 steps per
+arm (6 for the sensitivity runs) after one warm-up step; step ``k`` has the same sessions in every
+arm. ``ci95`` gives paired-bootstrap 95% intervals over the steps. ``best_policy`` is the arm with the
+lowest mean step time; ``speedup_best``, ``bound_ratio_best`` and ``prefix_hit_best`` are its figures.
+
+Sensitivity (``correlated_siblings``): GRPO groups of 8 sessions per prompt whose turn lengths share
+half their log-variance (``engine.output_len_prompt_share=0.5``), where ``predict`` can use siblings.
+Seer (arXiv:2511.14617, §2.3, Fig. 4) shows "highly correlated generation lengths" within a group but
+publishes no number; 0.5 is an assumption, and the main workload (no correlation) is the zero point.
 """
 
 from __future__ import annotations
@@ -58,6 +68,9 @@ THRESHOLD = 0.95
 WARMUP_STEPS = 1
 # The tail group at the issue's cap, 3x the throughput group per token: TP 4 at 2/3 efficiency.
 TAIL_AT_CAP = ("groups.tail.engine.tensor_parallel_size=4", "+groups.tail.engine.tp_efficiency=0.6667")
+# GRPO groups of 8 sessions per prompt whose lengths share half their log-variance (an assumption: Seer
+# shows strongly correlated sibling lengths, Fig. 4, but publishes no figure we could cite).
+SIBLINGS = ("+workload.prompts.samples_per_prompt=8", "engine.output_len_prompt_share=0.5")
 
 
 def _config(overrides: list[str]) -> Config:
@@ -92,11 +105,11 @@ def _ci95(a: np.ndarray, b: np.ndarray, stat: Any, resamples: int = 4000) -> lis
 
 
 ARMS: dict[str, tuple[str, ...]] = {
-    "off": ("tail.threshold=null",),
-    "steer": (f"tail.threshold={THRESHOLD}",),
-    "migrate": (f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"),
-    "age": ("tail.policy=age", "tail.threshold=null"),
-    "predict": ("tail.policy=predict", "tail.threshold=null"),
+    "off": ("tail.policy=count", "tail.threshold=null"),
+    "steer": ("tail.policy=count", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=false"),
+    "migrate": ("tail.policy=count", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"),
+    "age": ("tail.policy=age", "tail.threshold=null", "tail.migrate_inflight=false"),
+    "predict": ("tail.policy=predict", "tail.threshold=null", "tail.migrate_inflight=false"),
     "age+count": ("tail.policy=age", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true"),
 }
 """Each arm's tail settings (the rest of the config is the same in every arm)."""
@@ -104,7 +117,7 @@ ARMS: dict[str, tuple[str, ...]] = {
 
 def _measure(
     sessions: int, steps: int, max_tokens: int, root: Path, fleet: tuple[str, ...] = (),
-    arms: tuple[str, ...] = tuple(ARMS),
+    arms: tuple[str, ...] = tuple(ARMS), name: str = "main",
 ) -> dict[str, Any]:
     base = [
         *fleet,
@@ -114,7 +127,7 @@ def _measure(
         f"workload.max_tokens={max_tokens}",
         "seed=7",
     ]
-    tag = f"{max_tokens}-{len(fleet)}"
+    tag = f"{name}-{max_tokens}"
     # Every arm's first step also pays for first use (imports, Parquet writer, caches): not counted.
     results = {
         name: _arm(f"{name}-{tag}".replace("+", "_"), [*base, *ARMS[name]], root)[WARMUP_STEPS:] for name in arms
@@ -187,7 +200,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-tail-") as tmp:
         out = _measure(sessions, steps, 2048, Path(tmp))
         if not quick:
-            out["moderate_tail"] = _measure(sessions, steps // 2, 1024, Path(tmp))
-            out["tail_at_cap"] = _measure(sessions, steps // 2, 2048, Path(tmp), TAIL_AT_CAP)
+            out["moderate_tail"] = _measure(sessions, steps // 2, 1024, Path(tmp), name="moderate")
+            out["tail_at_cap"] = _measure(sessions, steps // 2, 2048, Path(tmp), TAIL_AT_CAP, name="cap")
+            out["correlated_siblings"] = _measure(sessions, steps // 2, 2048, Path(tmp), SIBLINGS,
+                                                  ("off", "age", "predict", "age+count"), name="siblings")
     out.update({"sessions_per_step": sessions, "steps_per_arm": steps, "threshold": THRESHOLD})
     return out

@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from toolkit import protocol as P
 from toolkit.config import RouterConfig
 from toolkit.router.policy import Policy, Replica, make_policy
+from toolkit.router.queue import Request
 
 logger = logging.getLogger(__name__)
 
@@ -142,3 +144,33 @@ class ReplicaPool:
     def _update_limits(self) -> None:
         self.limits = {g: (min(r.max_model_len for r in members), min(r.vocab_size for r in members))
                        for g, members in self.groups.items() if members}
+
+    def group_status(self, names: set[str]) -> dict[str, P.GroupStatus]:
+        """Per group (``names`` and any group a replica registered under): counts and learned speeds."""
+        out = {}
+        for name in sorted(names | {r.group for r in self.replicas.values()}):
+            members = [r for r in self.replicas.values() if r.group == name]
+            serving = [r for r in members if r.serving]
+            out[name] = P.GroupStatus(
+                registered=len(members),
+                ready=len(serving),
+                inflight=sum(r.load for r in members),
+                generated_tokens=sum(r.generated for r in members),
+                draining=sum(r.draining for r in members),
+                tokens_per_s=sum(r.speed.tokens_per_s for r in serving),
+                request_tokens_per_s=max((r.speed.request_tokens_per_s for r in serving), default=0.0),
+                peak_tokens_per_s=sum(r.speed.peak_tokens_per_s for r in serving),
+                peak_request_tokens_per_s=max((r.speed.peak_request_tokens_per_s for r in serving), default=0.0),
+            )
+        return out
+
+
+def limit_error(req: Request, max_model_len: int, vocab_size: int) -> str:
+    """Why ``req`` cannot run on a replica with these limits, or ""."""
+    n = len(req.msg.prompt_token_ids)
+    if n > max_model_len:
+        return f"prompt of {n} tokens is longer than max_model_len {max_model_len}"
+    if req.lo < 0 or req.hi >= vocab_size:
+        bad = req.lo if req.lo < 0 else req.hi
+        return f"token id {bad} outside the vocabulary [0, {vocab_size})"
+    return ""

@@ -24,7 +24,7 @@ from toolkit.router.elastic import ElasticMixin
 from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
 from toolkit.router.migration import MigrationMixin
 from toolkit.router.policy import Replica
-from toolkit.router.pool import ReplicaPool
+from toolkit.router.pool import ReplicaPool, limit_error
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail.routing import TICK_S, TailRouting, reserved_group
 from toolkit.router.timeline import Timeline
@@ -236,7 +236,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             return "empty prompt"
         req.lo, req.hi = min(ids), max(ids)
         limits = self.pool.limits.get(msg.group)
-        return _limit_error(req, *limits) if limits else ""
+        return limit_error(req, *limits) if limits else ""
 
     def abort(self, rid: str) -> None:
         req = self.live.get(rid)
@@ -252,22 +252,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 self.backend.send_multipart([r.identity, *P.encode(P.Abort(rid))])
 
     def status(self) -> P.Status:
-        groups = {}
-        for name in sorted(self.known_groups | {r.group for r in self.replicas.values()}):
-            members = [r for r in self.replicas.values() if r.group == name]
-            groups[name] = P.GroupStatus(
-                registered=len(members),
-                ready=sum(r.serving for r in members),
-                inflight=sum(r.load for r in members),
-                generated_tokens=sum(r.generated for r in members),
-                draining=sum(r.draining for r in members),
-                tokens_per_s=sum(r.speed.tokens_per_s for r in members if r.serving),
-                request_tokens_per_s=max((r.speed.request_tokens_per_s for r in members if r.serving), default=0.0),
-                peak_tokens_per_s=sum(r.speed.peak_tokens_per_s for r in members if r.serving),
-                peak_request_tokens_per_s=max((r.speed.peak_request_tokens_per_s for r in members if r.serving),
-                                              default=0.0),
-            )
-        return P.Status(groups=groups, queued=self.queue.size,
+        return P.Status(groups=self.pool.group_status(self.known_groups), queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),
                         completed=self.stats["completed"])
 
@@ -297,7 +282,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         while self.queue.size and self.pool.free[None] > 0:
             sent = 0
             for req, replica in self.queue.pop_round(self._choose):
-                error = _limit_error(req, replica.max_model_len, replica.vocab_size)
+                error = limit_error(req, replica.max_model_len, replica.vocab_size)
                 if error:
                     self._fail(req, "client_error", error)
                     continue
@@ -420,13 +405,3 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.timeline.write_all()
         stats = {**self.stats, **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
         atomic_write(self.run_dir.router_stats, json.dumps(stats, indent=1))
-
-
-def _limit_error(req: Request, max_model_len: int, vocab_size: int) -> str:
-    n = len(req.msg.prompt_token_ids)
-    if n > max_model_len:
-        return f"prompt of {n} tokens is longer than max_model_len {max_model_len}"
-    if req.lo < 0 or req.hi >= vocab_size:
-        bad = req.lo if req.lo < 0 else req.hi
-        return f"token id {bad} outside the vocabulary [0, {vocab_size})"
-    return ""

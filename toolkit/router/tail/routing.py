@@ -128,9 +128,9 @@ class TailRouting:
         return self.pool.free[self.group] - len(self.inbound)
 
     def to_move(self, now: float) -> list[tuple[Request, Replica]]:
-        """The running requests to move to the tail group now, longest first, as many as it has room
-        for: after a flip with ``migrate_inflight`` every request of the step; before it, those the
-        policy calls long runners. Each is counted in the room until it runs there."""
+        """The running requests to move to the tail group now, as many as it has room for, the oldest
+        (most tokens) first: after a flip with ``migrate_inflight`` every request of the step; before
+        it, those the policy calls long runners. Each holds its room until it runs there."""
         if self.policy is None:
             return []
         room = self.room()
