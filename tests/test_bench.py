@@ -37,16 +37,24 @@ def test_fairness_bench_reports_its_fields(tmp_path: Path) -> None:
 
 def test_tail_bench_reports_its_fields(tmp_path: Path) -> None:
     r = bench("tail", tmp_path)
-    fields = {"step_time_off_s", "step_time_steer_s", "step_time_migrate_s", "speedup_steer", "speedup_migrate",
-              "flip_at", "expected_flip_at", "spillover", "prefix_hit_off", "prefix_hit_steer"}
+    arms = ("off", "steer", "migrate", "age", "predict", "age+count")
+    fields = {"flip_at", "expected_flip_at", "spillover", "best_policy", "speedup_best", "bound_ratio_best",
+              "prefix_hit_best", "moves_per_step", "requests_not_ok",
+              *(f"step_time_{a}_s" for a in arms), *(f"prefix_hit_{a}" for a in arms),
+              *(f"speedup_{a}" for a in arms if a != "off")}
     assert fields <= set(r)
+    best = r["best_policy"]
+    assert best in arms[1:] and r["speedup_best"] == r[f"speedup_{best}"]
+    assert r["bound_ratio_best"] == r["bound_ratio"][best] and r["ci95"]["speedup_best"] == r["ci95"][f"speedup_{best}"]
+    assert r["requests_not_ok"] == dict.fromkeys(arms, 0)  # every move kept its request whole
+    assert r["moves_per_step"]["off"] == r["moves_per_step"]["steer"] == 0
     assert r["flip_at"] == r["expected_flip_at"]  # a count, exact by construction (not a timing)
     assert 0 <= r["spillover"] <= 1
     assert 0 < r["tail10_share_requests_off"] < 1 and 0 < r["tail10_share_sessions_off"] < 1
     assert 0 < r["flip_share_of_step_off"] <= 1
     for lo, hi in r["ci95"].values():
         assert lo <= hi
-    assert set(r["bound_ratio"]) == {"off", "steer", "migrate"} and all(v > 0 for v in r["bound_ratio"].values())
+    assert set(r["bound_ratio"]) == set(arms) and all(v > 0 for v in r["bound_ratio"].values())
 
 
 def test_gateway_bench_reports_its_fields_and_finds_every_id_exact(tmp_path: Path) -> None:

@@ -29,6 +29,29 @@ def gen(rid: str, step: int, prompt: list[int], max_tokens: int = 32, group: str
                     sampling=Sampling(max_tokens=max_tokens), group=group)
 
 
+async def generated(c: RouterClient) -> int:
+    """Tokens the engines generated in all, from the replicas' heartbeats."""
+    return sum(g.generated_tokens for g in (await c.status()).groups.values())
+
+
+async def begin_counting(c: RouterClient, sessions: int) -> int:
+    """Step 0 of job ``j`` begins; the tokens generated so far (after the readiness probes' heartbeats)."""
+    await asyncio.sleep(0.5)
+    before = await generated(c)
+    await c.step_begin("j", 0, sessions)
+    return before
+
+
+async def assert_generated_once(c: RouterClient, before: int, want: int) -> None:
+    """The engines generated exactly ``want`` tokens since ``before``: every token once (a restart from
+    scratch would regenerate a moved request's first leg)."""
+    deadline = time.monotonic() + 10
+    while (n := await generated(c) - before) < want and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # more heartbeats: nothing further arrives
+    assert await generated(c) - before == n == want
+
+
 @pytest.mark.parametrize(("threshold", "n", "expected"), [(0.95, 128, 122), (0.9, 32, 29), (1.0, 7, 7),
                                                           (0.95, 100, 95), (0.01, 10, 1)])
 def test_flip_count(threshold: float, n: int, expected: int) -> None:
@@ -108,13 +131,8 @@ def test_migrated_requests_lose_no_token(make_run) -> None:  # type: ignore[no-u
     stack.start()
     sim = cfg.engine
 
-    async def generated(c: RouterClient) -> int:
-        return sum(g.generated_tokens for g in (await c.status()).groups.values())
-
     async def body(c: RouterClient) -> None:
-        await asyncio.sleep(0.5)  # heartbeats after the readiness probes report their tokens
-        before = await generated(c)
-        await c.step_begin("j", 0, 2)
+        before = await begin_counting(c, 2)
         longs = [gen(f"long{i}", 0, [1, 2, 50 + i], max_tokens=400) for i in range(6)]
         tasks = [asyncio.create_task(c.generate(m)) for m in longs]
         await asyncio.sleep(0.4)  # ~100 tokens into each
@@ -133,13 +151,8 @@ def test_migrated_requests_lose_no_token(make_run) -> None:  # type: ignore[no-u
                 moved += 1
                 assert res.group == "tail"
         assert moved >= 2  # round robin put four of six on throughput replicas
-        # The continuations started where the first legs stopped: the engines generated each
-        # token once (a restart from scratch would regenerate the moved requests' first legs).
-        deadline = time.monotonic() + 10
-        while (n := await generated(c) - before) < 6 * 400 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # two more heartbeats: nothing further arrives
-        assert await generated(c) - before == n == 6 * 400
+        # The continuations started where the first legs stopped.
+        await assert_generated_once(c, before, 6 * 400)
 
     asyncio.run(with_client(rd, body))
     stack.stop()
@@ -156,13 +169,8 @@ def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> 
     stack.start()
     sim = cfg.engine
 
-    async def generated(c: RouterClient) -> int:
-        return sum(g.generated_tokens for g in (await c.status()).groups.values())
-
     async def body(c: RouterClient) -> None:
-        await asyncio.sleep(0.5)  # heartbeats after the readiness probes report their tokens
-        before = await generated(c)
-        await c.step_begin("j", 0, 10)
+        before = await begin_counting(c, 10)
         longs = [gen(f"long{i}", 0, [1, 2, 50 + i], max_tokens=400) for i in range(4)]
         shorts = [gen(f"short{i}", 0, [1, 2, 80 + i], max_tokens=30) for i in range(6)]
         outs = await asyncio.gather(*(c.generate(m) for m in [*longs, *shorts]))
@@ -176,12 +184,7 @@ def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> 
             else:  # short turns never reach 60 tokens: they stay on the throughput group
                 assert (len(full), route.moves, res.group) == (30, 0, "throughput")
         assert not rd.sentinel("j").exists()  # it moved before (and without) any flip
-        deadline = time.monotonic() + 10
-        want = 4 * 400 + 6 * 30
-        while (n := await generated(c) - before) < want and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # more heartbeats: nothing further arrives
-        assert await generated(c) - before == n == want  # no leg regenerated a token
+        await assert_generated_once(c, before, 4 * 400 + 6 * 30)
 
     asyncio.run(with_client(rd, body))
     stack.stop()

@@ -149,7 +149,7 @@ def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path) -> Non
 
 
 def test_count_moves_nothing_before_the_flip_and_everything_after_it_with_migrate_inflight(tmp_path: Path) -> None:
-    f = Fleet(tmp_path, "tail.threshold=0.25", "tail.migrate_inflight=true")
+    f = Fleet(tmp_path, "tail.policy=count", "tail.threshold=0.25", "tail.migrate_inflight=true")
     assert f.pool.reserved is None and f.tail.targets(request("x", "x"))[0] is None
     a = f.tp[0]
     reqs = [request(f"r{i}", f"r{i}", seq=i) for i in range(3)]
