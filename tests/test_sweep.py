@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from tests.conftest import launch
-from toolkit.sweep import SUMMARY_FILE, collect, write_summary
+from toolkit.sweep import SUMMARY_FILE, collect, short_names, summary_table, write_summary
 
 
 @pytest.mark.mpi
@@ -55,6 +56,21 @@ def test_summary_keeps_the_swept_values_and_marks_runs_without_a_report(tmp_path
     path = write_summary(tmp_path, rows)
     back = list(csv.DictReader(path.open()))
     assert back[1]["status"] == "no report" and back[1]["step_time_s"] == ""
+    assert [r["router.policy"] for r in back] == ["least_loaded", "round_robin", "power_of_two"]  # full names
+    # An 80-column terminal: each swept value whole in its own column, headed by the key's last part;
+    # a count as an integer.
+    console = Console(width=80, record=True)
+    console.print(summary_table(rows, "sweep summary"))
+    text = console.export_text()
+    assert "…" not in text and "policy" in text
+    assert all(v in text for v in ("least_loaded", "round_robin", "power_of_two"))
+    assert " 9 " in text and "9.0" not in text
+
+
+def test_swept_keys_get_the_shortest_headers_that_tell_them_apart() -> None:
+    keys = ["tail.threshold", "groups.tail.replicas", "groups.throughput.replicas", "seed"]
+    assert short_names(keys) == {"tail.threshold": "threshold", "groups.tail.replicas": "tail.replicas",
+                                 "groups.throughput.replicas": "throughput.replicas", "seed": "seed"}
 
 
 def test_a_sweep_resumed_with_more_steps_continues_each_run(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.report import si, table_width
+
 logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.csv"
@@ -66,44 +68,89 @@ def run_row(run: Path) -> dict[str, Any]:
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """Rows of every run under ``sweep_dir`` (a directory with a ``.hydra`` folder), in job order;
-    the overrides column keeps only what differs between runs (the swept values)."""
+    the overrides column keeps only what differs between runs (the swept values), and ``swept`` holds
+    them as ``{key: value}``."""
     runs = sorted((p.parent for p in sweep_dir.glob("*/.hydra")),
                   key=lambda p: (0, int(p.name)) if p.name.isdigit() else (1, p.name))
     rows = [run_row(r) for r in runs]
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
     for r in rows:
-        r["overrides"] = " ".join(o for o in r["overrides"] if o not in common)
+        differ = [o for o in r["overrides"] if o not in common]
+        r["overrides"] = " ".join(differ)
+        r["swept"] = dict(_split(o) for o in differ)
     return rows
+
+
+def _split(override: str) -> tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
+
+
+def swept_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """Every swept key, in the order they first appear."""
+    return list(dict.fromkeys(k for r in rows for k in r.get("swept", {})))
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Each key's last part (``tail.threshold`` -> ``threshold``), with more parts where two would clash."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        n = 1
+        while n < len(parts) and sum(1 for k in keys if k.split(".")[-n:] == parts[-n:]) > 1:
+            n += 1
+        out[key] = ".".join(parts[-n:])
+    return out
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.{digits}f}"
+        return str(int(value)) if value.is_integer() else f"{value:.{digits}f}"
     return str(value)
 
 
 def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    """The CSV: the fixed columns, then one per swept key under its full name."""
     path = sweep_dir / SUMMARY_FILE
+    keys = swept_keys(rows)
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        w = csv.DictWriter(f, fieldnames=[*COLUMNS, *keys])
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r[k] is None else r[k]) for k in COLUMNS})
+            w.writerow({**{k: ("" if r[k] is None else r[k]) for k in COLUMNS},
+                        **{k: r.get("swept", {}).get(k, "") for k in keys}})
     return path
 
 
-def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
+def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Table:
+    """One row per run; each swept key's value whole in its own column, headed by the key's last part,
+    so the runs can be told apart in a ``width``-column terminal. Figures that do not fit are left
+    out (the CSV has them all), the least telling first."""
+    keys = swept_keys(rows)
+    names = short_names(keys)
+    # (header, cells, right-aligned, dropped when short of room: lower goes first)
+    columns: list[tuple[str, list[str], bool, int]] = [
+        ("run", [r["run"] for r in rows], False, 99),
+        *((names[k], [r.get("swept", {}).get(k, "-") for r in rows], False, 99) for k in keys),
+        ("status", [_fmt(r["status"]) for r in rows], False, 99),
+        ("step s", [_fmt(r["step_time_s"], 2) for r in rows], True, 98),
+        ("flip", [_fmt(r["flip_count"], 1) for r in rows], True, 97),
+        ("hit", ["-" if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%" for r in rows], True, 4),
+        ("tok/s", [si(r["tokens_per_s"]) for r in rows], True, 3),
+        ("flip s", [_fmt(r["flip_time_s"], 2) for r in rows], True, 2),
+        ("spill", ["-" if r["spillover"] is None else f"{100 * r['spillover']:.0f}%" for r in rows], True, 1),
+    ]
+    for rank in sorted({c[3] for c in columns if c[3] < 97}):
+        if table_width([[h, *cells] for h, cells, _, _ in columns]) <= width:
+            break
+        columns = [c for c in columns if c[3] != rank]
     table = Table(title=title)
-    # Short headers: the table has to fit an 80-column terminal next to the swept values.
-    for name in ("run", "swept", "status", "step s", "flip n", "flip s", "spill", "prefix", "tok/s"):
-        table.add_column(name, justify="left" if name in ("run", "swept", "status") else "right")
-    for r in rows:
-        table.add_row(r["run"], r["overrides"], _fmt(r["status"]), _fmt(r["step_time_s"], 2),
-                      _fmt(r["flip_count"], 1), _fmt(r["flip_time_s"], 2), _fmt(r["spillover"]),
-                      "-" if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%",
-                      "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}")
+    for header, _, right, _ in columns:
+        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    for i in range(len(rows)):
+        table.add_row(*(cells[i] for _, cells, _, _ in columns))
     return table
 
 
@@ -118,5 +165,5 @@ class SweepSummary(Callback):
             return
         path = write_summary(sweep_dir, rows)
         console = Console()
-        console.print(summary_table(rows, f"sweep summary ({len(rows)} runs)"))
+        console.print(summary_table(rows, f"sweep summary ({len(rows)} runs)", console.width))
         console.print(f"[dim]{path}[/dim]")

@@ -92,7 +92,9 @@ def _arm(root: Path, name: str, base: list[str], k: int, steps: int, train_s: fl
 
 def run(quick: bool = False) -> dict[str, Any]:
     steps = 4 if quick else 10
-    base = ["engine.time_scale=0.5", "sessions_per_step=32", "rollout.update_mode=pause"]
+    # Tail routing off: its moves abort and continue requests too, which would hide what this counts
+    # (requests the weight updates aborted).
+    base = ["engine.time_scale=0.5", "sessions_per_step=32", "rollout.update_mode=pause", "tail.policy=count"]
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         root = Path(tmp)
         source = root / "checkpoint"  # the sim loads any directory: a stand-in checkpoint

@@ -1,0 +1,71 @@
+"""``python -m toolkit.report``: the step table reads whole at 80 columns (a default terminal, a Slurm
+log), a step per row when it fits, a step per column when it does not; numbers carry their units."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from toolkit.report import report_tables, si, summary_table
+
+
+def step(i: int) -> dict:
+    return {
+        "step": i, "wall_s": 3.514, "bound_s": 1.82, "bound_ratio": 1.931, "sessions": 128,
+        "done_s": {"sessions": {"tail10_share": 0.442}}, "tokens_per_s": 46230.0, "reward_mean": 0.61234,
+        "prefix_hit_rate": 0.765, "tail": {"policy": "age", "moves": 43},
+        "flip": {"count": 122, "expected_count": 122, "time_s": 2.31, "spillover": 0.0},
+        "groups": {"throughput": {"requests": 300}, "tail": {"requests": 84}},
+        "requests_by_status": {"ok": 383, "timeout": 1},
+    }
+
+
+REPORT = {"run_dir": "/runs/r1", "steps": [step(i) for i in range(10)],
+          "summary": {"steps": 10, "sessions": 1280, "startup_s": 1.04, "step_wall_s_mean": 3.51,
+                      "generated_tokens": 812345, "tokens_per_s": 46230.0,
+                      "failed_requests": {"timeout": 5}, "replica_restarts": 0}}
+
+
+def render(width: int, *renderables: object) -> str:
+    console = Console(width=width, record=True)
+    for r in renderables:
+        console.print(r)
+    return console.export_text()
+
+
+def test_numbers_are_formatted_to_their_meaning() -> None:
+    assert (si(950), si(4623), si(46230), si(1_250_000), si(None)) == ("950", "4.62k", "46.2k", "1.25M", "-")
+
+
+def test_at_80_columns_every_figure_is_whole_a_step_per_column() -> None:
+    tables = report_tables(REPORT, 80)
+    text = render(80, *tables)
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert len(tables) == 2  # ten steps do not fit one 80-column table: split, none cut
+    for cell in ("3.51s", "1.82s", "1.93x", "44%", "46.2k", "0.612", "76.5%", "122/122", "2.31s", "step 9"):
+        assert cell in text, cell
+    assert "req throughput" in text and "300" in text and "req tail" in text and "84" in text  # per group
+    assert "{" not in text  # no dict printed in a cell
+
+
+def test_a_wide_terminal_gets_a_step_per_row() -> None:
+    (table,) = report_tables(REPORT, 200)
+    text = render(200, table)
+    assert "…" not in text
+    rows = [line for line in text.splitlines() if "122/122" in line]
+    assert len(rows) == 10 and all("3.51s" in r and "1.93x" in r for r in rows)
+
+
+def test_the_summary_is_a_table_and_json_is_for_machines(tmp_path: Path) -> None:
+    text = render(80, summary_table(REPORT["summary"]))
+    assert "mean step time" in text and "3.51s" in text and "812,345" in text and "timeout 5" in text
+    assert "{" not in text
+    (tmp_path / "report.json").write_text(json.dumps(REPORT))
+    out = subprocess.run([sys.executable, "-m", "toolkit.report", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == REPORT
