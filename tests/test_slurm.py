@@ -283,13 +283,17 @@ def test_the_sbatch_template_runs_the_whole_thing_as_steps(run: tuple[Path, str]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     out = subprocess.run(
         ["sbatch", "--wait", "--parsable", f"--chdir={ROOT}", f"--output={d}/slurm-%j.out", f"--job-name={job}",
-         str(ROOT / "slurm" / "rollout.sbatch"), f"hydra.run.dir={d / 'run'}", f"job={job}", "engine.time_scale=0.2"],
+         str(ROOT / "slurm" / "rollout.sbatch"), f"hydra.run.dir={d / 'run'}", f"job={job}", "engine.time_scale=0.5",
+         "report.log_interval_s=0.5"],
         capture_output=True, text=True, timeout=300, env=env)
     log = "".join(p.read_text() for p in d.glob("slurm-*.out"))
     assert out.returncode == 0, out.stdout + out.stderr + log
     r = d / "run"
     check_outputs(r, steps=2, sessions=32)
     assert (r / "router_stats.json").exists()  # the router step was stopped with SIGTERM, cleanly
+    # The job's log is not a terminal: the running step's progress comes as plain lines.
+    progress = [line for line in log.splitlines() if line.startswith("progress: step ")]
+    assert progress and all("/32 sessions" in line and "in flight" in line for line in progress), log
     jid = out.stdout.strip().split(";")[0]
     states = accounting(jid)
     names = subprocess.run(["sacct", "-n", "-P", "-j", jid, "-o", "JobName"], capture_output=True, text=True,

@@ -389,6 +389,22 @@ class GatewayConfig:
 
 
 @dataclass
+class ReportConfig:
+    log_interval_s: float = 30.0
+    """When launch's output is not a terminal (a Slurm log, a pipe): a plain progress line of the running
+    step this often (on a terminal the display is redrawn every second)."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers that log every step report (flattened, keyed by step) with the run's config:
+    ``wandb`` (needs ``pip install wandb``), ``tensorboard`` (``pip install tensorboardX``); files under
+    ``<run dir>/trackers``."""
+    wandb_project: str = "rollout-toolkit"
+    """The W&B project of the run."""
+    wandb_mode: str | None = None
+    """``online``, ``offline`` (no network; ``wandb sync`` later) or ``disabled``; null = W&B's own
+    setting (``WANDB_MODE``, else online)."""
+
+
+@dataclass
 class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """How components start, typed by the ``cluster`` config group (its ``type`` field)."""
@@ -401,6 +417,7 @@ class Config:
     tail: TailConfig = field(default_factory=TailConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     steps: int = 2
     """Rollout steps to run."""
     sessions_per_step: int = 32

@@ -175,11 +175,30 @@ class GroupStatus(Message):
     """The highest per-request rate seen on one of its ready replicas (about a request alone there)."""
 
 
+class StepProgress(Message):
+    """A job's current step as the router sees it (for live progress)."""
+
+    step: int = -1
+    sessions: int = 0
+    """Sessions the step has (``StepBegin.n_sessions``)."""
+    done: int = 0
+    """Sessions that reported done."""
+    started_at: float = 0.0
+    """time.time() of the step's ``StepBegin`` at the router."""
+    flip_count: int = 0
+    flip_at: float = 0.0
+    """time.time() of the count flip; 0 = not flipped."""
+    moves: int = 0
+    """Requests of the step moved to the tail group while running."""
+
+
 class Status(Message):
     groups: dict[str, GroupStatus] = {}
     queued: int = 0
     inflight: int = 0
     completed: int = 0
+    steps: dict[str, StepProgress] = {}
+    """Per job: its current step."""
 
 
 class Completion(Message):

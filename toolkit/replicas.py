@@ -64,6 +64,8 @@ class ReplicaSet:
         self.applied_seq = 0
         self.error = ""
         """Why the last scale request could not be applied in full ("" if it was)."""
+        self.restarts = 0
+        """Replicas this launch replaced after they exited."""
         self._ran: dict[Key, bool] = {}
         """Replicas whose job was seen running (a later PENDING/REQUEUED means it was preempted)."""
         self._written: dict[str, Any] = {}
@@ -177,6 +179,7 @@ class ReplicaSet:
                 raise ComponentFailed(f"{comp.name} exited ({comp.state()}) and cluster.restart_replicas is off")
             logger.warning("%s exited (%s); starting a replacement", comp.name, comp.state())
             self.rd.append_event("replica_restarted", group=key[0], index=key[1], state=comp.state())
+            self.restarts += 1
             self.members[key] = self.cluster.start_replica(*key)
 
     def _watch_preemption(self) -> None:

@@ -23,9 +23,11 @@ from toolkit.config import Config
 from toolkit.errors import ComponentFailed, Interrupted, ReadinessTimeout
 from toolkit.lease import Lease
 from toolkit.lifecycle import ProcessRef
+from toolkit.progress import Progress
 from toolkit.replicas import ReplicaSet
 from toolkit.rundir import RunDir, atomic_write, read_json
 from toolkit.security import ClientCurve, client_curve, curve_enabled, generate_keys
+from toolkit.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ class Run:
         self.t_ready = 0.0
         self.curve: ClientCurve | None = None
         self._status_at = 0.0
+        self.trackers: Trackers | None = None
+        self.progress = Progress(self.console, cfg.job, cfg.steps, cfg.report.log_interval_s)
         self.next_step = 0
         self.stop_reason = ""
         """Why launch asked the ranks to begin no further step (a signal before the time limit)."""
@@ -149,6 +153,12 @@ class Run:
     def execute(self, first_step: int = 0) -> dict[str, Any]:
         cfg = self.cfg
         self.load_previous(first_step)
+        if cfg.report.trackers:
+            from omegaconf import OmegaConf
+
+            config = OmegaConf.to_container(OmegaConf.load(self.run_dir.config))
+            self.trackers = Trackers(list(cfg.report.trackers), self.run_dir, config,  # type: ignore[arg-type]
+                                     {"wandb_project": cfg.report.wandb_project, "wandb_mode": cfg.report.wandb_mode})
         self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
         ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
         retried = False
@@ -173,7 +183,10 @@ class Run:
                 continue
             while self.next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(self.next_step))):
                 self.step_reports.append(rep)
+                self.progress.step_done()
                 self.console.print(progress_line(rep, cfg.steps), soft_wrap=True)
+                if self.trackers is not None:
+                    self.trackers.log(rep)
                 self.next_step += 1
             code = self.ranks.exit_code()
             if code is not None:
@@ -262,13 +275,15 @@ class Run:
         self.address = info
 
     def _watch_replicas(self) -> None:
-        """Scale requests, replacements, drains, preemptions; the router's counts every few seconds."""
+        """Scale requests, replacements, drains, preemptions; the router's counts (and the live progress)
+        every second."""
         now = time.monotonic()
         status = None
-        if now - self._status_at >= 2.0:
+        if now - self._status_at >= 1.0:
             self._status_at = now
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
         self.replicas.tick(self.address["frontend"], self.curve, status)
+        self.progress.update(status, self.replicas.restarts)
 
     def summary(self) -> dict[str, Any]:
         reps = self.step_reports
@@ -314,6 +329,10 @@ class Run:
 
     # ---- teardown --------------------------------------------------------------------------
     def teardown(self) -> None:
+        self.progress.close()
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
         survivors = self.cluster.stop_all()
         if survivors:
             logger.error("processes still alive after teardown: %s", [(r.pid, r.name) for r in survivors])

@@ -85,6 +85,11 @@ class RunDir:
         return self.root / "report.json"
 
     @property
+    def trackers(self) -> Path:
+        """Experiment trackers' files (``report.trackers``: the W&B run, TensorBoard's event files)."""
+        return self.root / "trackers"
+
+    @property
     def lease(self) -> Path:
         """The launch's lease (``toolkit/lease.py``): components exit when it is no longer renewed."""
         return self.root / "lease.json"

@@ -120,6 +120,8 @@ def validate(cfg: Config) -> None:
         need(len(set(cfg.groups) - {cfg.tail.group}) >= 1, "groups", sorted(cfg.groups),
              "a group besides the tail group, to serve the step before the flip")
 
+    _validate_report(cfg, errors)
+
     mcr = cfg.rollout.max_concurrent_rollouts
     need(mcr is None or mcr >= 1, "rollout.max_concurrent_rollouts", mcr, "an integer >= 1, or null")
     need(cfg.rollout.output in OUTPUTS, "rollout.output", cfg.rollout.output, f"one of {list(OUTPUTS)}")
@@ -274,3 +276,27 @@ def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
                                              "not an engine.args key: use engine.model, engine.max_model_len, "
                                              "engine.tensor_parallel_size or engine.kv_cache_gib (disable_log_stats "
                                              "is the backend's: it keeps its own stat logger)"))
+
+
+def _validate_report(cfg: Config, errors: list[FieldError]) -> None:
+    """A positive log interval; every tracker known, its library installed (named for pip), a W&B mode."""
+    import importlib.util
+
+    if not cfg.report.log_interval_s > 0:
+        errors.append(FieldError("report.log_interval_s", cfg.report.log_interval_s, "> 0 (seconds)"))
+
+    from toolkit.trackers import PACKAGES
+
+    for i, name in enumerate(cfg.report.trackers):
+        if name not in PACKAGES:
+            errors.append(FieldError(f"report.trackers[{i}]", name, f"one of {sorted(PACKAGES)}"))
+            continue
+        module, pip = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            errors.append(FieldError(f"report.trackers[{i}]", name, f"its library is not installed: pip install {pip}"))
+    if len(set(cfg.report.trackers)) != len(cfg.report.trackers):
+        errors.append(FieldError("report.trackers", list(cfg.report.trackers), "each tracker once"))
+    mode = cfg.report.wandb_mode
+    if mode not in (None, "online", "offline", "disabled"):
+        errors.append(FieldError("report.wandb_mode", mode, "online, offline, disabled, or null (WANDB_MODE)"))
+

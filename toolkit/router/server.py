@@ -252,9 +252,15 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 self.backend.send_multipart([r.identity, *P.encode(P.Abort(rid))])
 
     def status(self) -> P.Status:
+        steps = {}
+        for job, st in self.tail.flip.steps.items():
+            tl = self.timeline.steps.get(job)
+            same = tl is not None and tl.step == st.step
+            steps[job] = P.StepProgress(st.step, st.n_sessions, len(st.done), tl.t0 if tl and same else 0.0,
+                                        st.flip_count, st.flipped_at or 0.0, tl.migrated if tl and same else 0)
         return P.Status(groups=self.pool.group_status(self.known_groups), queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),
-                        completed=self.stats["completed"])
+                        completed=self.stats["completed"], steps=steps)
 
     # ---- dispatch --------------------------------------------------------------------------
     def target_group(self, req: Request) -> str | None:

@@ -56,10 +56,8 @@ class CountFlip:
         self.early = {k: v for k, v in self.early.items() if k[0] != job or k[1] > step}
 
     def session_done(self, job: str, step: int, session_id: str) -> bool:
-        """Count one finished session; True when this call flipped the step."""
+        """Count one finished session; True when this call flipped the step (never without a threshold)."""
         st = self.steps.get(job)
-        if self.threshold is None:
-            return False
         if st is None or st.step < step:
             if len(self.early) < 1024:
                 self.early.setdefault((job, step), set()).add(session_id)
@@ -67,6 +65,8 @@ class CountFlip:
         if st.step != step:
             return False
         st.done.add(session_id)
+        if self.threshold is None:
+            return False
         if st.flipped_at is None and len(st.done) >= flip_count(self.threshold, st.n_sessions):
             st.flipped_at = time.time()
             st.flip_count = len(st.done)

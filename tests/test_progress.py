@@ -1,0 +1,67 @@
+"""Live progress in ``launch``: the running step from the router's status, redrawn on a terminal and
+as plain lines every ``report.log_interval_s`` in a log."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tests.conftest import launch
+from toolkit import protocol as P
+from toolkit.progress import Progress
+
+
+def status(done: int, generated: int, flip_at: float = 0.0) -> P.Status:
+    t0 = time.time() - 2.0
+    return P.Status(
+        groups={"throughput": P.GroupStatus(inflight=40, generated_tokens=generated),
+                "tail": P.GroupStatus(inflight=16)},
+        queued=5,
+        steps={"rollout": P.StepProgress(step=1, sessions=32, done=done, started_at=t0, flip_count=31 if flip_at else 0,
+                                         flip_at=t0 + flip_at if flip_at else 0.0, moves=7)},
+    )
+
+
+def test_the_line_says_where_the_step_is() -> None:
+    p = Progress(Console(file=io.StringIO()), "rollout", 5, 30.0)
+    assert p.line(P.Status(), 0, 1.0) is None  # no step begun yet
+    p.line(status(8, 1000), 0, 10.0)
+    text, st = p.line(status(16, 13_000, flip_at=1.5), 2, 11.0)  # type: ignore[misc]
+    assert st.done == 16
+    for part in ("step 2/5", "16/32 sessions", "12k tok/s", "queued 5", "in flight tail 16, throughput 40",
+                 "7 moves", "flip 31/32 at 1.50s", "2 replica restarts", "ETA 2.00s"):
+        assert part in text, (part, text)
+
+
+def test_a_log_gets_a_plain_line_per_interval_and_a_terminal_a_redrawn_one() -> None:
+    out = io.StringIO()
+    p = Progress(Console(file=out, force_terminal=False, width=200), "rollout", 5, 30.0)
+    p.update(status(8, 1000), 0)
+    p.update(status(9, 2000), 0)  # within the interval: nothing
+    assert out.getvalue().count("progress: step 2/5") == 1
+    p.step_done()  # the next step's first status prints at once
+    p.update(status(1, 3000), 0)
+    assert out.getvalue().count("progress: step 2/5") == 2
+    tty = io.StringIO()
+    p = Progress(Console(file=tty, force_terminal=True, width=200), "rollout", 5, 30.0)
+    p.update(status(8, 1000), 0)
+    assert p.live is not None and "8/32 sessions" in tty.getvalue()
+    p.step_done()
+    assert p.live is None and "progress:" not in tty.getvalue()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_launch_in_a_log_prints_progress_lines_between_its_step_lines(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.5", "report.log_interval_s=0.2"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    progress = [i for i, line in enumerate(lines) if line.startswith("progress: step 1/2 · ")]
+    first_step_line = next(i for i, line in enumerate(lines) if line.startswith("step 1/2 · "))
+    assert progress and max(progress) < first_step_line  # while step 1 ran, before its step line
+    assert all("/32 sessions" in lines[i] and "tok/s" in lines[i] for i in progress)

@@ -1,0 +1,88 @@
+"""Experiment trackers (``report.trackers``): every step report in a W&B offline run and a TensorBoard
+event file, the run's config with them; a missing library is a setup error naming the package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose_config, launch
+from toolkit.errors import ConfigError
+from toolkit.rundir import RunDir
+from toolkit.trackers import Tracker, Trackers, flatten
+from toolkit.validation import validate
+
+
+def test_a_step_report_flattens_to_its_numbers() -> None:
+    rep = {"step": 3, "wall_s": 2.5, "sessions": 32, "bound": {"critical_path_s": 1.5, "limited_by": "critical_path"},
+           "groups": {"tail": {"requests": 7, "prefix_hit_rate": None}}, "flip": None, "ok": True,
+           "latency_s": {"p50": float("nan")}, "list": [1, 2]}
+    assert flatten(rep) == {"step": 3.0, "wall_s": 2.5, "sessions": 32.0, "bound.critical_path_s": 1.5,
+                            "groups.tail.requests": 7.0, "ok": 1.0}
+
+
+def test_unknown_trackers_and_missing_libraries_fail_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("toolkit.trackers.PACKAGES", {"wandb": ("no_such_module_here", "wandb")})
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["report.trackers=[wandb,mlflow,wandb]", "report.wandb_mode=maybe"]))
+    text = str(info.value)
+    assert "report.trackers[0] = 'wandb': its library is not installed: pip install wandb" in text
+    assert "report.trackers[1] = 'mlflow': one of ['wandb']" in text
+    assert "report.trackers" in text and "each tracker once" in text and "report.wandb_mode = 'maybe'" in text
+
+
+class Flaky(Tracker):
+    def __init__(self) -> None:
+        self.logged: list[int] = []
+        self.closed = False
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step == 1:
+            raise OSError("disk full")
+        self.logged.append(step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_tracker_that_fails_is_dropped_and_the_others_go_on(tmp_path: Path) -> None:
+    trackers = Trackers([], RunDir(tmp_path), {}, {})
+    flaky, steady = Flaky(), Flaky()
+    steady.log = lambda step, metrics: steady.logged.append(step)  # type: ignore[method-assign]
+    trackers.trackers = {"flaky": flaky, "steady": steady}
+    for step in range(3):
+        trackers.log({"step": step, "wall_s": 1.0})
+    assert flaky.logged == [0] and steady.logged == [0, 1, 2] and list(trackers.trackers) == ["steady"]
+    trackers.close()
+    assert steady.closed and not flaky.closed
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_wandb_offline_and_tensorboard_hold_every_step_report(tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.2", "steps=3", "sessions_per_step=16",
+                  "report.trackers=[wandb,tensorboard]", "report.wandb_mode=offline", "seed=5"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    steps = json.loads((run / "report.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    # TensorBoard: one scalar per figure per step, equal to the step report's.
+    events = EventAccumulator(str(run / "trackers" / "tensorboard"))
+    events.Reload()
+    for key in ("wall_s", "bound_s", "generated_tokens", "bound.critical_path_s", "tail.moves"):
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        want = [(s["step"], pytest.approx(flatten(s)[key], rel=1e-6)) for s in steps]
+        assert got == want, key
+    assert "config/text_summary" in events.Tags()["tensors"]
+    # W&B offline (no network): the run's record file holds each step's figures and the config.
+    (record,) = (run / "trackers" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    for s in steps:
+        assert json.dumps(s["wall_s"]).encode() in data and json.dumps(s["generated_tokens"]).encode() in data
+    assert b"bound.critical_path_s" in data and b"sessions_per_step" in data
