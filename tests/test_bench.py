@@ -27,6 +27,8 @@ def test_router_bench_reports_its_fields(tmp_path: Path) -> None:
     assert r["router_rps"] > 0 and r["raw_broker_rps"] > 0
     assert r["ratio"] == pytest.approx(r["router_rps"] / r["raw_broker_rps"], rel=0.01)
     assert 0 < r["decision_us_p50"] <= r["decision_us_p99"]
+    assert r["router_rps_metrics_on"] > 0 and r["router_rps_metrics_off"] > 0
+    assert r["ratio_metrics_on"] == pytest.approx(r["router_rps_metrics_on"] / r["router_rps_metrics_off"], rel=0.01)
 
 
 def test_fairness_bench_reports_its_fields(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from toolkit.config import Config
 from toolkit.errors import ComponentFailed, Interrupted, ReadinessTimeout
 from toolkit.lease import Lease
 from toolkit.lifecycle import ProcessRef
+from toolkit.metrics import write_targets
 from toolkit.progress import Progress
 from toolkit.replicas import ReplicaSet
 from toolkit.rundir import RunDir, atomic_write, read_json
@@ -284,6 +285,8 @@ class Run:
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
         self.replicas.tick(self.address["frontend"], self.curve, status)
         self.progress.update(status, self.replicas.restarts)
+        if status is not None and self.cfg.report.metrics:
+            write_targets(self.run_dir)  # endpoints come and go with restarted components
 
     def summary(self) -> dict[str, Any]:
         reps = self.step_reports

@@ -85,6 +85,16 @@ class RunDir:
         return self.root / "report.json"
 
     @property
+    def metrics(self) -> Path:
+        """Each component's Prometheus endpoint (``<name>.json``: target and labels)."""
+        return self.root / "metrics"
+
+    @property
+    def prometheus_targets(self) -> Path:
+        """Every endpoint in Prometheus' ``file_sd`` format, written by launch."""
+        return self.root / "prometheus_targets.json"
+
+    @property
     def trackers(self) -> Path:
         """Experiment trackers' files (``report.trackers``: the W&B run, TensorBoard's event files)."""
         return self.root / "trackers"

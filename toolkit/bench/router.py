@@ -5,6 +5,10 @@ with instant-answer replicas and (b) a minimal broker with the same sockets (ROU
 back), the same payloads (msgspec Generate in, Result out, decoded and encoded on both sides) and no
 policy (hash of the session id picks the worker). Arms alternate, best of ``rounds`` each.
 
+Metrics: the same client against two routers with instant-answer replicas, one serving Prometheus
+metrics (``report.metrics``) and scraped once a second by a thread of this process, one with metrics
+off; arms alternate, best of ``rounds`` each: ``ratio_metrics_on`` = on / off (target >= 0.95).
+
 Decision cost: a router in this process with 512 registered replicas (no engines: the point is
 the router's own work) and 50,000 queued requests from 8 jobs; each sample frees one slot (a
 Result) and times one ``dispatch()``: queue pop with fair turns, policy choice, send.
@@ -12,11 +16,14 @@ Result) and times one ``dispatch()``: queue pop with fair turns, policy choice, 
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import random
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,7 @@ import numpy as np
 import zmq
 
 from toolkit import protocol as P
-from toolkit.config import Config, GroupConfig, RouterConfig, SimEngineConfig
+from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
 from toolkit.sockets import make_socket
 from toolkit.stack import LocalStack
 
@@ -175,9 +182,52 @@ def _run_client(frontend: str, n: int, window: int) -> float:
         p.join(10)
 
 
-def bench_config(replicas: int, max_inflight: int, policy: str = "consistent_hash") -> Config:
+def bench_config(replicas: int, max_inflight: int, policy: str = "consistent_hash", metrics: bool = True) -> Config:
     return Config(engine=SimEngineConfig(), groups={"bench": GroupConfig(replicas=replicas, max_inflight=max_inflight)},
-                  router=RouterConfig(policy=policy))
+                  router=RouterConfig(policy=policy), report=ReportConfig(metrics=metrics))
+
+
+def _scraper(run_dir: Path, stop: threading.Event) -> None:
+    """Prometheus' part: GET the router's /metrics once a second until ``stop``."""
+    target = json.loads((run_dir / "metrics" / "router.json").read_text())["target"]
+    while not stop.wait(1.0):
+        urllib.request.urlopen(f"http://{target}/metrics", timeout=5).read()
+
+
+def metrics_ratio(n: int, window: int, replicas: int, rounds: int) -> tuple[float, float]:
+    """Best requests/s of a router serving metrics (scraped every second) and of one without."""
+    mpc = mp.get_context("spawn")
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory(prefix="bench-metrics-") as tmp:
+        stacks, procs = {}, []
+        stop = threading.Event()
+        try:
+            for on in (True, False):
+                cfg = bench_config(replicas, max_inflight=max(1, 2 * window // replicas), metrics=on)
+                stack = LocalStack(cfg, Path(tmp) / f"run-{on}")
+                stack.start_router()
+                backend = stack.run_dir.wait_router_address(10)["backend"]
+                procs.append(mpc.Process(target=instant_replicas, args=(backend, replicas, "bench",
+                                                                         cfg.groups["bench"].max_inflight, 0.5),
+                                         daemon=True))
+                procs[-1].start()
+                stack.wait_ready(30)
+                stacks[on] = stack
+            scraper = threading.Thread(target=_scraper, args=(stacks[True].run_dir.root, stop), daemon=True)
+            scraper.start()
+            for on in (True, False):
+                _run_client(stacks[on].frontend, min(n, 2000), window)  # warm both
+            for _ in range(rounds):
+                for on in (True, False):
+                    rates[on].append(_run_client(stacks[on].frontend, n, window))
+        finally:
+            stop.set()
+            for p in procs:
+                p.terminate()
+                p.join(5)
+            for stack in stacks.values():
+                stack.stop()
+    return max(rates[True]), max(rates[False])
 
 
 def throughput(n: int, window: int, replicas: int, rounds: int) -> tuple[float, float]:
@@ -266,7 +316,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     n = 5000 if quick else 30000
     router_rps, raw_rps = throughput(n=n, window=1024, replicas=4, rounds=1 if quick else 3)
     p50, p99 = decision_cost(samples=2000 if quick else 20000, queued=5000 if quick else 50000)
+    on, off = metrics_ratio(n=n, window=1024, replicas=4, rounds=1 if quick else 3)
     return {
+        "router_rps_metrics_on": round(on, 1),
+        "router_rps_metrics_off": round(off, 1),
+        "ratio_metrics_on": round(on / off, 3),
         "router_rps": round(router_rps, 1),
         "raw_broker_rps": round(raw_rps, 1),
         "ratio": round(router_rps / raw_rps, 3),

@@ -37,7 +37,7 @@ class MigrationMixin:
     queue: FairQueue
     timeline: Timeline
     stats: Counter[str]
-    _complete: Callable[[Request, bytes], None]
+    _complete: Callable[..., None]
 
     def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
         """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:

@@ -22,7 +22,7 @@ class Request:
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
-        "prompt_len", "est_mark", "moves",
+        "prompt_len", "est_mark", "moves", "group",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -52,6 +52,7 @@ class Request:
         # Its replica's per-request token count at dispatch (its tokens there: that count now minus this).
         self.est_mark = 0.0
         self.moves = 0
+        self.group = ""  # the group of the replica it was last sent to
 
 
 class JobQueue:

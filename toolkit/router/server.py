@@ -20,8 +20,10 @@ import zmq
 
 from toolkit import protocol as P
 from toolkit.config import Config
+from toolkit.metrics import serve
 from toolkit.router.elastic import ElasticMixin
 from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
+from toolkit.router.metrics import RouterMetrics
 from toolkit.router.migration import MigrationMixin
 from toolkit.router.policy import Replica
 from toolkit.router.pool import ReplicaPool, limit_error
@@ -95,6 +97,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         # Scale-down: ids of replicas told to shut down; since when each target group had none serving.
         self.retired: set[str] = set()
         self.empty_since: dict[str | None, float] = {}
+        self.metrics: RouterMetrics | None = RouterMetrics(self) if cfg.report.metrics else None
+        self._choose = self._decide if self.metrics is None else self.metrics.sampled(self._decide)
         self._seq = 0
         self._probe_n = 0
         self._deadlines = 0
@@ -109,6 +113,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.backend_addr = advertised(self.backend.getsockopt_string(zmq.LAST_ENDPOINT))
         self.tail.adopt_sentinels()
         info = {"frontend": self.frontend_addr, "backend": self.backend_addr, "pid": str(os.getpid())}
+        if self.metrics is not None:
+            serve(self.metrics.registry, host, self.run_dir, "router", {"job": self.cfg.job})
         atomic_write(self.run_dir.router_address, json.dumps(info))
         logger.info("router listening: frontend %s backend %s", self.frontend_addr, self.backend_addr)
         return info
@@ -252,22 +258,16 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 self.backend.send_multipart([r.identity, *P.encode(P.Abort(rid))])
 
     def status(self) -> P.Status:
-        steps = {}
-        for job, st in self.tail.flip.steps.items():
-            tl = self.timeline.steps.get(job)
-            same = tl is not None and tl.step == st.step
-            steps[job] = P.StepProgress(st.step, st.n_sessions, len(st.done), tl.t0 if tl and same else 0.0,
-                                        st.flip_count, st.flipped_at or 0.0, tl.migrated if tl and same else 0)
         return P.Status(groups=self.pool.group_status(self.known_groups), queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),
-                        completed=self.stats["completed"], steps=steps)
+                        completed=self.stats["completed"], steps=self.tail.progress(self.timeline))
 
     # ---- dispatch --------------------------------------------------------------------------
     def target_group(self, req: Request) -> str | None:
         """The pool key ``req`` waits for (None: any group)."""
         return self.tail.targets(req)[0]
 
-    def _choose(self, req: Request) -> Replica | None:
+    def _decide(self, req: Request) -> Replica | None:
         """The replica this request would go to now, or None if it must wait."""
         g, fallback = self.tail.targets(req)
         if req.deaths:
@@ -307,6 +307,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.pool.take_slot(r, -1)
         self.tail.dispatched(req, r, time.monotonic())
         req.replica = r.replica_id
+        req.group = r.group
         req.t_dispatch = time.time()
         req.dispatches += 1
         self.timeline.dispatched(req.msg.job, req.msg.step, r.group, req.t_dispatch)
@@ -368,10 +369,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             self.tail.finished(req, len(req.prefix_tokens) + len(res.output_token_ids))
         if req.prefix_tokens:
             payload = self._merged(req, res)
-        self._complete(req, payload)
+        self._complete(req, payload, res.status)
 
     # ---- completion ------------------------------------------------------------------------
-    def _complete(self, req: Request, payload: bytes) -> None:
+    def _complete(self, req: Request, payload: bytes, status: str = "ok") -> None:
         if self.live.pop(req.request_id, None) is not None and req.msg.deadline:
             self._deadlines -= 1
         self.tail.forget(req)
@@ -382,11 +383,13 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         if len(self.results) > self.rcfg.result_cache:
             self.results.popitem(last=False)
         self.stats["completed"] += 1
+        if self.metrics is not None:
+            self.metrics.completed(req, status, time.time())
 
     def _fail(self, req: Request, status: str, error: str) -> None:
         res = P.Result(request_id=req.request_id, status=status, error=error)
         self.stats[f"failed:{status}"] += 1
-        self._complete(req, _enc.encode(res))
+        self._complete(req, _enc.encode(res), status)
 
     # ---- timers ----------------------------------------------------------------------------
     def sweep(self) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.config import TailConfig
 from toolkit.errors import ConfigError, FieldError
+from toolkit.protocol import StepProgress
 from toolkit.router.pool import BULK
 from toolkit.router.tail.age import AgePolicy
 from toolkit.router.tail.base import StepRecord, TailPolicy
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from toolkit.router.policy import Replica
     from toolkit.router.pool import ReplicaPool
     from toolkit.router.queue import Request
+    from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,16 @@ class TailRouting:
             if rec is not None and req.msg.session_id:
                 rec.on_tail.add(req.msg.session_id)
         return moves
+
+    def progress(self, timeline: Timeline) -> dict[str, StepProgress]:
+        """Per job: its current step as far as the router knows (``Status.steps``)."""
+        out = {}
+        for job, st in self.flip.steps.items():
+            tl = timeline.steps.get(job)
+            same = tl is not None and tl.step == st.step
+            out[job] = StepProgress(st.step, st.n_sessions, len(st.done), tl.t0 if tl and same else 0.0,
+                                    st.flip_count, st.flipped_at or 0.0, tl.migrated if tl and same else 0)
+        return out
 
     def adopt_sentinels(self) -> None:
         self.flip.adopt_sentinels()
