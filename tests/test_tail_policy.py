@@ -129,7 +129,7 @@ def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Pa
     assert [req.request_id for req, _ in moved] == ["l0"]  # one slot: the oldest (lowest seq) of equals
     assert f.tail.targets(request("l0/1", "l0")) == (BULK, None)  # it prefers the tail: no room left there
     rec = f.tail.records["j"]
-    assert {"e0", "e1", "l0"} <= rec.on_tail  # their later turns prefer the tail group
+    assert rec.on_tail == {"e0", "e1"}  # ran there: their later turns prefer the tail group (l0 once it runs)
 
 
 def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path) -> None:
@@ -195,9 +195,92 @@ def test_the_ring_follows_speed_at_step_boundaries_only_when_it_changed(speeds: 
 def test_a_request_s_tokens_are_estimated_from_heartbeats() -> None:
     m = SpeedMeter()
     m.update(0.0, 0, 2)
-    assert m.per_request_at(5.0) == 0.0  # no rate known yet
+    assert m.tokens_since(0.0, 5.0) == 0.0  # no rate known yet
     m.update(1.0, 200, 2)  # 2 running: 100 tokens each
     assert m.per_request_total == 100.0
-    assert m.per_request_at(1.5) == pytest.approx(150.0)  # carried on at 100 tokens/s
-    m.update(2.0, 300, 0)  # 100 more over 1 running on average
-    assert m.per_request_total == pytest.approx(200.0)
+    assert m.tokens_since(0.0, 1.5) == pytest.approx(150.0)  # carried on at 100 tokens/s
+    assert m.tokens_since(0.5, 1.0) == pytest.approx(50.0)  # half the interval
+    # Dispatched at 1.9 while the last rate said 100/s; the interval turns out slower (10 tokens over
+    # 1.5 running): the request's count is read off the real interval, never below zero.
+    assert m.tokens_since(1.9, 1.95) == pytest.approx(5.0)
+    m.update(2.0, 210, 1)
+    assert m.tokens_since(1.9, 2.0) == pytest.approx(10 / 1.5 * 0.1)
+    m.update(3.0, 410, 1)  # 200 tokens, 1 running
+    assert m.tokens_since(1.9, 3.0) == pytest.approx(10 / 1.5 * 0.1 + 200)
+    m.update(4.0, 50, 1)  # the engine restarted: its counter went back; no rate carried on
+    assert m.tokens_since(3.0, 9.0) == pytest.approx(0.0)
+
+
+def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A router in this process (no engines: replicas are registered by hand, their messages sent by
+    the test) with one long runner moving to a busy tail replica."""
+    import time
+
+    import zmq
+
+    from toolkit import protocol as P
+    from toolkit.router.server import Router
+
+    cfg = compose_config(["tail.policy=age", "tail.long_tokens=10", "groups.tail.max_inflight=1",
+                          "groups.throughput.replicas=1", "report.metrics=false"])
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    ctx = zmq.Context()
+    router = Router(cfg, rd, ctx)
+    router.bind("127.0.0.1")
+    for rid, group, slots in (("tp0", "throughput", 8), ("tl0", "tail", 1)):
+        router.register(rid.encode(), P.Register(rid, group, {}, "m", slots, 10_000, 1000))
+        router.pool.set_ready(router.replicas[rid.encode()])
+        router.heartbeat(rid.encode(), P.Heartbeat(rid))
+    tp, tl = router.replicas[b"tp0"], router.replicas[b"tl0"]
+    router.tail.step_begin("j", 0, 4)
+
+    def submit(rid: str, group: str | None = None, deadline: float = 0.0) -> None:
+        msg = P.Generate(rid, job="j", session_id=rid, step=0, prompt_token_ids=[1, 2, 3],
+                         sampling=P.Sampling(max_tokens=500), group=group, deadline=deadline)
+        router.submit(b"client", msg, P._encoder.encode(msg))
+        router.dispatch()
+
+    submit("long", deadline=time.time() + 60)
+    assert "long" in tp.inflight
+    t = router.live["long"].est_mark
+    tp.speed.update(t + 1.0, 100, 1)  # a heartbeat a second later: about 100 tokens, past long_tokens
+    for req, r in router.tail.to_move(t + 1.0):  # what move_long_runners does, at that time
+        router._start_migration(req, r, "age", "tail")
+    assert router.live["long"].migrating == "age" and router.tail.inbound == {"long"}
+    submit("busy", group="tail")  # the tail replica's one slot is taken meanwhile
+    assert "busy" in tl.inflight
+    return router, ctx, tp, tl
+
+
+def test_a_moved_request_waiting_for_room_expires_cleanly_and_frees_nothing_twice(tmp_path: Path) -> None:
+    from toolkit import protocol as P
+
+    router, ctx, tp, tl = router_with_a_move(tmp_path)
+    try:
+        part = P.Result("long", "cancelled", list(range(5, 25)), [-0.1] * 20, "abort", "tp0", "throughput")
+        router._on_result(b"tp0", part, P._encoder.encode(part))  # continues, queued for the busy tail
+        req = router.live["long"]
+        assert req.replica is None and router.queue.size == 1 and not tp.inflight
+        req.msg = P.Generate("long", job="j", step=0, deadline=1.0, prompt_token_ids=req.msg.prompt_token_ids,
+                             group="tail", sampling=req.msg.sampling)
+        router._expire(2.0)  # its deadline passed while it waited
+        assert "long" not in router.live and router.queue.size == 0 and not router.tail.inbound
+        done = P.Result("busy", "ok", [1], [-0.1], "stop", "tl0", "tail")
+        router._on_result(b"tl0", done, P._encoder.encode(done))
+        router.dispatch()
+        assert not tl.inflight and router.pool.free["tail"] == 1  # nothing stale sent, no slot leaked
+    finally:
+        router.close()
+        ctx.term()
+
+
+def test_a_move_whose_replica_dies_gives_back_the_tail_room(tmp_path: Path) -> None:
+    router, ctx, tp, tl = router_with_a_move(tmp_path)
+    try:
+        router.drop(tp, "test: its engine died")  # before the partial Result came back
+        req = router.live["long"]
+        assert req.deaths == 1 and not req.migrating and not router.tail.inbound
+    finally:
+        router.close()
+        ctx.term()

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from toolkit.config import RouterConfig
     from toolkit.router.pool import ReplicaPool
+    from toolkit.router.tail.routing import TailRouting
     from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class MembershipMixin:
     replicas: dict[bytes, Replica]
     queue: FairQueue
     timeline: Timeline
+    tail: TailRouting
     stats: Counter[str]
     _probe_n: int
     refuse_retired: Callable[[bytes, str], bool]
@@ -111,6 +113,7 @@ class MembershipMixin:
         req.deaths += 1
         req.replica = None
         req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
+        self.tail.forget(req)  # a move it was on is off: it no longer holds the tail group's room
         if req.deaths >= self.rcfg.max_engine_deaths:
             # Poison: this request was in flight at every one of these deaths; stop it killing more.
             self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")

@@ -64,6 +64,7 @@ class MigrationMixin:
             resumed_tokens=m.resumed_tokens + len(out),
         )
         req.msg = cont
+        req.replica = None  # queued again: a deadline or an abort now finds it in the queue
         req.payload = P._encoder.encode(cont)
         if out:
             req.hi = max(req.hi, max(out))

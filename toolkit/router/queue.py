@@ -49,7 +49,7 @@ class Request:
         self.prefix_logprobs: list[float] = []
         self.prefix_versions: list[int] = []  # weight versions of prefix_tokens, in order
         self.prompt_len = len(msg.prompt_token_ids)
-        # Its replica's per-request token count at dispatch (its tokens there: that count now minus this).
+        # When it was dispatched (monotonic): its tokens there are estimated from then (router/speed.py).
         self.est_mark = 0.0
         self.moves = 0
         self.group = ""  # the group of the replica it was last sent to

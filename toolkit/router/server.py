@@ -271,7 +271,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         """The replica this request would go to now, or None if it must wait."""
         g, fallback = self.tail.targets(req)
         if req.deaths:
-            return self.pool.choose_for_suspect(g)
+            r = self.pool.choose_for_suspect(g)
+            return r if r is not None or fallback is None else self.pool.choose_for_suspect(fallback)
         key = req.msg.session_id or req.request_id
         r = self.pool.choose(g, key)
         if r is None and fallback is not None:

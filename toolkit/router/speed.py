@@ -8,12 +8,18 @@ moving average over intervals with requests running); an idle interval teaches n
 restart (its counter going back) restarts the count.
 
 It also keeps what one running request has generated there since the replica started (the sum of
-every interval's tokens over the requests running in it). A request's own tokens are that sum now
-minus its value at the request's dispatch: the router's estimate of how long a request has run, for
-the ``age`` tail policy, without a message per token. Between heartbeats it runs on at the last rate.
+every interval's tokens over the requests running in it), at each heartbeat. A request's own tokens
+are that sum now minus its value at the request's dispatch, both read off that history (linear
+within an interval, carried on at the last rate after the last heartbeat): the router's estimate of
+how long a request has run, for the ``age`` tail policy, without a message per token.
 """
 
 from __future__ import annotations
+
+import bisect
+
+HISTORY = 8192
+"""Heartbeats of history kept (about an hour at 0.5 s): a request older than that is counted from it."""
 
 ALPHA = 0.3
 """Weight of the newest interval: about the last five heartbeats with work count."""
@@ -21,7 +27,7 @@ ALPHA = 0.3
 
 class SpeedMeter:
     __slots__ = ("tokens_per_s", "request_tokens_per_s", "peak_tokens_per_s", "peak_request_tokens_per_s",
-                 "per_request_total", "_per_request_rate", "_at", "_generated", "_running")
+                 "per_request_total", "_per_request_rate", "_at", "_generated", "_running", "_times", "_totals")
 
     def __init__(self) -> None:
         self.tokens_per_s = 0.0
@@ -38,14 +44,18 @@ class SpeedMeter:
         self._at: float | None = None
         self._generated = 0
         self._running = 0
+        self._times: list[float] = []
+        self._totals: list[float] = []
 
     def update(self, now: float, generated: int, running: int) -> None:
         """A heartbeat at ``now`` (monotonic seconds): ``generated`` tokens since the engine started,
         ``running`` requests in it."""
-        if self._at is not None and generated >= self._generated and now > self._at:
+        if self._at is not None and now <= self._at:
+            return
+        self._per_request_rate = 0.0  # an idle interval, or the engine restarted (its counter went back)
+        if self._at is not None and generated >= self._generated:
             busy = (self._running + running) / 2  # running at the interval's start and its end
             produced = generated - self._generated
-            self._per_request_rate = 0.0
             if busy > 0 and produced > 0:
                 rate = produced / (now - self._at)
                 # At least one request ran whenever a token came out: a per-request rate is never
@@ -60,10 +70,24 @@ class SpeedMeter:
                 self.peak_tokens_per_s = max(self.peak_tokens_per_s, self.tokens_per_s)
                 self.peak_request_tokens_per_s = max(self.peak_request_tokens_per_s, self.request_tokens_per_s)
         self._at, self._generated, self._running = now, generated, running
+        self._times.append(now)
+        self._totals.append(self.per_request_total)
+        if len(self._times) > HISTORY:
+            del self._times[: HISTORY // 8], self._totals[: HISTORY // 8]
 
-    def per_request_at(self, now: float) -> float:
-        """:attr:`per_request_total` carried on to ``now`` at the last interval's rate (a request's
-        tokens are this at ``now`` minus this at its dispatch)."""
-        if self._at is None or now <= self._at:
-            return self.per_request_total
-        return self.per_request_total + (now - self._at) * self._per_request_rate
+    def per_request_at(self, t: float) -> float:
+        """:attr:`per_request_total` at monotonic time ``t``: linear between the heartbeats around it,
+        carried on at the last interval's rate after the last one."""
+        times = self._times
+        if not times or t <= times[0]:
+            return self._totals[0] if times else 0.0
+        if t >= times[-1]:
+            return self.per_request_total + (t - times[-1]) * self._per_request_rate
+        i = bisect.bisect_right(times, t)
+        t0, t1 = times[i - 1], times[i]
+        v0, v1 = self._totals[i - 1], self._totals[i]
+        return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+
+    def tokens_since(self, t: float, now: float) -> float:
+        """What one request running here from monotonic time ``t`` to ``now`` has generated (estimate)."""
+        return max(0.0, self.per_request_at(now) - self.per_request_at(t))

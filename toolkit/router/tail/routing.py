@@ -106,7 +106,7 @@ class TailRouting:
 
     def dispatched(self, req: Request, r: Replica, now: float) -> None:
         """``req`` was sent to ``r`` (``now``: monotonic): the origin of its token estimate there."""
-        req.est_mark = r.speed.per_request_at(now)
+        req.est_mark = now
         if r.group == self.group:
             self.inbound.discard(req.request_id)
             m = req.msg
@@ -142,15 +142,14 @@ class TailRouting:
         for r in self.pool.replicas.values():
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
-            here = r.speed.per_request_at(now)
             for req in r.inflight.values():
                 m = req.msg
-                if req.migrating or m.group is not None or req.deaths:
+                if req.migrating or m.group is not None or req.deaths or req.client_aborted:
                     continue
                 rec = self._record(m)
                 if rec is None:
                     continue
-                tokens = len(req.prefix_tokens) + here - req.est_mark
+                tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                 if self.flipped(m.job, m.step):
                     if not self.tc.migrate_inflight:
                         continue
@@ -160,10 +159,7 @@ class TailRouting:
         found.sort(key=lambda f: (-f[0], f[1]))
         moves = [(req, r) for _, _, req, r in found[:room]]
         for req, _ in moves:
-            self.inbound.add(req.request_id)
-            rec = self._record(req.msg)
-            if rec is not None and req.msg.session_id:
-                rec.on_tail.add(req.msg.session_id)
+            self.inbound.add(req.request_id)  # its session joins ``on_tail`` once it runs there
         return moves
 
     def progress(self, timeline: Timeline) -> dict[str, StepProgress]:
