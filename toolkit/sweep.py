@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from toolkit.report import si, table_width
+from toolkit.report import pct, si, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +137,10 @@ def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Ta
         ("status", [_fmt(r["status"]) for r in rows], False, 99),
         ("step s", [_fmt(r["step_time_s"], 2) for r in rows], True, 98),
         ("flip", [_fmt(r["flip_count"], 1) for r in rows], True, 97),
-        ("hit", ["-" if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%" for r in rows], True, 4),
+        ("hit", [pct(r["prefix_hit_rate"]) for r in rows], True, 4),
         ("tok/s", [si(r["tokens_per_s"]) for r in rows], True, 3),
         ("flip s", [_fmt(r["flip_time_s"], 2) for r in rows], True, 2),
-        ("spill", ["-" if r["spillover"] is None else f"{100 * r['spillover']:.0f}%" for r in rows], True, 1),
+        ("spill", [pct(r["spillover"], 0) for r in rows], True, 1),
     ]
     for rank in sorted({c[3] for c in columns if c[3] < 97}):
         if table_width([[h, *cells] for h, cells, _, _ in columns]) <= width:

@@ -135,6 +135,8 @@ class TailRouting:
         it, those the policy calls long runners. Each holds its room until it runs there."""
         if self.policy is None:
             return []
+        if not self.policy.moves_running and not (self.tc.migrate_inflight and self.flip.threshold is not None):
+            return []  # nothing this configuration would ever move: no scan every tick
         room = self.room()
         if room <= 0:
             return []
