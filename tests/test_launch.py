@@ -63,10 +63,13 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
         assert rep["flip"] is None and rep["sessions_by_status"] == {"completed": 32}
     assert "step 1/2" in out.stdout and "step 2/2" in out.stdout and "rollout summary" in out.stdout
     assert "x its bound" in out.stdout and "moves to the tail group" in out.stdout
-    # Prometheus' file_sd targets: the router's metrics endpoint, labelled with the run.
-    (targets,) = json.loads((run / "prometheus_targets.json").read_text())
-    assert targets["labels"] == {"run": "run", "component": "router", "job": "rollout"}
-    assert targets["targets"][0].startswith("127.0.0.1:")
+    # Prometheus' file_sd targets as launch last wrote them: the endpoints serving then (the ranks may
+    # have ended already; tests/test_metrics.py waits for all of them), labelled with the run, on loopback.
+    targets = {t["labels"]["component"]: t for t in json.loads((run / "prometheus_targets.json").read_text())}
+    assert "router" in targets and set(targets) <= {"router", "replica-throughput-0", "replica-throughput-1",
+                                                    "replica-tail-0", "rank-0", "rank-1"}
+    assert targets["router"]["labels"] == {"run": "run", "component": "router", "job": "rollout"}
+    assert all(t["targets"][0].startswith("127.0.0.1:") for t in targets.values())
     assert (run / "config.yaml").exists() and (run / ".hydra" / "config.yaml").exists()
     logs = {p.name for p in (run / "logs").iterdir()}
     assert {"router.log", "replica-throughput-0.log", "replica-throughput-1.log", "replica-tail-0.log",

@@ -1,19 +1,23 @@
-"""Prometheus metrics: the router serves /metrics (parsed here with prometheus_client's own text
-parser) whose counts equal what its clients got, and launch lists it in file_sd targets."""
+"""Prometheus metrics: the router, every replica and every rank serve /metrics (parsed here with
+prometheus_client's own text parser) whose counts equal what their clients got and the step reports
+say, and launch lists them all in file_sd targets."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import with_client
+from tests.conftest import finish, start_launch, wait_for, with_client
 from toolkit.client import RouterClient
 from toolkit.protocol import Generate, Sampling
+from toolkit.weights import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,14 +72,93 @@ def test_the_router_metrics_count_what_its_clients_got(make_run) -> None:  # typ
     assert value(m, "toolkit_router_events_total", event="completed") == 23
     assert value(m, "toolkit_router_events_total", event="failed:client_error") == 3
     assert len({lab["replica"] for lab, _ in m["toolkit_router_replica_inflight"]}) == 3  # every replica
-    # The example Grafana dashboard asks only for series the router serves.
-    dashboard = json.loads((ROOT / "examples" / "grafana_dashboard.json").read_text())
-    asked = {name for p in dashboard["panels"] for t in p["targets"]
-             for name in re.findall(r"toolkit_[a-z_]+", t["expr"])}
+    # The example Grafana dashboard asks only for series the router serves (of its router panels).
+    asked = {name for name in dashboard_series() if name.startswith("toolkit_router_")}
     assert asked and asked <= set(m), asked - set(m)
+
+
+def dashboard_series() -> set[str]:
+    dashboard = json.loads((ROOT / "examples" / "grafana_dashboard.json").read_text())
+    return {name for p in dashboard["panels"] for t in p["targets"] for name in re.findall(r"toolkit_[a-z_]+", t["expr"])}
 
 
 def test_no_metrics_when_turned_off(make_run) -> None:  # type: ignore[no-untyped-def]
     cfg, rd, stack = make_run(["engine.time_scale=0.05", "report.metrics=false"])
     stack.start()
     assert not rd.metrics.exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_every_component_of_a_launch_serves_counts_equal_to_the_step_report(tmp_path: Path) -> None:
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    # On-policy: step 1 waits for weights version 1, so every component is up, step 0 is over, and
+    # nothing else runs while the test scrapes. The default tail policy moves requests past 30 tokens
+    # to the tail group, so some requests run on two replicas.
+    proc = start_launch([f"hydra.run.dir={run}", "steps=2", "sessions_per_step=12", "router.heartbeat_s=0.2",
+                         "engine.time_scale=0.2", "tail.long_tokens=30", f"rollout.weights_dir={weights}",
+                         "rollout.max_staleness=0", "rollout.weights_timeout_s=120"])
+    try:
+        wait_for(lambda: (run / "steps" / "step_00000.json").exists(), 180, "step 0's report")
+        report = json.loads((run / "steps" / "step_00000.json").read_text())
+        targets_file = run / "prometheus_targets.json"
+
+        def listed() -> list | None:  # type: ignore[type-arg]
+            groups = json.loads(targets_file.read_text()) if targets_file.exists() else []
+            names = {g["labels"]["component"] for g in groups}
+            # The default fleet: 2 throughput replicas and 1 tail replica, and 2 ranks.
+            want = {"router", "replica-throughput-0", "replica-throughput-1", "replica-tail-0", "rank-0", "rank-1"}
+            return groups if want <= names else None
+
+        wait_for(listed, 30, "every component in prometheus_targets.json")
+        time.sleep(0.6)  # the replicas' heartbeats after step 0's last tokens
+        scraped = {g["labels"]["component"]: (g["labels"], scrape(g["targets"][0])) for g in listed() or []}
+    finally:
+        publish(weights, 1, checkpoint)  # lets step 1 run: the launch must still succeed
+        output = finish(proc, 180)
+    assert proc.returncode == 0, output
+
+    assert all(lab["run"] == run.name and lab["job"] == "rollout" for lab, _ in scraped.values())
+    ranks = [m for name, (_, m) in scraped.items() if name.startswith("rank-")]
+    replicas = {name: m for name, (_, m) in scraped.items() if name.startswith("replica-")}
+    router = scraped["router"][1]
+    requests = report["requests_by_status"]
+    sessions = report["sessions_by_status"]
+    # The ranks: every session and request of step 0, as the step report counts them.
+    assert [value(m, "toolkit_rank_step") for m in ranks] == [0, 0]
+    for status, n in sessions.items():
+        assert sum(value(m, "toolkit_rank_sessions_total", status=status) for m in ranks) == n, status
+    assert sum(value(m, "toolkit_rank_step_sessions_done") for m in ranks) == report["sessions"] == 12
+    for status, n in requests.items():
+        assert sum(value(m, "toolkit_rank_requests_total", status=status) for m in ranks) == n, status
+    for group, g in report["groups"].items():
+        assert sum(value(m, "toolkit_rank_requests_total", group=group) for m in ranks) == g["requests"], group
+    assert sum(value(m, "toolkit_rank_generated_tokens_total") for m in ranks) == report["generated_tokens"]
+    assert sum(value(m, "toolkit_rank_request_seconds_count") for m in ranks) == report["requests"]
+    # The router answered each of them once.
+    for status, n in requests.items():
+        assert value(router, "toolkit_router_requests_total", job="rollout", status=status) == n, status
+    assert value(router, "toolkit_router_queue_depth", job="rollout") == 0
+    # The replicas: the tokens of the step's Results (a moved request's tokens came from two of them),
+    # every one also counted by its engine (probes on top); none held now.
+    result_tokens = sum(value(m, "toolkit_replica_result_tokens_total", job="rollout") for m in replicas.values())
+    assert result_tokens == report["generated_tokens"]
+    engine_tokens = sum(value(m, "toolkit_replica_generated_tokens_total") for m in replicas.values())
+    assert engine_tokens >= result_tokens
+    moved = report["tail"]["moves"]
+    assert moved > 0
+    ok = sum(value(m, "toolkit_replica_requests_total", job="rollout", status="ok") for m in replicas.values())
+    assert ok == requests.get("ok", 0)  # a move's first part ends cancelled, its last part ok
+    cancelled = sum(value(m, "toolkit_replica_requests_total", job="rollout", status="cancelled")
+                    for m in replicas.values())
+    assert cancelled == moved
+    assert all(value(m, "toolkit_replica_inflight") == 0 for m in replicas.values())
+    assert {lab["group"] for name, (lab, _) in scraped.items() if name.startswith("replica-")} == {"throughput", "tail"}
+    # The example Grafana dashboard asks only for series the components serve.
+    served = {name for _, m in scraped.values() for name in m}
+    assert dashboard_series() <= served, dashboard_series() - served
+    # Step 1 ended, and every component took its endpoint file with it.
+    assert not list((run / "metrics").glob("*.json"))

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -294,6 +295,11 @@ def test_the_sbatch_template_runs_the_whole_thing_as_steps(run: tuple[Path, str]
     # The job's log is not a terminal: the running step's progress comes as plain lines.
     progress = [line for line in log.splitlines() if line.startswith("progress: step ")]
     assert progress and all("/32 sessions" in line and "in flight" in line for line in progress), log
+    # Every component served its metrics on every interface, advertised by the node's name.
+    for name in ("router", "replica-throughput-0", "replica-throughput-1", "replica-tail-0", "rank-0", "rank-1"):
+        text = (r / "logs" / f"{name}.log").read_text()
+        assert f"metrics on http://{socket.gethostname()}:" in text, (name, text[-2000:])
+    assert json.loads((r / "prometheus_targets.json").read_text())  # launch listed them
     jid = out.stdout.strip().split(";")[0]
     states = accounting(jid)
     names = subprocess.run(["sacct", "-n", "-P", "-j", jid, "-o", "JobName"], capture_output=True, text=True,

@@ -394,8 +394,8 @@ class ReportConfig:
     """When launch's output is not a terminal (a Slurm log, a pipe): a plain progress line of the running
     step this often (on a terminal the display is redrawn every second)."""
     metrics: bool = True
-    """The router serves Prometheus metrics on ``/metrics`` (``toolkit/metrics.py``); launch lists the
-    endpoints in ``<run dir>/prometheus_targets.json`` (file_sd)."""
+    """The router, every replica and every rank serve Prometheus metrics on ``/metrics``
+    (``toolkit/metrics.py``); launch lists the endpoints in ``<run dir>/prometheus_targets.json`` (file_sd)."""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that log every step report (flattened, keyed by step) with the run's config:
     ``wandb`` (needs ``pip install wandb``), ``tensorboard`` (``pip install tensorboardX``); files under

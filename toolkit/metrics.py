@@ -10,8 +10,10 @@ every component of a run with no configuration.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import socket
 from typing import Any
 
@@ -22,15 +24,29 @@ from toolkit.rundir import RunDir, atomic_write, read_json
 logger = logging.getLogger(__name__)
 
 
-def serve(registry: CollectorRegistry, host: str, run_dir: RunDir, name: str, labels: dict[str, str]) -> int:
-    """Serve ``registry`` on an ephemeral port of ``host`` (a daemon thread) and record the endpoint."""
-    server, _ = start_http_server(0, addr=host, registry=registry)
-    port = int(server.server_port)
-    shown = socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
-    atomic_write(run_dir.metrics / f"{name}.json",
-                 json.dumps({"target": f"{shown}:{port}", "labels": {"component": name, **labels}}))
-    logger.info("metrics on http://%s:%d/metrics", shown, port)
-    return port
+class Endpoint:
+    """One component's ``/metrics``: ``registry`` served on an ephemeral port of ``host`` (a daemon
+    thread), and its endpoint file, which :meth:`close` removes (a killed component's stays: its target
+    is then down, which is what Prometheus should see)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, run_dir: RunDir, name: str,
+                 labels: dict[str, str]) -> None:
+        self._server, self._thread = start_http_server(0, addr=host, registry=registry)
+        self.port = int(self._server.server_port)
+        shown = socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
+        self.target = f"{shown}:{self.port}"
+        self.path = run_dir.metrics / f"{name}.json"
+        atomic_write(self.path, json.dumps({"target": self.target, "pid": os.getpid(),
+                                            "labels": {"component": name, **labels}}))
+        logger.info("metrics on http://%s/metrics", self.target)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            info = read_json(self.path)
+            if info and info.get("pid") == os.getpid():  # not a replacement's
+                self.path.unlink()
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def write_targets(run_dir: RunDir) -> list[dict[str, Any]]:

@@ -41,11 +41,13 @@ import zmq.asyncio
 from toolkit import protocol as P
 from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
+from toolkit.engine.metrics import ReplicaMetrics
 from toolkit.entry import enter_component
 from toolkit.lifecycle import ProcessRef
+from toolkit.metrics import Endpoint
 from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import client_curve
-from toolkit.sockets import RouterLink
+from toolkit.sockets import RouterLink, bind_host
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class ReplicaServer:
         # Per request in the engine: the weight versions it ran on (for engines that keep no account).
         self._versions: dict[str, list[int]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.metrics = ReplicaMetrics(lambda: len(self.tasks)) if cfg.report.metrics else None
 
     async def _send(self, msg: P.Message) -> None:
         await self.link.send(P.encode(msg))
@@ -97,6 +100,11 @@ class ReplicaServer:
         addr = await asyncio.to_thread(self.run_dir.wait_router_address, self.cfg.cluster.ready_timeout_s)
         self.info = await self.engine.start()
         self._record_engine_pids()
+        endpoint = None
+        if self.metrics is not None:
+            endpoint = Endpoint(self.metrics.registry, bind_host(self.cfg.router.host, self.cfg.cluster.type),
+                                self.run_dir, self.name, {"job": self.cfg.job, "group": self.group,
+                                                          "replica": self.replica_id})
         self.link.connect(addr["backend"])
         logger.info("replica %s connected to %s", self.replica_id, self.link.address)
         await self._register()
@@ -104,6 +112,8 @@ class ReplicaServer:
         try:
             await self._receive()
         finally:
+            if endpoint is not None:
+                endpoint.close()
             beat.cancel()
             for t in list(self._background):
                 t.cancel()
@@ -118,6 +128,8 @@ class ReplicaServer:
             await asyncio.sleep(self.cfg.router.heartbeat_s)
             self._check_engine()
             s = self.engine.stats()
+            if self.metrics is not None:
+                self.metrics.stats = s
             await self._send(P.Heartbeat(self.replica_id, s.running, s.waiting, s.kv_usage,
                                          s.prefix_hits, s.prefix_queries, s.weight_version,
                                          s.generated_tokens))
@@ -157,7 +169,8 @@ class ReplicaServer:
                 continue
             if isinstance(msg, P.Generate):
                 if msg.request_id not in self.tasks:
-                    self.tasks[msg.request_id] = asyncio.create_task(self._generate(msg))
+                    # Named after its job: an abort at the gate counts its Result under the job too.
+                    self.tasks[msg.request_id] = asyncio.create_task(self._generate(msg), name=msg.job)
             elif isinstance(msg, P.Abort):
                 await self._abort(msg.request_id)
             elif isinstance(msg, P.UpdateWeights):
@@ -175,6 +188,7 @@ class ReplicaServer:
 
     async def _generate(self, msg: P.Generate) -> None:
         rid = msg.request_id
+        t0 = time.monotonic()
         try:
             await self._open.wait()
             self._entered.add(rid)
@@ -204,6 +218,8 @@ class ReplicaServer:
         # between the engine's answer and here.
         res.weight_versions = P.join_versions(res.weight_versions or seen or [self.engine.weight_version])
         res.weight_version = res.weight_versions[-1]
+        if self.metrics is not None:
+            self.metrics.result(msg.job, res.status, len(res.output_token_ids), time.monotonic() - t0)
         await self._send(res)
 
     async def _abort(self, rid: str) -> None:
@@ -212,6 +228,8 @@ class ReplicaServer:
             # Still at the gate: the engine never saw it.
             task.cancel()
             self.tasks.pop(rid, None)
+            if self.metrics is not None:
+                self.metrics.result(task.get_name(), "cancelled", 0, 0.0)
             await self._send(P.Result(request_id=rid, status="cancelled", finish_reason="abort",
                                       replica_id=self.replica_id, group=self.group,
                                       error="aborted before it reached the engine"))
@@ -262,6 +280,9 @@ class ReplicaServer:
         finally:
             if self._weights_loading == target:
                 self._weights_loading = None
+        if self.metrics is not None:
+            mode = "in_place" if self._update_mode == "pause" and self._in_place else "drain"
+            self.metrics.weight_loads.labels(mode, "error" if error else "ok").inc()
         await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
 
     async def _update_in_place(self, msg: P.UpdateWeights) -> bool:
@@ -292,6 +313,8 @@ class ReplicaServer:
     def _check_engine(self) -> None:
         if self.engine.dead() and (self._recovery is None or self._recovery.done()):
             logger.error("the engine died; its requests fail as engine_dead, new ones wait for a restart")
+            if self.metrics is not None:
+                self.metrics.deaths.inc()
             self._recovery = self._spawn(self._recover(), "engine-restart")
 
     async def _recover(self) -> None:
@@ -299,6 +322,8 @@ class ReplicaServer:
             async with self._engine_exclusive():
                 self.info = await self.engine.restart()
                 self._record_engine_pids()
+            if self.metrics is not None:
+                self.metrics.restarts.inc()
             logger.info("engine restarted; %d request(s) were waiting", len(self.tasks))
         except Exception as exc:
             # Noticed by the receive loop, which ends the process (see serve).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,17 @@ from toolkit.rundir import atomic_write
 class RequestLog:
     """One row per generation request of this rank's sessions (gathered as flat arrays)."""
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Callable[[Result, float], None] | None = None) -> None:
         self.rows: list[tuple[float, float, float, float, str, int, int, int, int, int, int]] = []
         self.sessions_done_at: list[float] = []
+        self.observe = observe
+        """Called with each Result and its latency (the rank's metrics)."""
 
     def add(self, res: Result, route: Route | None, prompt_len: int, sent_at: float, done_at: float,
             session: int) -> None:
         """One request of session ``session`` (its index in the step) sent at ``sent_at``."""
+        if self.observe is not None:
+            self.observe(res, done_at - sent_at)
         self.rows.append((
             done_at - sent_at,
             done_at,

@@ -26,6 +26,7 @@ from toolkit.config import Config, group_engine
 from toolkit.entry import enter_component
 from toolkit.errors import RouterUnavailable, ToolkitError
 from toolkit.lifecycle import ProcessRef, quiet_gc
+from toolkit.metrics import Endpoint
 from toolkit.protocol import Generate, GroupStatus, Sampling
 from toolkit.rollout.bound import has_time_model
 from toolkit.rollout.columns import (
@@ -38,6 +39,7 @@ from toolkit.rollout.columns import (
     write_parquet,
 )
 from toolkit.rollout.envs import Environment
+from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.sample import SAMPLE_STATUSES, NonPrefixTurn, Sample
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
@@ -45,6 +47,7 @@ from toolkit.rollout.stepreport import RequestLog, step_report, write_step_repor
 from toolkit.rollout.stepweights import StepWeights
 from toolkit.rollout.tokenizer import load_tokenizer
 from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.sockets import bind_host
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +147,7 @@ class RankRunner:
         self.tokenizer = (load_tokenizer(cfg.workload.tokenizer)
                           if cfg.rollout.decode_responses and self.agent is None else None)
         self.weights = StepWeights(cfg.rollout, self.client, run_dir.stop_request.exists)  # rank 0's
+        self.metrics = RankMetrics() if cfg.report.metrics else None
 
     def _my_cap(self) -> int:
         cap = self.cfg.rollout.max_concurrent_rollouts
@@ -154,6 +158,10 @@ class RankRunner:
 
     async def run(self) -> None:
         await self.client.connect(self.cfg.cluster.ready_timeout_s)
+        endpoint = None
+        if self.metrics is not None:
+            endpoint = Endpoint(self.metrics.registry, bind_host(self.cfg.router.host, self.cfg.cluster.type),
+                                self.run_dir, f"rank-{self.rank}", {"job": self.cfg.job, "rank": str(self.rank)})
         try:
             if self.agent is not None:
                 await self._start_gateway()
@@ -167,6 +175,8 @@ class RankRunner:
             if self.gateway is not None:
                 await self.gateway.close()
             await self.client.close()
+            if endpoint is not None:
+                endpoint.close()
 
     async def _start_gateway(self) -> None:
         from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
@@ -204,8 +214,10 @@ class RankRunner:
         n = cfg.sessions_per_step
         t0 = time.time()
         sem = asyncio.Semaphore(self._my_cap())
-        log = RequestLog()
         mine = range(self.rank, n, self.size)
+        log = RequestLog(self.metrics.request if self.metrics is not None else None)
+        if self.metrics is not None:
+            self.metrics.begin(step, len(mine))
         run = self.agent_session if self.agent is not None else self.session
         done = asyncio.Event()
         follow = (asyncio.create_task(self.weights.follow(step, done), name="weights")
@@ -321,6 +333,8 @@ class RankRunner:
             for s in samples:
                 s.decode_response(self.tokenizer)
         log.sessions_done_at.append(time.time())
+        if self.metrics is not None and samples:
+            self.metrics.session_done(samples[-1].status)  # the step report's outcome: the last row
         await self.client.session_done(self.cfg.job, step, sid)
         return samples
 

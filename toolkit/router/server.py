@@ -20,7 +20,7 @@ import zmq
 
 from toolkit import protocol as P
 from toolkit.config import Config
-from toolkit.metrics import serve
+from toolkit.metrics import Endpoint
 from toolkit.router.elastic import ElasticMixin
 from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
 from toolkit.router.metrics import RouterMetrics
@@ -104,6 +104,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self._deadlines = 0
         self.frontend_addr = ""
         self.backend_addr = ""
+        self.endpoint: Endpoint | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def bind(self, host: str) -> dict[str, str]:
@@ -114,7 +115,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.tail.adopt_sentinels()
         info = {"frontend": self.frontend_addr, "backend": self.backend_addr, "pid": str(os.getpid())}
         if self.metrics is not None:
-            serve(self.metrics.registry, host, self.run_dir, "router", {"job": self.cfg.job})
+            self.endpoint = Endpoint(self.metrics.registry, host, self.run_dir, "router", {"job": self.cfg.job})
         atomic_write(self.run_dir.router_address, json.dumps(info))
         logger.info("router listening: frontend %s backend %s", self.frontend_addr, self.backend_addr)
         return info
@@ -124,6 +125,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.backend.close(0)
         if self.curve is not None:
             self.curve.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()
