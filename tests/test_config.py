@@ -110,6 +110,32 @@ def test_cli_rejects_bad_config_before_starting_anything(tmp_path: Path) -> None
     assert not (run / "pids").exists() and not (run / "logs").exists()
 
 
+def test_a_group_is_added_from_the_command_line() -> None:
+    cfg = compose_config(["+groups.mid={replicas:1,max_inflight:32}"])
+    assert (cfg.groups["mid"].replicas, cfg.groups["mid"].max_inflight) == (1, 32)
+    assert set(cfg.groups) == {"throughput", "tail", "mid"}
+    cfg = compose_config(["+groups.mid.replicas=3", "+groups.mid.engine.max_model_len=512", "groups.tail.replicas=2"])
+    assert (cfg.groups["mid"].replicas, cfg.groups["mid"].max_inflight) == (3, 64)  # the rest: GroupConfig's defaults
+    assert cfg.groups["mid"].engine == {"max_model_len": 512} and cfg.groups["tail"].replicas == 2
+    validate(cfg)
+
+
+def test_bad_group_fields_are_listed_together() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["+groups.mid.replicaz=1", "+groups.x.max_inflight=abc", "+groups.y=3"])
+    assert [e.field for e in info.value.errors] == ["groups.mid.replicaz", "groups.x.max_inflight", "groups.y"]
+    text = str(info.value)
+    assert "one of replicas, max_inflight, labels, engine" in text and "must be int" in text
+
+
+def test_cli_names_a_bad_added_group_field(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "+groups.mid.replicaz=1", "+groups.mid.max_inflight=0"], timeout_s=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "groups.mid.replicaz = 1: not a group field" in out.stdout and "Traceback" not in out.stdout + out.stderr
+    assert not (run / "pids").exists()
+
+
 def test_cli_rejects_unknown_key(tmp_path: Path) -> None:
     out = launch([f"hydra.run.dir={tmp_path / 'run'}", "not_a_field=3"], timeout_s=60)
     assert out.returncode != 0

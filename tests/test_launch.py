@@ -109,6 +109,18 @@ def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> N
     assert_no_process_left(run)
 
 
+def test_a_group_added_by_override_serves_the_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", "sessions_per_step=24",
+                  "+groups.mid={replicas:1,max_inflight:8}", "+groups.mid.labels.role=mid"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    (rep,) = check_outputs(run, steps=1, sessions=24)
+    assert set(rep["groups"]) == {"throughput", "tail", "mid"}
+    assert rep["groups"]["mid"]["requests"] > 0  # a bulk group like throughput: sessions hash onto it
+    assert (run / "logs" / "replica-mid-0.log").exists()
+    assert_no_process_left(run)
+
+
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = start_launch([f"hydra.run.dir={run}", "steps=50"])

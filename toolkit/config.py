@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from toolkit.errors import ConfigError, FieldError
 
@@ -437,9 +437,53 @@ class Config:
     (``toolkit/resume.py``: steps, timeouts, cluster, replica counts...)."""
 
 
+@dataclass
+class ConfigSchema(Config):
+    """What Hydra composes against: :class:`Config` with ``groups`` untyped, because OmegaConf cannot
+    assign a new mapping to a ``dict[str, GroupConfig]`` node (``+groups.mid={replicas: 1}`` and
+    ``+groups.mid.replicas=1`` failed inside OmegaConf). :func:`from_dictconfig` types the groups and
+    lists every bad group field."""
+
+    groups: dict[str, Any] = field(default_factory=dict)
+    """Engine groups by name (fields of :class:`GroupConfig`)."""
+
+
+GROUP_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(GroupConfig)}
+
+
+def typed_groups(raw: Any) -> dict[str, GroupConfig]:
+    """``groups`` as :class:`GroupConfig` objects; a :class:`ConfigError` naming every bad field."""
+    if not isinstance(raw, dict):
+        raise ConfigError([FieldError("groups", raw, "a mapping of group name to group fields")])
+    groups: dict[str, GroupConfig] = {}
+    errors = []
+    for name, fields in raw.items():
+        fields = {} if fields is None else fields
+        if not isinstance(fields, dict):
+            errors.append(FieldError(f"groups.{name}", fields, f"a mapping of group fields: {', '.join(GROUP_FIELDS)}"))
+            continue
+        node = OmegaConf.structured(GroupConfig)
+        for key, value in fields.items():
+            if key not in GROUP_FIELDS:
+                errors.append(FieldError(f"groups.{name}.{key}", value,
+                                         f"not a group field; one of {', '.join(GROUP_FIELDS)}"))
+                continue
+            try:
+                node = OmegaConf.merge(node, {key: value})
+            except (ValidationError, ValueError) as exc:
+                errors.append(FieldError(f"groups.{name}.{key}", value, f"must be {GROUP_FIELDS[key]}"))
+        if not errors:
+            obj = OmegaConf.to_object(node)
+            assert isinstance(obj, GroupConfig)
+            groups[str(name)] = obj
+    if errors:
+        raise ConfigError(errors)
+    return groups
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
+    cs.store(name="config_schema", node=ConfigSchema)
     cs.store(group="cluster", name="local_schema", node=ClusterConfig)
     cs.store(group="cluster", name="slurm_schema", node=SlurmClusterConfig)
     cs.store(group="engine", name="sim_schema", node=SimEngineConfig)
@@ -470,6 +514,7 @@ def from_dictconfig(cfg: DictConfig | dict) -> Config:
     assert isinstance(raw, dict)
     engine_raw = raw.pop("engine", None) or {}
     cluster_raw = raw.pop("cluster", None) or {}
+    groups = typed_groups(raw.pop("groups", None) or {})
     raw.pop("defaults", None)
     schema = engine_schema(str(engine_raw.get("type", "sim")))
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items()})
@@ -478,6 +523,7 @@ def from_dictconfig(cfg: DictConfig | dict) -> Config:
                                      cluster_raw)
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
+    obj.groups = groups
     return obj
 
 
