@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import compose_config
 from toolkit.config import ConfigError, VllmEngineConfig, group_engine
-from toolkit.engine.base import BACKENDS
+from toolkit.engine.base import ENGINES
 from toolkit.engine.vllm import VllmEngine, adapter_present, cpu_thread_binding
 from toolkit.validation import validate
 
@@ -18,7 +18,7 @@ def test_model_tiny_picks_vllm_and_fits_the_rollout_into_the_model() -> None:
     cfg = compose_config(["engine=vllm", "model=tiny"])
     validate(cfg)
     e = cfg.engine
-    assert isinstance(e, VllmEngineConfig) and BACKENDS[e.type] == "toolkit.engine.vllm:VllmEngine"
+    assert isinstance(e, VllmEngineConfig) and ENGINES.backends[e.type].impl == "toolkit.engine.vllm:VllmEngine"
     assert (e.model, e.vocab_size, e.max_model_len) == ("tiny", 512, 1024)
     assert e.args["enforce_eager"] is True and e.kv_cache_gib == 0.125
     # Workload interpolations follow the engine; a whole session fits max_model_len.
@@ -54,7 +54,7 @@ def test_every_bad_vllm_field_is_reported_at_once() -> None:
 
 def test_vllm_config_fields_have_docstrings() -> None:
     source = Path(__file__).resolve().parent.parent.joinpath("toolkit", "config.py").read_text()
-    block = source[source.index("class VllmEngineConfig"):source.index("ENGINE_TYPES")]
+    block = source[source.index("class VllmEngineConfig"):source.index("VLLM_OWN_ARGS")]
     for f in dataclasses.fields(VllmEngineConfig):
         after = block[block.index(f"    {f.name}:"):].splitlines()[1].strip()
         assert after.startswith('"""'), f.name

@@ -21,7 +21,6 @@ from toolkit.errors import ConfigError, FieldError
 POLICIES = ("consistent_hash", "least_loaded", "power_of_two", "round_robin")
 TAIL_POLICIES = ("count", "age", "predict")
 QUEUES = ("fair", "fifo")
-CLUSTERS = ("local", "slurm", "allocation")
 OUTPUTS = ("gather", "shards")
 UPDATE_MODES = ("pause", "drain")
 
@@ -217,11 +216,8 @@ class VllmEngineConfig:
     ``adapter_missing`` answer reaches the router before the router times the request out."""
 
 
-ENGINE_TYPES: dict[str, type] = {"sim": SimEngineConfig, "vllm": VllmEngineConfig}
 # Engine arguments that have their own field above (the field wins; one place to set each).
 VLLM_OWN_ARGS = ("model", "max_model_len", "tensor_parallel_size", "kv_cache_memory_bytes", "disable_log_stats")
-CLUSTER_TYPES: dict[str, type] = {"local": ClusterConfig, "slurm": SlurmClusterConfig,
-                                  "allocation": SlurmClusterConfig}
 
 
 @dataclass
@@ -470,7 +466,7 @@ def typed_groups(raw: Any) -> dict[str, GroupConfig]:
                 continue
             try:
                 node = OmegaConf.merge(node, {key: value})
-            except (ValidationError, ValueError) as exc:
+            except (ValidationError, ValueError):
                 errors.append(FieldError(f"groups.{name}.{key}", value, f"must be {GROUP_FIELDS[key]}"))
         if not errors:
             obj = OmegaConf.to_object(node)
@@ -482,28 +478,29 @@ def typed_groups(raw: Any) -> dict[str, GroupConfig]:
 
 
 def register_configs() -> None:
+    """The schemas the YAML in ``conf/`` builds on: the whole config, each backend's (from the
+    registries beside the engine and cluster base classes) and the workload's."""
+    from toolkit.cluster.base import CLUSTERS
+    from toolkit.engine.base import ENGINES
+
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=ConfigSchema)
-    cs.store(group="cluster", name="local_schema", node=ClusterConfig)
-    cs.store(group="cluster", name="slurm_schema", node=SlurmClusterConfig)
-    cs.store(group="engine", name="sim_schema", node=SimEngineConfig)
-    cs.store(group="engine", name="vllm_schema", node=VllmEngineConfig)
+    for group, registry in (("cluster", CLUSTERS), ("engine", ENGINES)):
+        for name in registry.names():
+            cs.store(group=group, name=f"{name}_schema", node=registry.schema(name))
     cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
 
 
-def _schema(kind: str, types: dict[str, type], type_name: str) -> type:
-    try:
-        return types[type_name]
-    except KeyError:
-        raise ConfigError([FieldError(f"{kind}.type", type_name, f"one of {sorted(types)}")]) from None
-
-
 def engine_schema(type_name: str) -> type:
-    return _schema("engine", ENGINE_TYPES, type_name)
+    from toolkit.engine.base import ENGINES
+
+    return ENGINES.schema(type_name)
 
 
 def cluster_schema(type_name: str) -> type:
-    return _schema("cluster", CLUSTER_TYPES, type_name)
+    from toolkit.cluster.base import CLUSTERS
+
+    return CLUSTERS.schema(type_name)
 
 
 def from_dictconfig(cfg: DictConfig | dict) -> Config:

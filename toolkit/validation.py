@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from toolkit.cluster.base import CLUSTERS
 from toolkit.config import (
-    CLUSTERS,
     OUTPUTS,
     POLICIES,
     QUEUES,
@@ -69,7 +69,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             errors.append(FieldError(name, value, allowed))
 
-    need(cfg.cluster.type in CLUSTERS, "cluster.type", cfg.cluster.type, f"one of {list(CLUSTERS)}")
+    need(cfg.cluster.type in CLUSTERS.names(), "cluster.type", cfg.cluster.type, f"one of {CLUSTERS.names()}")
     need(cfg.cluster.ready_timeout_s > 0, "cluster.ready_timeout_s", cfg.cluster.ready_timeout_s, "> 0")
     # Renewed every lease_s / 6: below a second the shared file system would do little else.
     need(cfg.cluster.lease_s >= 1, "cluster.lease_s", cfg.cluster.lease_s, ">= 1 (seconds)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.cluster.base import Cluster, Component
-from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
+from toolkit.cluster.base import CLUSTERS, Cluster, Component
+from toolkit.config import Config, SlurmClusterConfig
 from toolkit.errors import ConfigError, FieldError
 from toolkit.lifecycle import ProcessRef
 from toolkit.rundir import RunDir
@@ -14,19 +14,9 @@ __all__ = ["Cluster", "Component", "make_cluster", "preflight"]
 
 
 def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
-    if cfg.cluster.type == "local":
-        from toolkit.cluster.local import LocalCluster
-
-        return LocalCluster(cfg, run_dir, owner)
-    if cfg.cluster.type == "slurm":
-        from toolkit.cluster.slurm import SlurmCluster
-
-        return SlurmCluster(cfg, run_dir, owner)
-    if cfg.cluster.type == "allocation":
-        from toolkit.cluster.allocation import AllocationCluster
-
-        return AllocationCluster(cfg, run_dir, owner)
-    raise ConfigError([FieldError("cluster.type", cfg.cluster.type, f"one of {list(CLUSTERS)}")])
+    cluster = CLUSTERS.impl(cfg.cluster.type)(cfg, run_dir, owner)
+    assert isinstance(cluster, Cluster)
+    return cluster
 
 
 def preflight(cfg: Config, run_root: Path) -> None:

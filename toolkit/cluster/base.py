@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 
 from toolkit.config import Config
 from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes
+from toolkit.registry import Backend, Registry
 from toolkit.rundir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -96,3 +97,11 @@ class Cluster(ABC):
         refs = [r for c in self.components for r in c.refs()] + read_pidfiles(self.run_dir.pids)
         refs = [r for r in refs if r.pid != self.owner.pid]
         return stop_processes(refs, grace_s=2.0)
+
+
+CLUSTERS = Registry("cluster", {
+    "local": Backend("toolkit.config:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
+    "slurm": Backend("toolkit.config:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster"),
+    "allocation": Backend("toolkit.config:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster"),
+})
+"""Cluster backends by ``cluster.type``."""

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit.errors import ConfigError, FieldError, ToolkitError
+from toolkit.errors import ToolkitError
 from toolkit.protocol import Generate, Result
+from toolkit.registry import Backend, Registry
 
-# Backends by ``engine.type``; imported lazily so the sim never pays for importing vLLM.
-BACKENDS = {"sim": "toolkit.engine.sim:SimEngine", "vllm": "toolkit.engine.vllm:VllmEngine"}
+ENGINES = Registry("engine", {
+    "sim": Backend("toolkit.config:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
+    "vllm": Backend("toolkit.config:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine"),
+})
+"""Engine backends by ``engine.type``."""
 
 
 class EngineGone(ToolkitError):
@@ -99,11 +102,6 @@ class Engine(ABC):
 
 def make_engine(cfg: Any) -> Engine:
     """Build the backend named by ``cfg.type`` from its config."""
-    spec = BACKENDS.get(cfg.type)
-    if spec is None:
-        raise ConfigError([FieldError("engine.type", cfg.type, f"one of {sorted(BACKENDS)}")])
-    module, _, name = spec.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    engine = cls(cfg)
+    engine = ENGINES.impl(cfg.type)(cfg)
     assert isinstance(engine, Engine)
     return engine
