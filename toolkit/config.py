@@ -43,6 +43,12 @@ class ClusterConfig:
     lease_s: float = 60.0
     """Every component exits when launch has not renewed its lease (``<run dir>/lease.json``) for this
     long: the jobs of a launch that was killed end (``toolkit/lease.py``)."""
+    gpus_per_node: int = 0
+    """Devices of one node (GPUs; on vLLM's CPU build, engine worker processes). 0: every replica fits on
+    one node (``cluster.replica.nodes`` says otherwise on Slurm). N: a replica whose tensor x pipeline
+    parallel size W is larger than N spans W / N nodes (W must be a multiple of N), one node rank per
+    node, each with N devices; ``allocation`` also packs smaller replicas onto nodes by it. Locally, each
+    node rank is its own process, and they meet only through the master address."""
     signal_grace_s: int = 180
     """On SIGUSR1 (the sbatch templates have Slurm send it this many seconds before the time limit,
     ``--signal=B:USR1@N``) launch finishes the step in flight if it can in this time less a teardown
@@ -95,8 +101,6 @@ class SlurmClusterConfig(ClusterConfig):
     """Resources of one replica of every group."""
     group_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per-group overrides of ``replica``, e.g. ``{tail: {gpus: 2}}``."""
-    gpus_per_node: int = 0
-    """GPUs of one node (``allocation`` only: packs replicas onto the allocation's nodes)."""
     router_cpus: int = 1
     """CPUs of the router job (a CPU job)."""
     router_mem: str = "1G"
@@ -193,6 +197,9 @@ class VllmEngineConfig:
     tensor_parallel_size: int = 1
     """Devices per replica (vLLM ``tensor_parallel_size``); on vLLM's CPU build the replica's CPUs are
     split between the workers."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages per replica (vLLM ``pipeline_parallel_size``): a replica has tensor x pipeline
+    parallel devices, across nodes when that is more than ``cluster.gpus_per_node``."""
     kv_cache_gib: float | None = None
     """KV cache per replica in GiB (vLLM ``kv_cache_memory_bytes``); null = vLLM's own sizing
     (``gpu_memory_utilization`` on GPUs, ``VLLM_CPU_KVCACHE_SPACE`` or 4 GiB on CPUs)."""
@@ -217,7 +224,8 @@ class VllmEngineConfig:
 
 
 # Engine arguments that have their own field above (the field wins; one place to set each).
-VLLM_OWN_ARGS = ("model", "max_model_len", "tensor_parallel_size", "kv_cache_memory_bytes", "disable_log_stats")
+VLLM_OWN_ARGS = ("model", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "kv_cache_memory_bytes",
+                 "disable_log_stats", "nnodes", "node_rank", "master_addr", "master_port")
 
 
 @dataclass
@@ -541,10 +549,40 @@ def group_engine(cfg: Config, group: str) -> Any:
     return dataclasses.replace(cfg.engine, **cfg.groups[group].engine)
 
 
+def replica_devices(cfg: Config, group: str) -> int:
+    """Devices one replica of ``group`` uses: vLLM's tensor x pipeline parallel size (1 for the sim)."""
+    e = group_engine(cfg, group)
+    return int(getattr(e, "tensor_parallel_size", 1)) * int(getattr(e, "pipeline_parallel_size", 1))
+
+
+def replica_shape(cfg: Config, group: str) -> tuple[int, int] | None:
+    """``(devices per node, nodes)`` of one replica of ``group`` as ``cluster.gpus_per_node`` places it;
+    None when it does not (``gpus_per_node`` 0) or cannot (devices not a multiple of it)."""
+    per_node = cfg.cluster.gpus_per_node
+    devices = replica_devices(cfg, group)
+    if per_node <= 0 or (devices > per_node and devices % per_node):
+        return None
+    return (devices, 1) if devices <= per_node else (per_node, devices // per_node)
+
+
+def replica_nodes(cfg: Config, group: str) -> int:
+    """Node ranks (processes that meet through a master address) of one replica of ``group``."""
+    if isinstance(cfg.cluster, SlurmClusterConfig):
+        return replica_resources(cfg, group).nodes
+    shape = replica_shape(cfg, group)
+    return shape[1] if shape else 1
+
+
 def replica_resources(cfg: Config, group: str) -> ReplicaResources:
-    """What one replica of ``group`` asks Slurm for: ``cluster.replica`` with the group's overrides."""
+    """What one replica of ``group`` asks Slurm for: ``cluster.replica`` with the group's overrides; with
+    ``cluster.gpus_per_node``, GPUs per node and nodes follow the group's tensor x pipeline parallel size
+    (validation refuses explicit values that disagree)."""
     assert isinstance(cfg.cluster, SlurmClusterConfig)
-    return dataclasses.replace(cfg.cluster.replica, **cfg.cluster.group_resources.get(group, {}))
+    res = dataclasses.replace(cfg.cluster.replica, **cfg.cluster.group_resources.get(group, {}))
+    shape = replica_shape(cfg, group) if isinstance(group_engine(cfg, group), VllmEngineConfig) else None
+    if shape is not None:
+        res = dataclasses.replace(res, gpus=shape[0], nodes=shape[1])
+    return res
 
 
 def save_run_config(cfg: Config, path: Path) -> None:

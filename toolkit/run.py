@@ -19,7 +19,7 @@ from rich.console import Console
 
 from toolkit.client import ready_counts, router_status
 from toolkit.cluster import Cluster, Component, make_cluster
-from toolkit.config import Config
+from toolkit.config import Config, group_engine
 from toolkit.errors import ComponentFailed, Interrupted, ReadinessTimeout
 from toolkit.lease import Lease
 from toolkit.lifecycle import ProcessRef
@@ -336,7 +336,11 @@ class Run:
         if self.trackers is not None:
             self.trackers.close()
             self.trackers = None
-        survivors = self.cluster.stop_all()
+        from toolkit.engine.base import ENGINES
+
+        # Each backend's own time to close (vLLM's shutdown waits on its workers), then stop by pid.
+        grace = max(ENGINES.impl(group_engine(self.cfg, g).type).shutdown_s for g in self.cfg.groups)
+        survivors = self.cluster.stop_all(grace)
         if survivors:
             logger.error("processes still alive after teardown: %s", [(r.pid, r.name) for r in survivors])
 

@@ -24,6 +24,7 @@ from toolkit.config import (
     SlurmClusterConfig,
     VllmEngineConfig,
     group_engine,
+    replica_shape,
 )
 from toolkit.errors import ConfigError, FieldError
 from toolkit.rollout.tokenizer import tokenizer_problem
@@ -74,6 +75,7 @@ def validate(cfg: Config) -> None:
     # Renewed every lease_s / 6: below a second the shared file system would do little else.
     need(cfg.cluster.lease_s >= 1, "cluster.lease_s", cfg.cluster.lease_s, ">= 1 (seconds)")
     need(cfg.cluster.signal_grace_s >= 0, "cluster.signal_grace_s", cfg.cluster.signal_grace_s, ">= 0 (seconds)")
+    _validate_placement(cfg, errors)
     if isinstance(cfg.cluster, SlurmClusterConfig):
         _validate_slurm(cfg, errors)
     need(cfg.steps >= 1, "steps", cfg.steps, "an integer >= 1")
@@ -157,6 +159,39 @@ def validate(cfg: Config) -> None:
         raise ConfigError(errors)
 
 
+def _validate_placement(cfg: Config, errors: list[FieldError]) -> None:
+    """``cluster.gpus_per_node`` and each group's tensor x pipeline parallel size decide nodes per replica."""
+    per_node = cfg.cluster.gpus_per_node
+    if per_node < 0:
+        errors.append(FieldError("cluster.gpus_per_node", per_node, "an integer >= 0"))
+        return
+    for group in cfg.groups:
+        if set(cfg.groups[group].engine) - {f.name for f in dataclasses.fields(cfg.engine)}:
+            continue  # unknown engine keys are reported on their own
+        e = group_engine(cfg, group)
+        tp, pp = getattr(e, "tensor_parallel_size", 1), getattr(e, "pipeline_parallel_size", 1)
+        if tp < 1 or pp < 1:
+            continue  # reported with the engine's fields
+        devices = tp * pp
+        if per_node and devices > per_node and devices % per_node:
+            errors.append(FieldError(
+                f"groups.{group}.engine", f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {devices}",
+                f"a multiple of cluster.gpus_per_node = {per_node} (a replica wider than a node spans whole "
+                f"nodes: {devices // per_node} or {devices // per_node + 1} nodes of {per_node}), or at most {per_node}"))
+            continue
+        shape = replica_shape(cfg, group)
+        c = cfg.cluster
+        if shape is None or not isinstance(c, SlurmClusterConfig) or not isinstance(e, VllmEngineConfig):
+            continue
+        over = c.group_resources.get(group, {})
+        for key, derived in (("gpus", shape[0]), ("nodes", shape[1])):
+            if key in over and over[key] != derived:
+                errors.append(FieldError(
+                    f"cluster.group_resources.{group}.{key}", over[key],
+                    f"{derived} (or unset): {devices} devices on nodes of cluster.gpus_per_node = {per_node} "
+                    f"are {shape[1]} node(s) of {shape[0]}"))
+
+
 def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
     c = cfg.cluster
     assert isinstance(c, SlurmClusterConfig)
@@ -170,8 +205,6 @@ def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
             errors.append(FieldError(f"cluster.{name}", getattr(c, name), "sbatch memory, e.g. 512M or 4G"))
     if c.ranks_per_node is not None and c.ranks_per_node < 1:
         errors.append(FieldError("cluster.ranks_per_node", c.ranks_per_node, "an integer >= 1, or null"))
-    if c.gpus_per_node < 0:
-        errors.append(FieldError("cluster.gpus_per_node", c.gpus_per_node, "an integer >= 0"))
     if c.poll_s <= 0:
         errors.append(FieldError("cluster.poll_s", c.poll_s, "> 0"))
     if c.job_timeout_min < 1:
@@ -230,6 +263,7 @@ def _vllm_checks(e: VllmEngineConfig) -> list[tuple[str, Any, bool, str]]:
         ("max_model_len", e.max_model_len, e.max_model_len >= 1, "an integer >= 1"),
         ("vocab_size", e.vocab_size, e.vocab_size >= 1, "an integer >= 1"),
         ("tensor_parallel_size", e.tensor_parallel_size, e.tensor_parallel_size >= 1, "an integer >= 1"),
+        ("pipeline_parallel_size", e.pipeline_parallel_size, e.pipeline_parallel_size >= 1, "an integer >= 1"),
         ("kv_cache_gib", e.kv_cache_gib, e.kv_cache_gib is None or e.kv_cache_gib > 0, "> 0, or null"),
         ("max_restarts", e.max_restarts, e.max_restarts >= 0, "an integer >= 0"),
         ("cpu_engine_nice", e.cpu_engine_nice, 0 <= e.cpu_engine_nice <= 19, "an integer in [0, 19]"),
@@ -274,8 +308,10 @@ def _validate_engine(cfg: Config, errors: list[FieldError]) -> None:
                 if key in VLLM_OWN_ARGS:
                     errors.append(FieldError(f"{prefix}.args.{key}", e.args[key],
                                              "not an engine.args key: use engine.model, engine.max_model_len, "
-                                             "engine.tensor_parallel_size or engine.kv_cache_gib (disable_log_stats "
-                                             "is the backend's: it keeps its own stat logger)"))
+                                             "engine.tensor_parallel_size, engine.pipeline_parallel_size or "
+                                             "engine.kv_cache_gib (disable_log_stats is the backend's: it keeps its "
+                                             "own stat logger; nnodes, node_rank, master_addr and master_port come "
+                                             "from the placement: cluster.gpus_per_node)"))
 
 
 def _validate_report(cfg: Config, errors: list[FieldError]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,24 @@ import submitit
 
 from toolkit import router
 from toolkit.cluster.base import Cluster, Component
+from toolkit.config import replica_nodes
 from toolkit.engine import replica
 from toolkit.errors import ComponentFailed
 from toolkit.lifecycle import ProcessRef, popen_logged
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_task(run_dir: str, group: str, index: int, owner: ProcessRef, nodes: int, port: int) -> None:
+    """One node rank of a local multi-node replica (its submitit task rank)."""
+    from toolkit.engine.nodes import NodeRole, serve_node
+
+    rank = submitit.JobEnvironment().global_rank
+    serve_node(run_dir, group, index, NodeRole(rank, nodes, "127.0.0.1", port), owner)
 
 
 class SubmititComponent(Component):
@@ -113,8 +129,16 @@ class LocalCluster(Cluster):
         return self._submit("router", router.serve, str(self.run_dir.root), self.owner)
 
     def start_replica(self, group: str, index: int) -> Component:
-        return self._submit(f"replica-{group}-{index}", replica.serve, str(self.run_dir.root), group, index,
-                            self.owner)
+        name = f"replica-{group}-{index}"
+        nodes = replica_nodes(self.cfg, group)
+        if nodes == 1:
+            return self._submit(name, replica.serve, str(self.run_dir.root), group, index, self.owner)
+        # A replica wider than a node: one task per node rank, meeting only at a master address on
+        # loopback, as the nodes of a Slurm job meet at their first node's.
+        ex = self._executor(name)
+        ex.update_parameters(tasks_per_node=nodes)
+        job = ex.submit(node_task, str(self.run_dir.root), group, index, self.owner, nodes, free_port())
+        return self.track(SubmititComponent(name, job))
 
     def start_ranks(self, n: int, first_step: int = 0) -> Component:
         cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",

@@ -21,7 +21,6 @@ import os
 import shlex
 import socket
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,41 +102,18 @@ def node_role(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def replica_task(run_dir: str, group: str, index: int) -> None:
-    """Node rank 0 of a replica serves it; the other nodes of a multi-node replica get their node
-    rank and the master address in ``TOOLKIT_*`` variables and hold their node for the engine."""
+    """One node of a replica: node rank 0 serves it; the other nodes of a multi-node replica run the
+    engine's workers for it (``toolkit/engine/nodes.py``)."""
     if os.environ.get("SLURM_LOCALID", "0") != "0":
         return  # one task per node is asked for; a second one on a node would only duplicate it
-    role = node_role()
-    os.environ.update(role)
     for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
-    node = int(role["TOOLKIT_NODE_RANK"])
-    if node == 0:
-        from toolkit.engine import replica
+    from toolkit.engine.nodes import NodeRole, serve_node
 
-        replica.serve(run_dir, group, index, None)
-        return
-    _hold_node(run_dir, group, index, node)
-
-
-def _hold_node(run_dir: str, group: str, index: int, node: int) -> None:
-    from toolkit.entry import enter_component
-
-    name = f"replica-{group}-{index}-node{node}"
-    rd, _ = enter_component(run_dir, name)
-    logger.info("node %d of replica %s-%d: holding the node for the engine's workers (master %s:%s)", node,
-                group, index, os.environ["TOOLKIT_MASTER_ADDR"], os.environ["TOOLKIT_MASTER_PORT"])
-    started = time.time()
-    stopped = rd.replica_stopped(f"replica-{group}-{index}")
-    try:
-        # Until node 0 stops after a drain (a marker newer than this task: an index is reused when a
-        # group scales up again), or SIGTERM.
-        while not (stopped.exists() and stopped.stat().st_mtime >= started - 1):
-            time.sleep(2.0)
-        logger.info("node 0 of replica %s-%d stopped after its drain; releasing the node", group, index)
-    except (KeyboardInterrupt, SystemExit):
-        pass
+    role = node_role()
+    serve_node(run_dir, group, index, NodeRole(int(role["TOOLKIT_NODE_RANK"]), int(role["TOOLKIT_NNODES"]),
+                                               role["TOOLKIT_MASTER_ADDR"], int(role["TOOLKIT_MASTER_PORT"])))
 
 
 def ranks_task(run_dir: str, first_step: int = 0) -> None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toolkit.errors import ToolkitError
 from toolkit.protocol import Generate, Result
 from toolkit.registry import Backend, Registry
+
+if TYPE_CHECKING:
+    from toolkit.engine.nodes import NodeRole
 
 ENGINES = Registry("engine", {
     "sim": Backend("toolkit.config:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
@@ -65,6 +69,9 @@ class Engine(ABC):
     async def close(self) -> None:
         """Release the engine (processes, memory)."""
 
+    shutdown_s: float = 5.0
+    """How long a replica of this backend may take to close after SIGTERM before teardown kills it."""
+
     # ---- weights and deaths: defaults for backends that have neither ------------------------
     weight_version: int = 0
     """Version of the loaded weights (0: the model's own); the replica stamps it on every Result."""
@@ -98,6 +105,13 @@ class Engine(ABC):
         """Processes the engine started (engine core, workers): recorded so teardown stops them by pid
         even when the replica itself is killed."""
         return []
+
+    @classmethod
+    def serve_node_rank(cls, cfg: Any, role: NodeRole, record_pids: Callable[[list[int]], None]) -> bool:
+        """Node rank ``role.rank`` > 0 of a replica wider than a node (``toolkit/engine/nodes.py``): run
+        this node's share of the engine (its workers) until the replica ends, and return True; or return
+        False at once when the backend has nothing to run there (the node is then only held)."""
+        return False
 
 
 def make_engine(cfg: Any) -> Engine:

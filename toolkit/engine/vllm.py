@@ -44,11 +44,13 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, EngineStats
+from toolkit.engine.nodes import NodeRole
 from toolkit.protocol import Completion, Generate, Result, Sampling, Structured
 
 logger = logging.getLogger(__name__)
@@ -141,6 +143,44 @@ def cpu_thread_binding(tp: int, cpus: list[int]) -> str | None:
     return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
 
 
+def engine_args(c: VllmEngineConfig, model_path: str, cpu: bool, role: NodeRole | None) -> dict[str, Any]:
+    """``AsyncEngineArgs`` of a replica, the same on each of its node ranks (``role``: a replica wider than
+    a node, whose node ranks meet at the master address with vLLM's multiprocessing executor)."""
+    args = {"enable_log_requests": False, **c.args}
+    args.update(model=model_path, max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
+                pipeline_parallel_size=c.pipeline_parallel_size,
+                # Our stat logger only: vLLM's default ones print every 10 s and keep Prometheus series.
+                disable_log_stats=True)
+    if c.kv_cache_gib is not None:
+        args["kv_cache_memory_bytes"] = int(c.kv_cache_gib * (1 << 30))
+    if role is not None:
+        args.update(distributed_executor_backend="mp", nnodes=role.nnodes, node_rank=role.rank,
+                    master_addr=role.master_addr, master_port=role.master_port)
+    if cpu:
+        # vLLM 0.32's CPU build kills the engine when a request with a seed has its prefill split
+        # over steps (it rewinds the seeded generator, which CPU generators cannot do): whole
+        # prefills only, unless engine.args says otherwise.
+        args.setdefault("enable_chunked_prefill", False)
+    return args
+
+
+def cpu_environment(c: VllmEngineConfig, role: NodeRole | None) -> None:
+    """On the CPU build: bind each local worker's threads to its own cores (inherited by the engine
+    core's workers); node ranks that share a host split its cores and talk over loopback."""
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = c.tensor_parallel_size * c.pipeline_parallel_size
+    if role is not None:
+        cpus = role.cpus(cpus)
+        workers = max(1, workers // role.nnodes)
+        if role.one_host:
+            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    bind = cpu_thread_binding(workers, cpus) if workers > 1 else (",".join(map(str, cpus)) if role else None)
+    if bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+
+
 def structured_outputs(v: SimpleNamespace, st: Structured | None) -> Any:
     """vLLM's ``StructuredOutputsParams`` for ``st`` (None for None); ValueError for a malformed one."""
     if st is None:
@@ -179,6 +219,8 @@ def _client_error(request_id: str, exc: BaseException) -> Result:
 
 
 class VllmEngine(Engine):
+    shutdown_s = 20.0  # vLLM's executor waits 5 s for its workers, more than once across node ranks
+
     def __init__(self, cfg: VllmEngineConfig) -> None:
         self.cfg = cfg
         self.v: SimpleNamespace | None = None
@@ -209,28 +251,15 @@ class VllmEngine(Engine):
         return await self._boot()
 
     def engine_args(self) -> dict[str, Any]:
-        c = self.cfg
-        args = {"enable_log_requests": False, **c.args}
-        args.update(model=self.model_path, max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
-                    # Our stat logger only: vLLM's default ones print every 10 s and keep Prometheus series.
-                    disable_log_stats=True)
-        if c.kv_cache_gib is not None:
-            args["kv_cache_memory_bytes"] = int(c.kv_cache_gib * (1 << 30))
-        if self.v is not None and self.v.platform.is_cpu():
-            # vLLM 0.32's CPU build kills the engine when a request with a seed has its prefill split
-            # over steps (it rewinds the seeded generator, which CPU generators cannot do): whole
-            # prefills only, unless engine.args says otherwise.
-            args.setdefault("enable_chunked_prefill", False)
-        return args
+        return engine_args(self.cfg, self.model_path, self.v is not None and self.v.platform.is_cpu(),
+                           NodeRole.from_env())
 
     async def _boot(self) -> EngineInfo:
         v = self.v
         assert v is not None
         t0 = time.monotonic()
-        if v.platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            bind = cpu_thread_binding(self.cfg.tensor_parallel_size, sorted(os.sched_getaffinity(0)))
-            if bind is not None:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # inherited by the engine core's workers
+        if v.platform.is_cpu():
+            cpu_environment(self.cfg, NodeRole.from_env())
         args = v.AsyncEngineArgs(**self.engine_args())
         # In a thread: the replica's loop keeps beating while a restarted engine comes up (~20 s).
         self.llm = await asyncio.to_thread(v.AsyncLLM.from_engine_args, args,
@@ -265,6 +294,10 @@ class VllmEngine(Engine):
         return self.llm is not None and (bool(self.llm.errored) or bool(self.broken))
 
     async def restart(self) -> EngineInfo:
+        if NodeRole.from_env() is not None:
+            # The other node ranks' workers ended with the engine (or were what died): only a new job
+            # brings them all back.
+            raise EngineGone("the engine of a replica wider than a node died: the replica ends as a whole")
         self.restarts += 1
         if self.restarts > self.cfg.max_restarts:
             raise EngineGone(f"the engine died {self.restarts} times (engine.max_restarts = {self.cfg.max_restarts})")
@@ -293,6 +326,13 @@ class VllmEngine(Engine):
                 except OSError:
                     pass  # a thread that ended meanwhile
         logger.info("engine processes %s at niceness +%d (cpu_engine_nice)", self.pids(), nice)
+
+    @classmethod
+    def serve_node_rank(cls, cfg: Any, role: NodeRole, record_pids: Callable[[list[int]], None]) -> bool:
+        from toolkit.engine.vllm_workers import serve_workers
+
+        serve_workers(cfg, role, record_pids)
+        return True
 
     def pids(self) -> list[int]:
         try:

@@ -1,0 +1,107 @@
+"""The node ranks of one replica. A replica wider than a node (``cluster.gpus_per_node`` against its
+tensor x pipeline parallel size) runs one process per node rank; they meet only through the master
+address. Node rank 0 is the replica (``toolkit/engine/replica.py``: the engine, the router link,
+restarts); every other node rank runs the backend's workers for it (vLLM: its headless multiprocessing
+workers, ``toolkit/engine/vllm_workers.py``) and exits when node rank 0 is gone, so the replica lives
+and dies as a whole: the router requeues its requests and launch replaces the job.
+
+The cluster backends give each process its role: Slurm from ``srun``'s variables
+(``toolkit.cluster.slurm.node_role``), locally from submitit's task rank with a master on loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from toolkit.lifecycle import ProcessRef
+
+logger = logging.getLogger(__name__)
+
+EXIT_REPLICA_GONE = 75
+"""A worker node rank whose replica's node rank 0 is gone (EX_TEMPFAIL: the job is replaced)."""
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    rank: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+
+    def env(self) -> dict[str, str]:
+        return {"TOOLKIT_NODE_RANK": str(self.rank), "TOOLKIT_NNODES": str(self.nnodes),
+                "TOOLKIT_MASTER_ADDR": self.master_addr, "TOOLKIT_MASTER_PORT": str(self.master_port)}
+
+    @classmethod
+    def from_env(cls) -> NodeRole | None:
+        """This process's role, if it is one node rank of a multi-node replica."""
+        nnodes = int(os.environ.get("TOOLKIT_NNODES", "1"))
+        if nnodes <= 1:
+            return None
+        return cls(int(os.environ.get("TOOLKIT_NODE_RANK", "0")), nnodes, os.environ["TOOLKIT_MASTER_ADDR"],
+                   int(os.environ["TOOLKIT_MASTER_PORT"]))
+
+    @property
+    def one_host(self) -> bool:
+        """Every node rank on this host (a local run): they split its CPUs and talk over loopback."""
+        return self.master_addr.startswith("127.") or self.master_addr == "localhost"
+
+    def cpus(self, available: list[int]) -> list[int]:
+        """The CPUs of this node rank: all of the node's, or its share when the ranks share a host."""
+        if not self.one_host:
+            return available
+        per = max(1, len(available) // self.nnodes)
+        return available[self.rank * per:(self.rank + 1) * per] or available[-per:]
+
+
+def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owner: ProcessRef | None = None) -> None:
+    """Entry point of one node rank of replica ``group``-``index`` (node rank 0, or a one-node replica:
+    the replica itself)."""
+    from toolkit.engine import replica
+
+    if role is not None:
+        os.environ.update(role.env())
+    if role is None or role.rank == 0:
+        replica.serve(run_dir, group, index, owner)
+        return
+    from toolkit.engine.base import ENGINES
+    from toolkit.entry import enter_component
+
+    name = f"replica-{group}-{index}-node{role.rank}"
+    rd, cfg = enter_component(run_dir, name, owner)
+    ecfg = replica.engine_config(cfg, group)
+    logger.info("node rank %d of %d of replica %s-%d (master %s:%d)", role.rank, role.nnodes, group, index,
+                role.master_addr, role.master_port)
+
+    def record(pids: list[int]) -> None:
+        for pid in pids:
+            ref = ProcessRef.of(pid, f"{name}-worker")
+            if ref.start is not None:
+                (rd.pids / f"{name}-worker.{pid}.pid").write_text(ref.encode())
+
+    try:
+        if ENGINES.impl(ecfg.type).serve_node_rank(ecfg, role, record):
+            logger.error("node rank 0 of replica %s-%d is gone: this node rank ends with it", group, index)
+            sys.exit(EXIT_REPLICA_GONE)
+        _hold(rd.replica_stopped(f"replica-{group}-{index}"), group, index)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and exc.code == EXIT_REPLICA_GONE:
+            raise
+        logger.info("node rank %d of replica %s-%d stopping", role.rank, group, index)
+
+
+def _hold(stopped: os.PathLike[str], group: str, index: int) -> None:
+    """A backend with nothing to run on the other nodes: hold the node until node rank 0 stops after a
+    drain (a marker newer than this process: an index is reused when a group scales up again), or SIGTERM."""
+    from pathlib import Path
+
+    marker = Path(stopped)
+    started = time.time()
+    logger.info("holding the node for replica %s-%d", group, index)
+    while not (marker.exists() and marker.stat().st_mtime >= started - 1):
+        time.sleep(2.0)
+    logger.info("node 0 of replica %s-%d stopped after its drain; releasing the node", group, index)
