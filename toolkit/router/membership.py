@@ -109,6 +109,19 @@ class MembershipMixin:
             self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
             self._engine_died_under(req, r.replica_id, why)
 
+    def engine_died(self, r: Replica, why: str) -> None:
+        """A replica answered ``engine_dead``: out of dispatch until a new probe passes its gate (its
+        engine restarted). Requests wait here meanwhile, not at its gate: a replica that ends instead
+        (an engine that cannot restart: a lost node of a multi-node replica) takes none of them along,
+        so one failure counts once toward a request's ``max_engine_deaths``."""
+        if not r.ready or r.draining:
+            return
+        logger.warning("the engine of %s died (%s): out of dispatch until it serves a probe again", r.replica_id, why)
+        self.pool.withdraw(r)
+        r.ready = False
+        self.stats["engine_deaths"] += 1
+        self._probe(r)
+
     def _engine_died_under(self, req: Request, replica_id: str, why: str) -> None:
         req.deaths += 1
         req.replica = None

@@ -104,8 +104,10 @@ class ReplicaPool:
 
     def take_slot(self, r: Replica, delta: int) -> None:
         """``delta`` slots of ``r`` were freed (> 0) or taken (< 0)."""
-        if r.draining:
-            return  # its slots left the counts when it began draining; freed ones are not offered
+        if r.draining or not r.ready:
+            # Its slots left the counts when it began draining, or its engine died (set_ready counts
+            # them again): freed ones are not offered.
+            return
         keys = self.keys(r)
         for g in keys:
             self.free[g] += delta

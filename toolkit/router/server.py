@@ -363,6 +363,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             return
         self._release(r, req)
         if res.status == "engine_dead":
+            self.engine_died(r, res.error)
             self._engine_died_under(req, r.replica_id, res.error)
             return
         why, req.migrating = req.migrating, ""

@@ -1,0 +1,65 @@
+"""A vLLM replica wider than a node, on one machine: ``cluster.gpus_per_node=1`` with tensor parallel 2
+makes each replica two node ranks (two processes, each with one CPU worker of vLLM's CPU build) that
+meet only at a master address on loopback. Node rank 0 serves the engine through the router; node rank
+1 runs vLLM's headless worker. A lost node rank 1 (its process and its worker killed, as when a node
+dies) ends the replica as a whole, the router requeues its requests, launch replaces it, and the run
+loses no session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("TOOLKIT_REQUIRE_VLLM"):
+    import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
+else:
+    pytest.importorskip("vllm")
+
+import pyarrow.parquet as pq  # noqa: E402
+
+from tests.conftest import finish, start_launch, wait_for  # noqa: E402
+from tests.test_launch import assert_no_process_left  # noqa: E402
+from toolkit.lifecycle import read_pidfiles  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def node1_processes(run: Path) -> list:  # type: ignore[type-arg]
+    """Node rank 1 of replica throughput-0 and its vLLM worker, alive, from their pid files."""
+    return [r for r in read_pidfiles(run / "pids") if r.name.startswith("replica-throughput-0-node1") and r.alive()]
+
+
+def test_a_lost_node_rank_ends_its_replica_which_is_replaced_with_no_session_lost(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start_launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={tmp_path / 'cache'}",
+                         "groups=single", "engine.tensor_parallel_size=2", "cluster.gpus_per_node=1", "ranks=1",
+                         "steps=3", "sessions_per_step=8", "workload.max_tokens=48"])
+    killed: list[int] = []
+    try:
+        # Two node ranks per replica: node rank 1 and its worker register their pids; node rank 0 serves.
+        wait_for(lambda: len(node1_processes(run)) >= 2 and (run / "steps" / "step_00000.json").exists(), 600,
+                 "the first step on the two-node-rank replica")
+        for ref in node1_processes(run):  # a lost node: every process of node rank 1 at once
+            os.kill(ref.pid, signal.SIGKILL)
+            killed.append(ref.pid)
+    finally:
+        output = finish(proc, 700)
+    assert proc.returncode == 0, output[-5000:]
+    assert len(killed) >= 2
+    for step in range(3):
+        rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
+        assert [r["index"] for r in rows] == list(range(8))
+        assert all(r["status"] in ("completed", "truncated") and r["generated_tokens"] > 0 for r in rows), rows
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e["kind"] == "replica_restarted" and e["group"] == "throughput" for e in events), events
+    # Node rank 0 saw its engine die with the other node rank, and ended the replica rather than restart it.
+    log0 = (run / "logs" / "replica-throughput-0.log").read_text()
+    assert "the replica ends as a whole" in log0, log0[-3000:]
+    # The replacement is two node ranks again, the engine spread over both.
+    log1 = (run / "logs" / "replica-throughput-0-node1.log").read_text()
+    assert log1.count("1 worker(s) up") >= 2, log1[-3000:]
+    assert_no_process_left(run)
