@@ -14,6 +14,7 @@ from toolkit.config import (
     ConfigError,
     SlurmClusterConfig,
     load_run_config,
+    replica_nodes,
     replica_resources,
     save_run_config,
 )
@@ -115,6 +116,35 @@ def _has_scontrol() -> bool:
     import shutil
 
     return shutil.which("scontrol") is not None
+
+
+def test_gpus_per_node_and_tensor_x_pipeline_parallel_place_a_replica() -> None:
+    # 8-GPU nodes: tensor parallel 2 fits one node (2 GPUs); 8 x 2 = 16 spans two nodes of 8.
+    cfg = compose_config(["cluster=slurm", "engine=vllm", "engine.tensor_parallel_size=2", "cluster.gpus_per_node=8",
+                          "groups.tail.engine.tensor_parallel_size=8", "+groups.tail.engine.pipeline_parallel_size=2"])
+    validate(cfg)
+    thr, tail = replica_resources(cfg, "throughput"), replica_resources(cfg, "tail")
+    assert (thr.gpus, thr.nodes) == (2, 1) and (tail.gpus, tail.nodes) == (8, 2)
+    assert replica_nodes(cfg, "tail") == 2
+    # Locally (vLLM's CPU build): one device per node rank makes a tensor-parallel-2 replica two processes.
+    local = compose_config(["engine=vllm", "groups=single", "engine.tensor_parallel_size=2", "cluster.gpus_per_node=1"])
+    validate(local)
+    assert replica_nodes(local, "throughput") == 2
+    assert replica_nodes(compose_config(["engine=vllm", "groups=single", "engine.tensor_parallel_size=2"]),
+                         "throughput") == 1  # gpus_per_node 0: one node
+
+
+def test_a_replica_shape_that_does_not_divide_the_nodes_is_a_setup_error() -> None:
+    cfg = compose_config(["cluster=slurm", "engine=vllm", "cluster.gpus_per_node=4", "engine.tensor_parallel_size=2",
+                          "groups.tail.engine.tensor_parallel_size=3", "+groups.tail.engine.pipeline_parallel_size=2",
+                          "+cluster.group_resources.throughput.nodes=2"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    errors = {e.field: e for e in info.value.errors}
+    assert set(errors) == {"groups.tail.engine", "cluster.group_resources.throughput.nodes"}, errors
+    tail = str(errors["groups.tail.engine"])
+    assert "tensor_parallel_size 3 x pipeline_parallel_size 2 = 6" in tail and "cluster.gpus_per_node = 4" in tail
+    assert "1 (or unset)" in str(errors["cluster.group_resources.throughput.nodes"])
 
 
 def test_a_group_on_its_own_preemptible_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

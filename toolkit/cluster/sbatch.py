@@ -27,11 +27,14 @@ SLURM_DIR = ROOT / "slurm"
 # slurm/<name>.sbatch -> the overrides it is rendered from.
 TEMPLATES: dict[str, list[str]] = {
     "rollout": [],
+    # vLLM on 8-GPU nodes: throughput replicas of tensor parallel 2 packed 4 to a node, and a tail replica
+    # of tensor parallel 8 x pipeline parallel 2 = 16 GPUs across two nodes (cluster.gpus_per_node places
+    # them); the model comes on the sbatch line (engine.model=/shared/models/...).
     "rollout-multinode": [
-        "cluster.gpus_per_node=8", "cluster.replica.gpus=2", "cluster.replica.cpus=16", "cluster.replica.mem=128G",
-        "groups.throughput.replicas=8", "+cluster.group_resources.tail.gpus=8", "+cluster.group_resources.tail.nodes=2",
-        "ranks=8", "cluster.ranks_per_node=8", "cluster.rank_mem=4G", "cluster.router_cpus=4",
-        "cluster.router_mem=8G", "cluster.job_timeout_min=240",
+        "engine=vllm", "engine.tensor_parallel_size=2", "groups.tail.engine.tensor_parallel_size=8",
+        "+groups.tail.engine.pipeline_parallel_size=2", "cluster.gpus_per_node=8", "cluster.replica.cpus=16",
+        "cluster.replica.mem=128G", "groups.throughput.replicas=8", "ranks=8", "cluster.ranks_per_node=8",
+        "cluster.rank_mem=4G", "cluster.router_cpus=4", "cluster.router_mem=8G", "cluster.job_timeout_min=240",
     ],
 }
 
@@ -82,7 +85,8 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
         "# resources (the allocation is sized from them):",
         f"#   {shlex.join(['python', '-m', 'toolkit.cluster.sbatch', *overrides])} > {name}.sbatch",
         "# Run it (more overrides may follow; hydra.run.dir must be on a shared file system):",
-        f"#   sbatch {name}.sbatch steps=10 tail.threshold=0.9",
+        f"#   sbatch {name}.sbatch steps=10 tail.threshold=0.9"
+        + (" engine.model=/shared/models/<model>" if cfg.engine.type == "vllm" else ""),
         f"# When Slurm requeues it (preemption; USR1 {c.signal_grace_s}s before the time limit, when launch",
         "# finishes or abandons its step and requeues the job) it resumes where it stopped.",
         "#",
