@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# A real, single-node Slurm cluster (with accounting) for development and tests, on a
-# Debian/Ubuntu machine without systemd, run as root.
+# A real Slurm cluster (with accounting) for development and tests, on a Debian/Ubuntu machine
+# without systemd, run as root: partition `debug` (default) is this host as one node; partition
+# `multi` is two more nodes, <host>-a and <host>-b, emulated on this host by two more slurmd
+# (Debian's Slurm is built with multiple-slurmd support), for jobs that span nodes.
 #
 #   slurm/dev-cluster.sh up       install what is missing, configure, start, wait for the node
 #   slurm/dev-cluster.sh down     stop the daemons that `up` started
 #   slurm/dev-cluster.sh status   show which daemons run, and sinfo (exit 3 if any is stopped)
 #
-# Daemons: munged, mariadbd (socket only), slurmdbd, slurmctld, slurmd. Each one is
+# Daemons: munged, mariadbd (socket only), slurmdbd, slurmctld, slurmd (x3). Each one is
 # recognised by its pid file *and* its process name, never by name alone, so `down`
 # cannot hit someone else's process.
 #
@@ -25,9 +27,12 @@ set -euo pipefail
 
 CLUSTER=dev
 PARTITION=debug
+MULTI=multi
 CPUS=${DEV_CLUSTER_CPUS:-16}
 TIMEOUT=${DEV_CLUSTER_TIMEOUT:-60}
 NODE=$(hostname -s)
+# The emulated nodes: name and slurmd port (the host's own slurmd keeps the default 6818).
+EMULATED=("$NODE-a:6821" "$NODE-b:6822")
 
 ETC=/etc/slurm
 LOG_DIR=/var/log/slurm-dev
@@ -40,17 +45,31 @@ MARKER="# Written by slurm/dev-cluster.sh"
 
 PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server libpmix2 libpmix-dev)
 # Start order; `down` walks it backwards.
-DAEMONS=(munged mariadb slurmdbd slurmctld slurmd)
+DAEMONS=(munged mariadb slurmdbd slurmctld slurmd slurmd_a slurmd_b)
 
+# The node a slurmd daemon serves: slurmd -> this host, slurmd_a -> $NODE-a, ...
+node_of() { [[ $1 == slurmd ]] && echo "$NODE" || echo "$NODE-${1#slurmd_}"; }
 pidfile_of() {
     case $1 in
         munged) echo /run/munge/slurm-dev-munged.pid ;;
         mariadb) echo /run/mysqld/slurm-dev-mariadbd.pid ;;
+        slurmd | slurmd_*) echo "$RUN_DIR/slurmd-$(node_of "$1").pid" ;;
         *) echo "$RUN_DIR/$1.pid" ;;
     esac
 }
-comm_of() { [[ $1 == mariadb ]] && echo mariadbd || echo "$1"; }
-logfile_of() { echo "$LOG_DIR/$1.log"; }
+comm_of() {
+    case $1 in
+        mariadb) echo mariadbd ;;
+        slurmd | slurmd_*) echo slurmd ;;
+        *) echo "$1" ;;
+    esac
+}
+logfile_of() {
+    case $1 in
+        slurmd | slurmd_*) echo "$LOG_DIR/slurmd-$(node_of "$1").log" ;;
+        *) echo "$LOG_DIR/$1.log" ;;
+    esac
+}
 
 T0=${EPOCHREALTIME/./}
 say() {
@@ -153,7 +172,9 @@ write_config() {
 }
 
 make_dirs() {
-    install -d -m 755 "$ETC" "$LOG_DIR" "$RUN_DIR" "$SPOOL" "$SPOOL/ctld" "$SPOOL/d"
+    install -d -m 755 "$ETC" "$LOG_DIR" "$RUN_DIR" "$SPOOL" "$SPOOL/ctld" "$SPOOL/d" "$SPOOL/d/$NODE"
+    local e
+    for e in "${EMULATED[@]}"; do install -d -m 755 "$SPOOL/d/${e%%:*}"; done
     # munged and mariadbd run as their own users and write their pid files and sockets here;
     # without systemd nothing else creates these runtime directories.
     install -d -m 755 -o munge -g munge /run/munge
@@ -180,8 +201,11 @@ real_memory() {
 }
 
 write_configs() {
-    local mem
+    local mem e nodes=""
     mem=$(real_memory)
+    for e in "${EMULATED[@]}"; do
+        nodes+="NodeName=${e%%:*} NodeHostname=$NODE NodeAddr=127.0.0.1 Port=${e##*:} CPUs=$CPUS RealMemory=$mem State=UNKNOWN"$'\n'
+    done
     write_config "$ETC/slurm.conf" 644 <<EOF
 $MARKER; rerun it rather than editing this file.
 ClusterName=$CLUSTER
@@ -217,13 +241,16 @@ MailProg=/bin/true
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 SlurmctldPidFile=$RUN_DIR/slurmctld.pid
-SlurmdPidFile=$RUN_DIR/slurmd.pid
+# Per node (%n): three slurmd run on this host.
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 StateSaveLocation=$SPOOL/ctld
-SlurmdSpoolDir=$SPOOL/d
+SlurmdSpoolDir=$SPOOL/d/%n
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem State=UNKNOWN
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+$nodes
+PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+PartitionName=$MULTI Nodes=$NODE-a,$NODE-b MaxTime=INFINITE State=UP
 EOF
 
     if [[ ! -s $DB_PASS_FILE ]]; then
@@ -292,6 +319,8 @@ EOF
 start_slurmdbd() { slurmdbd; }
 start_slurmctld() { slurmctld; }
 start_slurmd() { slurmd; }
+start_slurmd_a() { slurmd -N "$(node_of slurmd_a)"; }
+start_slurmd_b() { slurmd -N "$(node_of slurmd_b)"; }
 
 # Start a daemon unless its pid file names a live process, then wait for that pid file.
 # The start_* functions write to the daemon's log and only return a status.
@@ -325,23 +354,24 @@ register_cluster() {
     say "registered cluster $CLUSTER in accounting"
 }
 
-node_state() { timeout 5 sinfo -h -n "$NODE" -o %T 2>/dev/null; }
+node_state() { timeout 5 sinfo -h -n "${1:-$NODE}" -o %T 2>/dev/null; }
 
 # Busy states count too: a warm `up` must not wait for running jobs to finish.
 wait_for_node() {
-    local deadline=$((SECONDS + TIMEOUT)) name
-    until [[ $(node_state) =~ ^(idle|mixed|allocated|completing)$ ]]; do
+    local daemon=$1 node deadline=$((SECONDS + TIMEOUT)) name
+    node=$(node_of "$daemon")
+    until [[ $(node_state "$node") =~ ^(idle|mixed|allocated|completing)$ ]]; do
         # A daemon that dies after writing its pid file (port taken, bad config) would
         # otherwise only show as a timeout.
-        for name in slurmctld slurmd; do
+        for name in slurmctld "$daemon"; do
             running "$name" || die_with_logs "$name exited while the node was coming up" "$name"
         done
         if ((SECONDS >= deadline)); then
             {
-                echo "node $NODE state: '$(node_state)'"
-                timeout 5 scontrol show node "$NODE" 2>&1 | grep -E 'State=|Reason=' || true
+                echo "node $node state: '$(node_state "$node")'"
+                timeout 5 scontrol show node "$node" 2>&1 | grep -E 'State=|Reason=' || true
             } >&2
-            die_with_logs "node $NODE did not become idle within ${TIMEOUT}s" slurmctld slurmd
+            die_with_logs "node $node did not become idle within ${TIMEOUT}s" slurmctld "$daemon"
         fi
         sleep 0.2
     done
@@ -371,10 +401,10 @@ cmd_up() {
     ensure_running slurmdbd
     register_cluster
     ensure_running slurmctld
-    ensure_running slurmd
-
-    wait_for_node
-    say "node $NODE is $(node_state); cluster '$CLUSTER' is up (logs: $LOG_DIR)"
+    local d
+    for d in slurmd slurmd_a slurmd_b; do ensure_running "$d"; done
+    for d in slurmd slurmd_a slurmd_b; do wait_for_node "$d"; done
+    say "nodes $NODE ($PARTITION), $NODE-a and $NODE-b ($MULTI) are up; cluster '$CLUSTER' is up (logs: $LOG_DIR)"
 }
 
 # ---------------------------------------------------------------------------- stop

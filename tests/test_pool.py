@@ -51,3 +51,26 @@ def test_a_suspect_goes_to_the_least_loaded_replica_without_one() -> None:
     assert p.choose_for_suspect("throughput") is b  # a holds a suspect already (cap 1), b is busier
     b.suspects = 1
     assert p.choose_for_suspect("throughput") is None
+
+
+def test_a_replica_whose_engine_died_leaves_dispatch_and_comes_back_with_its_slots() -> None:
+    # The router's engine_died: withdraw and un-ready it; its requests finish meanwhile; a new probe
+    # (set_ready) offers exactly its free slots again.
+    p = pool()
+    a, b = replica(0, "throughput", max_inflight=3), replica(1, "throughput", max_inflight=3)
+    for r in (a, b):
+        p.add(r)
+        p.set_ready(r)
+    for rid in ("r1", "r2"):
+        a.inflight[rid] = None
+        p.take_slot(a, -1)
+    assert p.free["throughput"] == 4
+    p.withdraw(a)
+    a.ready = False
+    assert (p.capacity["throughput"], p.free["throughput"], p.groups["throughput"]) == (3, 3, [b])
+    del a.inflight["r1"]
+    p.take_slot(a, +1)  # an answer from the dead engine frees nothing that is offered
+    assert p.free["throughput"] == 3 and a not in p.free_sets["throughput"]
+    assert all(p.choose("throughput", f"s{i}") is b for i in range(5))
+    p.set_ready(a)  # its probe passed: back with max_inflight - load free slots
+    assert (p.capacity["throughput"], p.free["throughput"]) == (6, 5) and a in p.free_sets["throughput"]

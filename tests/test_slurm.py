@@ -28,6 +28,7 @@ import pytest
 from tests.conftest import finish, launch, start_launch, wait_for
 from tests.test_launch import assert_no_process_left, check_outputs
 from toolkit.cluster.storage import check_shared
+from toolkit.lifecycle import read_pidfiles
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -327,3 +328,60 @@ def test_a_sweep_through_hydra_submitit_writes_the_summary(run: tuple[Path, str]
     for row in rows:
         assert float(row["step_time_s"]) > 0 and 0 <= float(row["spillover"]) <= 1
         assert 0 <= float(row["prefix_hit_rate"]) <= 1
+
+
+@pytest.mark.vllm
+def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(run: tuple[Path, str]) -> None:
+    """The dev cluster's `multi` partition: two nodes emulated on this host by two slurmd. One replica of
+    tensor parallel 2 is one job of two nodes: node rank 0 serves the engine, node rank 1 runs vLLM's
+    headless worker, and they meet at the address node rank 0 publishes in the run dir. Node rank 1's
+    processes killed after the first step (a lost node): the job ends, launch submits a replacement,
+    and no session is lost."""
+    if not os.environ.get("TOOLKIT_REQUIRE_VLLM"):
+        pytest.importorskip("vllm")
+    d, job = run
+    r = d / "run"
+
+    def node1() -> list:  # type: ignore[type-arg]
+        return [p for p in read_pidfiles(r / "pids") if p.name.startswith("replica-throughput-0-node1") and p.alive()]
+
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", "cluster=slurm", "engine=vllm", "model=tiny",
+                         f"engine.cache_dir={d / 'cache'}", "groups=single", "engine.tensor_parallel_size=2",
+                         "+cluster.group_resources.throughput.nodes=2",
+                         "+cluster.group_resources.throughput.partition=multi", "ranks=1", "steps=3",
+                         "sessions_per_step=4"])
+    killed = []
+    try:
+        wait_for(lambda: len(node1()) >= 2 and (r / "steps" / "step_00000.json").exists(), 400,
+                 "the first step on the two-node replica")
+        for p in node1():  # every process of node rank 1 at once, as when its node is lost
+            os.kill(p.pid, signal.SIGKILL)
+            killed.append(p.pid)
+    finally:
+        output = finish(proc, 500)
+    assert proc.returncode == 0, output[-5000:]
+    assert len(killed) >= 2
+    check_outputs(r, steps=3, sessions=4)
+    # Two node ranks on the two nodes of one job; node rank 1's worker joined node rank 0's engine, twice.
+    log1 = (r / "logs" / "replica-throughput-0-node1.log").read_text()
+    assert "node rank 1 of 2" in log1 and log1.count("1 worker(s) up") >= 2, log1[-3000:]
+    masters = list((r / "replicas").glob("replica-throughput-0.*.master.json"))
+    assert len(masters) >= 2 and all(json.loads(m.read_text())["addr"] for m in masters)
+    jobs = [j for j, name in _job_names(job) if name.endswith("replica-throughput")]
+    assert len(jobs) >= 2, jobs  # the first job and its replacement
+    for jid in jobs:
+        nodes = subprocess.run(["sacct", "-n", "-X", "-P", "-j", jid, "-o", "NNodes"], capture_output=True,
+                               text=True, timeout=30).stdout.split()
+        assert nodes == ["2"], (jid, nodes)
+    report = json.loads((r / "report.json").read_text())
+    assert report["summary"]["replica_restarts"] >= 1
+    # The jobs are gone from the queue; vLLM's engine core, reparented, exits a moment after its replica.
+    wait_for(lambda: not [p for p in read_pidfiles(r / "pids") if p.alive()], 30, "the engine processes to exit")
+    assert_no_process_left(r)
+
+
+def _job_names(job: str) -> list[tuple[str, str]]:
+    """(job id, name) of every job of the run, from accounting (they have ended)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "now-1hour", "-o", "JobID,JobName"], capture_output=True,
+                         text=True, timeout=30, check=True)
+    return [tuple(line.split("|")[:2]) for line in out.stdout.splitlines() if job in line]  # type: ignore[misc]

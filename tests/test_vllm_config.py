@@ -10,7 +10,9 @@ import pytest
 from tests.conftest import compose_config
 from toolkit.config import ConfigError, VllmEngineConfig, group_engine
 from toolkit.engine.base import ENGINES
-from toolkit.engine.vllm import VllmEngine, adapter_present, cpu_thread_binding
+from toolkit.engine.vllm import VllmEngine
+from toolkit.engine.vllm_lora import adapter_present
+from toolkit.engine.vllm_setup import cpu_thread_binding
 from toolkit.validation import validate
 
 

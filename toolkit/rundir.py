@@ -125,6 +125,11 @@ class RunDir:
         """What launch has applied: per group, the target and the replicas running, starting, draining."""
         return self.root / "scale_state.json"
 
+    def node_master(self, name: str, key: str) -> Path:
+        """Where node rank 0 of multi-node replica ``name`` writes the address its other node ranks reach
+        it at; ``key`` names the job (step) they share, so a replacement never reads its predecessor's."""
+        return self.root / "replicas" / f"{name}.{key}.master.json"
+
     def replica_stopped(self, name: str) -> Path:
         """Written by node 0 of replica ``name`` when it stopped after a drain: the other nodes of a
         multi-node replica, which only hold their node, then exit too."""

@@ -112,8 +112,10 @@ def replica_task(run_dir: str, group: str, index: int) -> None:
     from toolkit.engine.nodes import NodeRole, serve_node
 
     role = node_role()
+    job = os.environ.get("SLURM_JOB_ID", "0") + "." + os.environ.get("SLURM_STEP_ID", "0")
     serve_node(run_dir, group, index, NodeRole(int(role["TOOLKIT_NODE_RANK"]), int(role["TOOLKIT_NNODES"]),
-                                               role["TOOLKIT_MASTER_ADDR"], int(role["TOOLKIT_MASTER_PORT"])))
+                                               role["TOOLKIT_MASTER_ADDR"], int(role["TOOLKIT_MASTER_PORT"]),
+                                               rendezvous=job))
 
 
 def ranks_task(run_dir: str, first_step: int = 0) -> None:

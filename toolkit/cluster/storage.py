@@ -72,8 +72,9 @@ def node_local_reason(path: Path, mounts: str, temps: list[str], nodes: int) -> 
 
 
 def cluster_nodes(partition: str | None) -> int:
-    """Nodes that jobs of ``partition`` (or of any partition) may land on, from ``sinfo``."""
-    args = ["sinfo", "-h", "-N", "-o", "%N"] + (["-p", partition] if partition else [])
+    """Hosts that jobs of ``partition`` (or of any partition) may land on, from ``sinfo``: node hostnames,
+    not node names, since several slurmd on one host (emulated nodes) share its disks."""
+    args = ["sinfo", "-h", "-N", "-o", "%n"] + (["-p", partition] if partition else [])
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):

@@ -11,11 +11,14 @@ The cluster backends give each process its role: Slurm from ``srun``'s variables
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from toolkit.lifecycle import ProcessRef
 
@@ -30,7 +33,12 @@ class NodeRole:
     rank: int
     nnodes: int
     master_addr: str
+    """Where node rank 0 is reached; with ``rendezvous``, node rank 0 publishes it in the run dir."""
     master_port: int
+    rendezvous: str = ""
+    """A key the node ranks of one replica share (the Slurm job and step): node rank 0 writes its own
+    address under it (``RunDir.node_master``) and the others wait for it. Node names in a job's node
+    list need not be addresses (emulated nodes, sites whose node names do not resolve)."""
 
     def env(self) -> dict[str, str]:
         return {"TOOLKIT_NODE_RANK": str(self.rank), "TOOLKIT_NNODES": str(self.nnodes),
@@ -62,7 +70,15 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     """Entry point of one node rank of replica ``group``-``index`` (node rank 0, or a one-node replica:
     the replica itself)."""
     from toolkit.engine import replica
+    from toolkit.rundir import RunDir, atomic_write, read_json
 
+    replica_name = f"replica-{group}-{index}"
+    if role is not None and role.rank == 0 and role.rendezvous and role.nnodes > 1:
+        from toolkit.sockets import node_address
+
+        role = dataclasses.replace(role, master_addr=node_address())
+        atomic_write(RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous),
+                     json.dumps({"addr": role.master_addr, "port": role.master_port}))
     if role is not None:
         os.environ.update(role.env())
     if role is None or role.rank == 0:
@@ -71,8 +87,19 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     from toolkit.engine.base import ENGINES
     from toolkit.entry import enter_component
 
-    name = f"replica-{group}-{index}-node{role.rank}"
+    name = f"{replica_name}-node{role.rank}"
     rd, cfg = enter_component(run_dir, name, owner)
+    if role.rendezvous and role.nnodes > 1:
+        path = rd.node_master(replica_name, role.rendezvous)
+        deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+        while (info := read_json(path)) is None:
+            if time.monotonic() > deadline:
+                logger.error("node rank 0 of %s wrote no address in %.0fs (%s)", replica_name,
+                             cfg.cluster.ready_timeout_s, path)
+                sys.exit(EXIT_REPLICA_GONE)
+            time.sleep(0.5)
+        role = dataclasses.replace(role, master_addr=str(info["addr"]))
+        os.environ.update(role.env())
     ecfg = replica.engine_config(cfg, group)
     logger.info("node rank %d of %d of replica %s-%d (master %s:%d)", role.rank, role.nnodes, group, index,
                 role.master_addr, role.master_port)
@@ -83,23 +110,37 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
             if ref.start is not None:
                 (rd.pids / f"{name}-worker.{pid}.pid").write_text(ref.encode())
 
+    marker = rd.replica_stopped(replica_name)
+    started = time.time()
     try:
         if ENGINES.impl(ecfg.type).serve_node_rank(ecfg, role, record):
-            logger.error("node rank 0 of replica %s-%d is gone: this node rank ends with it", group, index)
+            if _stopped_after_drain(marker, started):
+                logger.info("node rank 0 of replica %s stopped after its drain; this node rank too", replica_name)
+                return
+            logger.error("node rank 0 of replica %s is gone: this node rank ends with it", replica_name)
             sys.exit(EXIT_REPLICA_GONE)
-        _hold(rd.replica_stopped(f"replica-{group}-{index}"), group, index)
+        _hold(marker, group, index)
     except (KeyboardInterrupt, SystemExit) as exc:
         if isinstance(exc, SystemExit) and exc.code == EXIT_REPLICA_GONE:
             raise
         logger.info("node rank %d of replica %s-%d stopping", role.rank, group, index)
 
 
-def _hold(stopped: os.PathLike[str], group: str, index: int) -> None:
+def _stopped_after_drain(marker: Path, since: float, wait_s: float = 10.0) -> bool:
+    """Node rank 0 ended after a drain (its marker, newer than ``since``), not by a failure. It writes the
+    marker once its engine has closed, a little after its workers (whose end this node rank saw) exit."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if marker.exists() and marker.stat().st_mtime >= since - 1:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+def _hold(marker: Path, group: str, index: int) -> None:
     """A backend with nothing to run on the other nodes: hold the node until node rank 0 stops after a
     drain (a marker newer than this process: an index is reused when a group scales up again), or SIGTERM."""
-    from pathlib import Path
-
-    marker = Path(stopped)
     started = time.time()
     logger.info("holding the node for replica %s-%d", group, index)
     while not (marker.exists() and marker.stat().st_mtime >= started - 1):

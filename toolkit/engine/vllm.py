@@ -21,11 +21,9 @@ reason out. vLLM is imported only when this backend starts (the sim never pays f
   sampling parameters) are ``client_error``; ``EngineDeadError`` (or the engine core process gone)
   is ``engine_dead`` for every request in the engine, ``dead()`` turns true and the replica calls
   ``restart`` (at most ``max_restarts`` times, then ``EngineGone``).
-- LoRA per request: ``Generate.lora`` is an adapter directory. A missing adapter inside an engine
-  step kills the engine, so the file system is checked first (``adapter_config.json``, with a
-  directory listing on a miss for NFS's cached failed lookups), then the adapter is added with
-  ``add_lora``, which fails without harm; a request whose adapter is not there waits, and fails as
-  ``adapter_missing`` only just before its deadline.
+- LoRA per request (``toolkit/engine/vllm_lora.py``): ``Generate.lora`` is an adapter directory,
+  checked on the file system before ``add_lora``; a request whose adapter is not there waits, and
+  fails as ``adapter_missing`` only just before its deadline.
 - Weights: ``load_weights`` (an idle engine: ``update_mode=drain``) reloads in place from a checkpoint
   directory of the same architecture and resets the prefix cache; ``update_weights_in_place``
   (``update_mode=pause``) does the same with requests running: ``pause_generation(mode="keep")``
@@ -51,54 +49,13 @@ from typing import Any
 from toolkit.config import VllmEngineConfig
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, EngineStats
 from toolkit.engine.nodes import NodeRole
+from toolkit.engine.vllm_lora import Adapters
+from toolkit.engine.vllm_setup import Counters, cpu_environment, engine_args, stat_logger_factory
 from toolkit.protocol import Completion, Generate, Result, Sampling, Structured
 
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-
-
-class Counters:
-    """vLLM's stats as the heartbeat wants them. Written by the stat logger, which vLLM calls on the
-    replica's event loop after every engine step with output; running totals survive restarts."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
-        self.prefix_hits = 0
-        self.prefix_queries = 0
-        self.generated_tokens = 0
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        if scheduler_stats is not None:
-            self.running = scheduler_stats.num_running_reqs
-            self.waiting = scheduler_stats.num_waiting_reqs
-            self.kv_usage = scheduler_stats.kv_cache_usage
-            # Per-step deltas, also across a prefix-cache reset (its ``reset`` flag): keep totals.
-            pcs = scheduler_stats.prefix_cache_stats
-            self.prefix_queries += pcs.queries
-            self.prefix_hits += pcs.hits
-        if iteration_stats is not None:
-            self.generated_tokens += iteration_stats.num_generation_tokens
-
-
-def stat_logger_factory(counters: Counters) -> Any:
-    """A vLLM stat logger class (its own factory: ``(vllm_config, engine_index)``) feeding ``counters``."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class HeartbeatStats(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:
-            counters.record(scheduler_stats, iteration_stats)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return HeartbeatStats
 
 
 def _vllm() -> SimpleNamespace:
@@ -117,68 +74,6 @@ def _vllm() -> SimpleNamespace:
                            TokensPrompt=TokensPrompt, LoRARequest=LoRARequest, FINAL=RequestOutputKind.FINAL_ONLY,
                            VLLMClientError=VLLMClientError, EngineDeadError=EngineDeadError,
                            StructuredOutputsParams=StructuredOutputsParams, platform=current_platform)
-
-
-def adapter_present(path: str) -> bool:
-    """``adapter_config.json`` is in ``path``. On a miss, list the directory (or its parent, if the
-    directory itself is not there) and look again: an NFS client caches a failed lookup until then."""
-    config = os.path.join(path, "adapter_config.json")
-    if os.path.exists(config):
-        return True
-    for d in (path, os.path.dirname(os.path.normpath(path))):
-        try:
-            os.listdir(d)
-            break
-        except OSError:
-            continue
-    return os.path.exists(config)
-
-
-def cpu_thread_binding(tp: int, cpus: list[int]) -> str | None:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers on one NUMA node ("0|1", "0,1|2,3"): the CPU
-    build refuses to bind more than one worker per NUMA node on its own."""
-    if tp <= 1 or len(cpus) < tp:
-        return None
-    per = len(cpus) // tp
-    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
-
-
-def engine_args(c: VllmEngineConfig, model_path: str, cpu: bool, role: NodeRole | None) -> dict[str, Any]:
-    """``AsyncEngineArgs`` of a replica, the same on each of its node ranks (``role``: a replica wider than
-    a node, whose node ranks meet at the master address with vLLM's multiprocessing executor)."""
-    args = {"enable_log_requests": False, **c.args}
-    args.update(model=model_path, max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
-                pipeline_parallel_size=c.pipeline_parallel_size,
-                # Our stat logger only: vLLM's default ones print every 10 s and keep Prometheus series.
-                disable_log_stats=True)
-    if c.kv_cache_gib is not None:
-        args["kv_cache_memory_bytes"] = int(c.kv_cache_gib * (1 << 30))
-    if role is not None:
-        args.update(distributed_executor_backend="mp", nnodes=role.nnodes, node_rank=role.rank,
-                    master_addr=role.master_addr, master_port=role.master_port)
-    if cpu:
-        # vLLM 0.32's CPU build kills the engine when a request with a seed has its prefill split
-        # over steps (it rewinds the seeded generator, which CPU generators cannot do): whole
-        # prefills only, unless engine.args says otherwise.
-        args.setdefault("enable_chunked_prefill", False)
-    return args
-
-
-def cpu_environment(c: VllmEngineConfig, role: NodeRole | None) -> None:
-    """On the CPU build: bind each local worker's threads to its own cores (inherited by the engine
-    core's workers); node ranks that share a host split its cores and talk over loopback."""
-    cpus = sorted(os.sched_getaffinity(0))
-    workers = c.tensor_parallel_size * c.pipeline_parallel_size
-    if role is not None:
-        cpus = role.cpus(cpus)
-        workers = max(1, workers // role.nnodes)
-        if role.one_host:
-            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return
-    bind = cpu_thread_binding(workers, cpus) if workers > 1 else (",".join(map(str, cpus)) if role else None)
-    if bind is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
 def structured_outputs(v: SimpleNamespace, st: Structured | None) -> Any:
@@ -233,17 +128,14 @@ class VllmEngine(Engine):
         self.broken = ""
         """Why the engine cannot go on although vLLM still runs (an in-place update that failed half
         way): it counts as dead, and the replica restarts it on the last good weights."""
-        # LoRA: a stable id per adapter path; the ids added to this engine; requests waiting for one.
-        self.lora_ids: dict[str, int] = {}
-        self.loras_added: set[int] = set()
+        self.adapters = Adapters(cfg, None)
         self.active: set[str] = set()
         """Request ids in ``llm.generate`` now (an in-place update that fails aborts them)."""
-        self.lora_lock = asyncio.Lock()
-        self.adapter_waits: dict[str, asyncio.Event] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
         self.v = await asyncio.to_thread(_vllm)
+        self.adapters.request_cls = self.v.LoRARequest
         if self.cfg.model == "tiny":
             from toolkit.engine.tiny import ensure_tiny
 
@@ -287,8 +179,7 @@ class VllmEngine(Engine):
             # interpreter exit, when half of vLLM is gone: drop the last reference here instead.
             await asyncio.to_thread(llm.shutdown)
             del llm
-        for ev in self.adapter_waits.values():
-            ev.set()
+        self.adapters.cancel_all()
 
     def dead(self) -> bool:
         return self.llm is not None and (bool(self.llm.errored) or bool(self.broken))
@@ -304,8 +195,7 @@ class VllmEngine(Engine):
         logger.warning("restarting the vLLM engine (%d of at most %d restarts)", self.restarts, self.cfg.max_restarts)
         await self.close()
         self.broken = ""
-        self.adapter_waits.clear()
-        self.loras_added.clear()
+        self.adapters = Adapters(self.cfg, self.adapters.request_cls)  # the new engine has none
         self.counters.running = self.counters.waiting = 0
         self.counters.kv_usage = 0.0
         try:
@@ -372,7 +262,7 @@ class VllmEngine(Engine):
             if llm.vllm_config.lora_config is None:
                 return Result(request_id=rid, status="client_error",
                               error="a LoRA request to an engine without LoRA: set engine.args.enable_lora=true")
-            got = await self._adapter(req)
+            got = await self.adapters.get(llm, req)
             if isinstance(got, Result):
                 return got
             lora = got
@@ -422,10 +312,7 @@ class VllmEngine(Engine):
                       samples=[Completion(*one(c)) for c in outs[1:]], weight_versions=span_versions(outs))
 
     async def abort(self, request_id: str) -> None:
-        waiting = self.adapter_waits.get(request_id)
-        if waiting is not None:
-            waiting.set()
-        elif self.llm is not None and not self.llm.errored:
+        if not self.adapters.cancel(request_id) and self.llm is not None and not self.llm.errored:
             await self.llm.abort(request_id)
 
     def stats(self) -> EngineStats:
@@ -435,56 +322,6 @@ class VllmEngine(Engine):
                            kv_usage=c.kv_usage if up else 0.0, prefix_hits=c.prefix_hits,
                            prefix_queries=c.prefix_queries, weight_version=self.weight_version,
                            generated_tokens=c.generated_tokens)
-
-    # ---- LoRA ------------------------------------------------------------------------------
-    async def _adapter(self, req: Generate) -> Any:
-        """The LoRARequest of ``req.lora`` once its directory holds an adapter that the engine took;
-        a Result if it never does (``adapter_missing``) or the request is aborted while it waits."""
-        rid, path = req.request_id, req.lora
-        assert path is not None
-        give_up = (req.deadline - self.cfg.adapter_margin_s) if req.deadline else time.time() + self.cfg.adapter_wait_s
-        cancel = self.adapter_waits[rid] = asyncio.Event()
-        why, logged = "no adapter_config.json", False
-        try:
-            while True:
-                if self.llm is None or self.llm.errored:
-                    return Result(request_id=rid, status="engine_dead", error="the engine died")
-                # File system calls can block for seconds on a shared file system: off the loop.
-                if await asyncio.to_thread(adapter_present, path):
-                    lora, why = await self._add_lora(path)
-                    if lora is not None:
-                        return lora
-                left = give_up - time.time()
-                if left <= 0:
-                    return Result(request_id=rid, status="adapter_missing", error=f"adapter {path}: {why}")
-                if not logged:
-                    logger.info("request %s waits for adapter %s (%s)", rid, path, why)
-                    logged = True
-                try:
-                    await asyncio.wait_for(cancel.wait(), min(self.cfg.adapter_poll_s, left))
-                    return Result(request_id=rid, status="cancelled", finish_reason="abort",
-                                  error=f"aborted while waiting for adapter {path}")
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self.adapter_waits.pop(rid, None)
-
-    async def _add_lora(self, path: str) -> tuple[Any, str]:
-        v = self.v
-        assert v is not None
-        lora_id = self.lora_ids.setdefault(path, len(self.lora_ids) + 1)
-        lora = v.LoRARequest(f"adapter-{lora_id}", lora_id, path)
-        async with self.lora_lock:
-            if lora_id in self.loras_added:
-                return lora, ""
-            try:
-                # Loads and validates it in the workers; unlike a request, a failure here leaves the engine up.
-                await self.llm.add_lora(lora)
-            except Exception as exc:
-                logger.warning("adapter %s not loadable yet: %s", path, exc)
-                return None, f"not loadable: {exc}"
-            self.loras_added.add(lora_id)
-        return lora, ""
 
     # ---- weights ---------------------------------------------------------------------------
     async def load_weights(self, path: str, version: int) -> None:
@@ -525,7 +362,7 @@ class VllmEngine(Engine):
             await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
             if not await llm.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("vLLM could not reset its prefix cache after the reload")
-            self.loras_added.clear()  # reload_weights removed the adapters: add_lora validates again
+            self.adapters.forget_loaded()  # reload_weights removed them
             await llm.update_weight_version(str(version))
         except BaseException as exc:
             # The weights may be half loaded: no request resumes on them under either version's name.
@@ -543,7 +380,7 @@ class VllmEngine(Engine):
     async def _reload(self, path: str) -> None:
         t0 = time.monotonic()
         await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        self.loras_added.clear()  # reload_weights removed the adapters: add_lora validates again
+        self.adapters.forget_loaded()  # reload_weights removed them
         # Cached KV was computed by the old weights (no request is running: a plain reset succeeds).
         if not await self.llm.reset_prefix_cache():
             logger.warning("vLLM did not reset its prefix cache after the reload (blocks still in use)")

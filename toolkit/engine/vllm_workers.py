@@ -60,7 +60,7 @@ def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    from toolkit.engine.vllm import cpu_environment, engine_args
+    from toolkit.engine.vllm_setup import cpu_environment, engine_args
 
     model = cfg.model
     if model == "tiny":

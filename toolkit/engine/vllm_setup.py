@@ -1,0 +1,100 @@
+"""How a replica's vLLM is set up: its ``AsyncEngineArgs`` (the same on every node rank of a replica
+wider than a node), the CPU build's thread binding, and the stat logger that feeds heartbeats."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from toolkit.config import VllmEngineConfig
+from toolkit.engine.nodes import NodeRole
+
+
+class Counters:
+    """vLLM's stats as the heartbeat wants them. Written by the stat logger, which vLLM calls on the
+    replica's event loop after every engine step with output; running totals survive restarts."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+        self.generated_tokens = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_usage = scheduler_stats.kv_cache_usage
+            # Per-step deltas, also across a prefix-cache reset (its ``reset`` flag): keep totals.
+            pcs = scheduler_stats.prefix_cache_stats
+            self.prefix_queries += pcs.queries
+            self.prefix_hits += pcs.hits
+        if iteration_stats is not None:
+            self.generated_tokens += iteration_stats.num_generation_tokens
+
+
+def stat_logger_factory(counters: Counters) -> Any:
+    """A vLLM stat logger class (its own factory: ``(vllm_config, engine_index)``) feeding ``counters``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class HeartbeatStats(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            counters.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return HeartbeatStats
+
+
+def cpu_thread_binding(tp: int, cpus: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers on one NUMA node ("0|1", "0,1|2,3"): the CPU
+    build refuses to bind more than one worker per NUMA node on its own."""
+    if tp <= 1 or len(cpus) < tp:
+        return None
+    per = len(cpus) // tp
+    return "|".join(",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(tp))
+
+
+def engine_args(c: VllmEngineConfig, model_path: str, cpu: bool, role: NodeRole | None) -> dict[str, Any]:
+    """``AsyncEngineArgs`` of a replica, the same on each of its node ranks (``role``: a replica wider than
+    a node, whose node ranks meet at the master address with vLLM's multiprocessing executor)."""
+    args = {"enable_log_requests": False, **c.args}
+    args.update(model=model_path, max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
+                pipeline_parallel_size=c.pipeline_parallel_size,
+                # Our stat logger only: vLLM's default ones print every 10 s and keep Prometheus series.
+                disable_log_stats=True)
+    if c.kv_cache_gib is not None:
+        args["kv_cache_memory_bytes"] = int(c.kv_cache_gib * (1 << 30))
+    if role is not None:
+        args.update(distributed_executor_backend="mp", nnodes=role.nnodes, node_rank=role.rank,
+                    master_addr=role.master_addr, master_port=role.master_port)
+    if cpu:
+        # vLLM 0.32's CPU build kills the engine when a request with a seed has its prefill split
+        # over steps (it rewinds the seeded generator, which CPU generators cannot do): whole
+        # prefills only, unless engine.args says otherwise.
+        args.setdefault("enable_chunked_prefill", False)
+    return args
+
+
+def cpu_environment(c: VllmEngineConfig, role: NodeRole | None) -> None:
+    """On the CPU build: bind each local worker's threads to its own cores (inherited by the engine
+    core's workers); node ranks that share a host split its cores and talk over loopback."""
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = c.tensor_parallel_size * c.pipeline_parallel_size
+    if role is not None:
+        cpus = role.cpus(cpus)
+        workers = max(1, workers // role.nnodes)
+        if role.one_host:
+            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    bind = cpu_thread_binding(workers, cpus) if workers > 1 else (",".join(map(str, cpus)) if role else None)
+    if bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
