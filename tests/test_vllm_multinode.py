@@ -63,3 +63,23 @@ def test_a_lost_node_rank_ends_its_replica_which_is_replaced_with_no_session_los
     log1 = (run / "logs" / "replica-throughput-0-node1.log").read_text()
     assert log1.count("1 worker(s) up") >= 2, log1[-3000:]
     assert_no_process_left(run)
+
+
+def test_data_parallel_2_is_one_replica_with_vllms_own_balancer(tmp_path: Path) -> None:
+    """The other way to use a node's devices for a small model: vLLM's ``data_parallel_size`` behind one
+    replica (README: the router then sees one replica, and vLLM spreads a session's turns by load)."""
+    run = tmp_path / "run"
+    proc = start_launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={tmp_path / 'cache'}",
+                         "groups=single", "+engine.args.data_parallel_size=2", "ranks=1", "steps=1",
+                         "sessions_per_step=4"])
+    output = finish(proc, 600)
+    assert proc.returncode == 0, output[-5000:]
+    rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    assert [r["index"] for r in rows] == list(range(4)) and all(r["generated_tokens"] > 0 for r in rows)
+    # One replica to the router, two engine cores (one per data-parallel rank) in it.
+    status = json.loads((run / "report.json").read_text())
+    assert status["status"] == "ok"
+    engines = [p for p in (run / "pids").glob("replica-throughput-0-engine.*.pid")]
+    assert len(engines) >= 2, engines
+    assert not (run / "logs" / "replica-throughput-1.log").exists()
+    assert_no_process_left(run)
