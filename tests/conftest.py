@@ -94,3 +94,20 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
 def ranks_started(run: Path) -> bool:
     pids = run / "pids"
     return pids.exists() and any(pids.glob("rank-*.pid"))
+
+
+def lose_node_rank(run: Path, timeout_s: float, replica: str = "replica-throughput-0", node: int = 1) -> list[int]:
+    """Once the run's first step is written and node rank ``node`` of ``replica`` runs (its process and
+    its engine worker: two pid files), SIGKILL all of them at once, as when that node is lost; their pids."""
+    from toolkit.lifecycle import read_pidfiles
+
+    def procs() -> list:  # type: ignore[type-arg]
+        return [r for r in read_pidfiles(run / "pids") if r.name.startswith(f"{replica}-node{node}") and r.alive()]
+
+    wait_for(lambda: len(procs()) >= 2 and (run / "steps" / "step_00000.json").exists(), timeout_s,
+             f"the first step with node rank {node} of {replica} up")
+    killed = []
+    for ref in procs():
+        os.kill(ref.pid, signal.SIGKILL)
+        killed.append(ref.pid)
+    return killed

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import finish, launch, start_launch, wait_for
+from tests.conftest import finish, launch, lose_node_rank, start_launch, wait_for
 from tests.test_launch import assert_no_process_left, check_outputs
 from toolkit.cluster.storage import check_shared
 from toolkit.lifecycle import read_pidfiles
@@ -342,9 +342,6 @@ def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(run: t
     d, job = run
     r = d / "run"
 
-    def node1() -> list:  # type: ignore[type-arg]
-        return [p for p in read_pidfiles(r / "pids") if p.name.startswith("replica-throughput-0-node1") and p.alive()]
-
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", "cluster=slurm", "engine=vllm", "model=tiny",
                          f"engine.cache_dir={d / 'cache'}", "groups=single", "engine.tensor_parallel_size=2",
                          "+cluster.group_resources.throughput.nodes=2",
@@ -352,11 +349,7 @@ def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(run: t
                          "sessions_per_step=4"])
     killed = []
     try:
-        wait_for(lambda: len(node1()) >= 2 and (r / "steps" / "step_00000.json").exists(), 400,
-                 "the first step on the two-node replica")
-        for p in node1():  # every process of node rank 1 at once, as when its node is lost
-            os.kill(p.pid, signal.SIGKILL)
-            killed.append(p.pid)
+        killed = lose_node_rank(r, 400)
     finally:
         output = finish(proc, 500)
     assert proc.returncode == 0, output[-5000:]

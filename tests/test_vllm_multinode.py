@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,10 @@ else:
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from tests.conftest import finish, start_launch, wait_for  # noqa: E402
+from tests.conftest import finish, lose_node_rank, start_launch  # noqa: E402
 from tests.test_launch import assert_no_process_left  # noqa: E402
-from toolkit.lifecycle import read_pidfiles  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def node1_processes(run: Path) -> list:  # type: ignore[type-arg]
-    """Node rank 1 of replica throughput-0 and its vLLM worker, alive, from their pid files."""
-    return [r for r in read_pidfiles(run / "pids") if r.name.startswith("replica-throughput-0-node1") and r.alive()]
 
 
 def test_a_lost_node_rank_ends_its_replica_which_is_replaced_with_no_session_lost(tmp_path: Path) -> None:
@@ -40,12 +33,7 @@ def test_a_lost_node_rank_ends_its_replica_which_is_replaced_with_no_session_los
                          "steps=3", "sessions_per_step=8", "workload.max_tokens=48"])
     killed: list[int] = []
     try:
-        # Two node ranks per replica: node rank 1 and its worker register their pids; node rank 0 serves.
-        wait_for(lambda: len(node1_processes(run)) >= 2 and (run / "steps" / "step_00000.json").exists(), 600,
-                 "the first step on the two-node-rank replica")
-        for ref in node1_processes(run):  # a lost node: every process of node rank 1 at once
-            os.kill(ref.pid, signal.SIGKILL)
-            killed.append(ref.pid)
+        killed = lose_node_rank(run, 600)
     finally:
         output = finish(proc, 700)
     assert proc.returncode == 0, output[-5000:]
