@@ -136,6 +136,24 @@ def test_cli_names_a_bad_added_group_field(tmp_path: Path) -> None:
     assert not (run / "pids").exists()
 
 
+def test_cli_lists_every_override_that_does_not_compose(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "steps=abc", "not_a_field=3", "engine=nope", "tail.threshold=0.8,0.9",
+                  "+groups.mid.replicaz=1"], timeout_s=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = out.stdout
+    assert "invalid configuration (5 error(s))" in text and "Traceback" not in text + out.stderr
+    assert "steps = 'abc'" in text and "Integer" in text
+    assert "not_a_field = '3': not a config key (a new key needs a '+': +not_a_field=...)" in text
+    assert "engine = 'nope': one of ['sim', 'vllm']" in text
+    assert "tail.threshold = '0.8,0.9'" in text and "-m (--multirun)" in text
+    assert "groups.mid.replicaz = 1: not a group field" in text
+    assert not run.exists()
+    # In a sweep every value is checked.
+    out = launch(["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "steps=1,x"], timeout_s=60)
+    assert out.returncode == 2 and "steps = 'x'" in out.stdout, out.stdout + out.stderr
+
+
 def test_cli_rejects_unknown_key(tmp_path: Path) -> None:
     out = launch([f"hydra.run.dir={tmp_path / 'run'}", "not_a_field=3"], timeout_s=60)
     assert out.returncode != 0

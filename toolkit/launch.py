@@ -175,5 +175,18 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(130)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m toolkit.launch``: the overrides are checked first, so that a composition error comes
+    back as the toolkit's error list (``toolkit/composition.py``), then Hydra runs :func:`main`."""
+    from toolkit.composition import precheck
+
+    try:
+        precheck(sys.argv[1:])
+    except ToolkitError as exc:
+        Console().print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()
