@@ -30,7 +30,7 @@ def test_a_lost_node_rank_ends_its_replica_which_is_replaced_with_no_session_los
     run = tmp_path / "run"
     proc = start_launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={tmp_path / 'cache'}",
                          "groups=single", "engine.tensor_parallel_size=2", "cluster.gpus_per_node=1", "ranks=1",
-                         "steps=3", "sessions_per_step=8", "workload.max_tokens=48"])
+                         "steps=2", "sessions_per_step=8", "workload.max_tokens=48"])
     killed: list[int] = []
     try:
         killed = lose_node_rank(run, 600)
@@ -38,7 +38,7 @@ def test_a_lost_node_rank_ends_its_replica_which_is_replaced_with_no_session_los
         output = finish(proc, 700)
     assert proc.returncode == 0, output[-5000:]
     assert len(killed) >= 2
-    for step in range(3):
+    for step in range(2):
         rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
         assert [r["index"] for r in rows] == list(range(8))
         assert all(r["status"] in ("completed", "truncated") and r["generated_tokens"] > 0 for r in rows), rows
