@@ -162,3 +162,29 @@ def test_every_component_of_a_launch_serves_counts_equal_to_the_step_report(tmp_
     assert dashboard_series() <= served, dashboard_series() - served
     # Step 1 ended, and every component took its endpoint file with it.
     assert not list((run / "metrics").glob("*.json"))
+
+
+def test_the_routers_lock_free_histogram_exposes_what_prometheus_clients_would() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from toolkit.router.metrics import LATENCY_BUCKETS, LoopHistogram
+
+    values = [0.0, 0.01, 0.010001, 0.3, 1, 2.5, 599.9, 600, 601, 1e9]
+    reference = CollectorRegistry()
+    h = Histogram("x_seconds", "x", buckets=LATENCY_BUCKETS, registry=reference)
+    ours = LoopHistogram("x_seconds", "x", LATENCY_BUCKETS)
+    for v in values:
+        h.observe(v)
+        ours.observe(v)
+
+    def samples(text: str) -> list:  # type: ignore[type-arg]
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for f in text_string_to_metric_families(text)
+                      for s in f.samples if not s.name.endswith("_created"))
+
+    class One:
+        def collect(self):  # type: ignore[no-untyped-def]
+            yield ours.family()
+
+    mine = CollectorRegistry()
+    mine.register(One())  # type: ignore[arg-type]
+    assert samples(generate_latest(mine).decode()) == samples(generate_latest(reference).decode())

@@ -98,7 +98,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.retired: set[str] = set()
         self.empty_since: dict[str | None, float] = {}
         self.metrics: RouterMetrics | None = RouterMetrics(self) if cfg.report.metrics else None
-        self._choose = self._decide if self.metrics is None else self.metrics.sampled(self._decide)
+        self._choose = self._decide  # the metrics' timing version after each sweep (RouterMetrics.timing)
         self._seq = 0
         self._probe_n = 0
         self._deadlines = 0
@@ -397,7 +397,13 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self._complete(req, _enc.encode(res), status)
 
     # ---- timers ----------------------------------------------------------------------------
+    def _untimed(self) -> None:
+        self._choose = self._decide
+
     def sweep(self) -> None:
+        if self.metrics is not None:
+            self.metrics.fold()
+            self._choose = self.metrics.timing(self._decide, self._untimed)
         self.check_replicas(time.monotonic())
         wall = time.time()
         self.check_empty_groups(wall)
