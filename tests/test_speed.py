@@ -54,3 +54,20 @@ def test_the_router_reports_what_it_learned_per_group(make_run) -> None:  # type
             assert res.status == "ok"
 
     asyncio.run(with_client(rd, body))
+
+
+def test_a_request_started_after_an_idle_interval_is_counted_at_the_learned_rate() -> None:
+    """Between steps a replica idles, so the last interval's rate is 0; the requests of the next step
+    still run from their dispatch on, at about the rate learned before (the ``age`` policy's clock)."""
+    m = SpeedMeter()
+    m.update(0.0, 0, 4)
+    m.update(1.0, 400, 4)  # 100 tokens/s per request
+    m.update(2.0, 400, 0)  # the step ended: idle
+    m.update(3.0, 400, 0)
+    assert m.tokens_since(3.2, 3.7) == pytest.approx(50.0)  # dispatched at 3.2: 0.5 s at 100/s
+    # The next heartbeat saw the step start late in its interval: 80 tokens while 0 then 4 ran would
+    # say 40/s per request (80/s over 2 on average); going on from it, the meter keeps the rate it knew.
+    m.update(4.0, 480, 4)  # 80 tokens in the interval
+    assert m.tokens_since(4.0, 4.5) == pytest.approx(50.0)
+    m.update(5.0, 880, 4)  # a full interval of work: its own rate again
+    assert m.tokens_since(5.0, 5.5) == pytest.approx(50.0)

@@ -10,7 +10,8 @@ restart (its counter going back) restarts the count.
 It also keeps what one running request has generated there since the replica started (the sum of
 every interval's tokens over the requests running in it), at each heartbeat. A request's own tokens
 are that sum now minus its value at the request's dispatch, both read off that history (linear
-within an interval, carried on at the last rate after the last heartbeat): the router's estimate of
+within an interval, carried on at the last rate after the last heartbeat, or at the smoothed rate
+when the last interval was idle): the router's estimate of
 how long a request has run, for the ``age`` tail policy, without a message per token.
 """
 
@@ -27,7 +28,7 @@ ALPHA = 0.3
 
 class SpeedMeter:
     __slots__ = ("tokens_per_s", "request_tokens_per_s", "peak_tokens_per_s", "peak_request_tokens_per_s",
-                 "per_request_total", "_per_request_rate", "_at", "_generated", "_running", "_times", "_totals")
+                 "per_request_total", "_carry", "_at", "_generated", "_running", "_times", "_totals")
 
     def __init__(self) -> None:
         self.tokens_per_s = 0.0
@@ -40,7 +41,8 @@ class SpeedMeter:
         """The highest smoothed per-request rate seen: about what one request gets alone there."""
         self.per_request_total = 0.0
         """Tokens one request running since the replica started would have (up to the last heartbeat)."""
-        self._per_request_rate = 0.0
+        self._carry = 0.0
+        """Per-request rate to go on at after the last heartbeat."""
         self._at: float | None = None
         self._generated = 0
         self._running = 0
@@ -52,8 +54,11 @@ class SpeedMeter:
         ``running`` requests in it."""
         if self._at is not None and now <= self._at:
             return
-        self._per_request_rate = 0.0  # an idle interval, or the engine restarted (its counter went back)
-        if self._at is not None and generated >= self._generated:
+        # After an idle interval (between steps) a request dispatched since still runs: go on at the
+        # rate learned before. After a restart (the counter went back) nothing is known.
+        restarted = self._at is not None and generated < self._generated
+        self._carry = 0.0 if restarted else self.request_tokens_per_s
+        if self._at is not None and not restarted:
             busy = (self._running + running) / 2  # running at the interval's start and its end
             produced = generated - self._generated
             if busy > 0 and produced > 0:
@@ -64,7 +69,10 @@ class SpeedMeter:
                 self.tokens_per_s = rate if not self.tokens_per_s else ALPHA * rate + (1 - ALPHA) * self.tokens_per_s
                 per = rate / busy
                 self.per_request_total += produced / busy
-                self._per_request_rate = per
+                # An interval that began idle (a step starting) counts its requests as running half of
+                # it, though they may have started near its end: going on from it, do not assume
+                # less than the rate learned before.
+                self._carry = max(per, self.request_tokens_per_s) if not self._running else per
                 self.request_tokens_per_s = (per if not self.request_tokens_per_s
                                              else ALPHA * per + (1 - ALPHA) * self.request_tokens_per_s)
                 self.peak_tokens_per_s = max(self.peak_tokens_per_s, self.tokens_per_s)
@@ -77,12 +85,12 @@ class SpeedMeter:
 
     def per_request_at(self, t: float) -> float:
         """:attr:`per_request_total` at monotonic time ``t``: linear between the heartbeats around it,
-        carried on at the last interval's rate after the last one."""
+        carried on after the last one (at its rate, or at the learned rate if it was idle)."""
         times = self._times
         if not times or t <= times[0]:
             return self._totals[0] if times else 0.0
         if t >= times[-1]:
-            return self.per_request_total + (t - times[-1]) * self._per_request_rate
+            return self.per_request_total + (t - times[-1]) * self._carry
         i = bisect.bisect_right(times, t)
         t0, t1 = times[i - 1], times[i]
         v0, v1 = self._totals[i - 1], self._totals[i]
