@@ -12,6 +12,7 @@ BENCHMARKS = {
     "vllm": "toolkit.bench.vllm",
     "merge": "toolkit.bench.merge",
     "tail": "toolkit.bench.tail",
+    "tail_model": "toolkit.bench.tail_model",
     "gateway": "toolkit.bench.gateway",
     "loop": "toolkit.bench.loop",
 }

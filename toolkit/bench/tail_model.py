@@ -1,0 +1,316 @@
+"""``python -m toolkit.bench tail_model``: how close placement could bring the tail bench's steps to
+their lower bound, on a model of its fleet with no process in it.
+
+``python -m toolkit.bench tail`` runs real processes on a small machine, so its figures mix what a
+policy decides with what the processes cost (sockets, heartbeats, a shared CPU: about 0.15 s of a
+2.8 s step). This bench replays the same kind of step on the same fleet as a discrete-event model, to
+tell a limit of scheduling from one of the implementation, and to put a figure on designs the router
+cannot run today:
+
+- each replica steps exactly as ``toolkit/engine/sim.py`` times it (:func:`step_seconds`: weights and
+  every running context read once a step, a step's prefill added to it), at the bench's fleet
+  (``conf/groups/default.yaml``) and ``time_scale``;
+- a session's later turns find their context cached on the replica that ran the earlier ones; a
+  request that moves recomputes its whole context where it lands, as the router's migration does
+  (unless the design says its KV travels with it);
+- ``age`` is the router's own :class:`~toolkit.router.tail.age.AgePolicy` over its own
+  :class:`~toolkit.router.tail.base.StepRecord`, asked every ``TICK_S`` with exact token counts;
+- the bound is the step report's (:func:`~toolkit.rollout.bound.step_bound`) over the modelled requests.
+
+Designs (``DESIGNS``): ``off`` (also with room for 64 requests on the tail replica, so that a bigger
+room is not credited to a policy alone); ``age``, also with a lower bar for a long turn (the 0.8
+quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32, 64 requests);
+``age`` whose moves carry their KV over a 400 Gb/s link instead of recomputing it (``kv``: what vLLM's
+KV connectors such as NIXL do on GPUs; not on the CPU build); and two clairvoyant placements no router
+can run, as bounds on what a better predictor could buy: ``peek``, which knows every turn's length
+once it has generated 50 tokens and moves only those with at least 300 left, and ``oracle``, which
+knows every session's length when the step begins and starts the 16 longest on the tail replica.
+
+The workload draws the tail bench's distributions (128 sessions of 3 turns, prompts of 64-384 tokens
+behind a cached 32-token system prompt, 24-token observations, lognormal turns cut at 2,048), not its
+exact tokens; steps are seeded, and every design runs the same steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from toolkit.bench.tail import ARMS
+from toolkit.config import Config, SimEngineConfig, compose_config, group_engine
+from toolkit.engine.sim import step_seconds
+from toolkit.rollout.bound import step_bound
+from toolkit.router.tail.base import StepRecord
+from toolkit.router.tail.routing import TICK_S, make_tail_policy
+
+SESSIONS, TURNS, OBSERVATION, SYSTEM, PROMPT = 128, 3, 24, 32, (64, 384)
+LINK_BYTES_PER_S = 50e9
+"""A 400 Gb/s NIC: what a move that carries its KV pays per byte (``kv`` designs)."""
+PEEK_AFTER, PEEK_LEFT, ORACLE_SESSIONS = 50, 300, 16
+
+
+@dataclasses.dataclass(eq=False)
+class _Turn:
+    session: int
+    turn: int
+    prompt: int
+    length: int
+    sent: float
+    produced: int = 0
+    replica: _Replica | None = None
+    kv_ready: float = 0.0  # a move carrying KV runs from then on
+
+
+@dataclasses.dataclass(eq=False)
+class _Replica:
+    group: str
+    engine: SimEngineConfig
+    cap: int
+    running: list[_Turn] = dataclasses.field(default_factory=list)
+    admit: list[tuple[_Turn, int]] = dataclasses.field(default_factory=list)
+    cache: dict[int, int] = dataclasses.field(default_factory=dict)
+    stepping: bool = False
+    warm: bool = False  # the system prompt is cached
+
+    def load(self) -> int:
+        return len(self.running) + len(self.admit)
+
+
+@dataclasses.dataclass
+class Design:
+    name: str
+    policy: str  # off | age | peek | oracle
+    tail_room: int | None = None  # the tail replica's max in flight (None: the fleet's)
+    kv: bool = False
+    tail: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``tail.*`` settings of the policy
+
+
+DESIGNS = (
+    Design("off", "off"), Design("off_room64", "off", tail_room=64), Design("age", "age"),
+    Design("age_q0.8", "age", tail={"long_quantile": 0.8}),
+    Design("age_tokens250", "age", tail={"long_tokens": 250}),
+    Design("age_room32", "age", tail_room=32), Design("age_room64", "age", tail_room=64),
+    Design("age_kv", "age", kv=True), Design("age_kv_room64", "age", tail_room=64, kv=True),
+    Design("peek", "peek"), Design("oracle", "oracle"),
+)
+
+
+def workload(engine: SimEngineConfig, seed: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt tokens per session and output tokens per turn, drawn as the tail bench's are."""
+    rng = np.random.default_rng([seed, 0x7A11])
+    prompts = rng.integers(PROMPT[0], PROMPT[1] + 1, size=SESSIONS)
+    z = rng.standard_normal((SESSIONS, TURNS))
+    lengths = np.minimum(max_tokens, np.ceil(engine.output_len_median * np.exp(engine.output_len_sigma * z)))
+    return prompts, lengths.astype(np.int64)
+
+
+class _Step:
+    """One step of one design: replicas, the router's choices, and the requests' rows."""
+
+    def __init__(self, cfg: Config, design: Design, prompts: np.ndarray, lengths: np.ndarray) -> None:
+        self.cfg, self.design, self.lengths = cfg, design, lengths
+        self.sessions, self.turns = lengths.shape
+        self.scale = cfg.engine.time_scale
+        self.tail_group = cfg.tail.group
+        self.replicas: list[_Replica] = []
+        for g, gc in cfg.groups.items():
+            cap = design.tail_room if g == self.tail_group and design.tail_room else gc.max_inflight
+            self.replicas += [_Replica(g, group_engine(cfg, g), cap) for _ in range(gc.replicas)]
+        self.tail = next(r for r in self.replicas if r.group == self.tail_group)
+        self.bulk = [r for r in self.replicas if r is not self.tail]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.order = itertools.count()
+        self.now = 0.0
+        self.waiting: list[_Turn] = []
+        self.rows: list[tuple[int, int, int, float, float]] = []  # session, prompt, output, sent, done
+        self.moves = self.hits = self.queries = 0
+        self.record = StepRecord(0)
+        self.policy = (make_tail_policy(dataclasses.replace(cfg.tail, policy="age", **design.tail))
+                       if design.policy == "age" else None)
+        self.home: dict[int, _Replica] = {}
+        self._homes(prompts)
+        for s in range(self.sessions):
+            self._dispatch(_Turn(s, 0, int(prompts[s]), int(lengths[s, 0]), 0.0))
+
+    # ---- placement ---------------------------------------------------------------------------
+    def _homes(self, prompts: np.ndarray) -> None:
+        """Each session's replica: ``off`` hashes over every replica in proportion to its full-batch
+        decode rate (what the router's speed-weighted ring learns); the others over the bulk group."""
+        rng = np.random.default_rng([int(prompts.sum()), 1])
+        pool = self.replicas if self.design.policy == "off" else self.bulk
+        rate = np.array([r.cap / step_seconds(r.engine, r.cap * 1000) for r in pool])
+        for s, i in enumerate(rng.choice(len(pool), size=self.sessions, p=rate / rate.sum())):
+            self.home[s] = pool[int(i)]
+        if self.design.policy == "oracle":
+            longest = np.argsort(-self.lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
+            for s in longest.tolist():
+                self.home[s] = self.tail
+
+    def _room(self, r: _Replica) -> int:
+        return r.cap - r.load()
+
+    def _target(self, t: _Turn) -> _Replica | None:
+        home = self.home[t.session]
+        if self.design.policy in ("age", "peek") and str(t.session) in self.record.on_tail and self._room(self.tail) > 0:
+            return self.tail
+        if self._room(home) > 0:
+            return home
+        if home is not self.tail and self.design.policy != "off":
+            return max(self.bulk, key=self._room) if max(map(self._room, self.bulk)) > 0 else None
+        return None
+
+    def _dispatch(self, t: _Turn) -> None:
+        r = self._target(t)
+        if r is None:
+            self.waiting.append(t)
+        else:
+            self._place(t, r)
+
+    def _place(self, t: _Turn, r: _Replica, kv: bool = False) -> None:
+        if r is self.tail and self.design.policy != "off":
+            self.record.on_tail.add(str(t.session))
+        context = t.prompt + t.produced
+        cached = min(context - 1, r.cache.get(t.session, SYSTEM if r.warm else 0))
+        if kv:
+            t.kv_ready = self.now + context * r.engine.kv_bytes_per_token / LINK_BYTES_PER_S * self.scale
+            cached = context - 1
+        self.hits += cached
+        self.queries += context
+        r.warm = True
+        t.replica = r
+        r.admit.append((t, context - cached))
+        self._kick(r)
+
+    def _kick(self, r: _Replica) -> None:
+        if not r.stepping and (r.running or r.admit):
+            r.stepping = True
+            self._push(self.now, "step", r)
+
+    def _push(self, at: float, kind: str, what: Any) -> None:
+        heapq.heappush(self.events, (at, next(self.order), kind, what))
+
+    # ---- moves -------------------------------------------------------------------------------
+    def _to_move(self) -> list[_Turn]:
+        room = self._room(self.tail)
+        if room <= 0:
+            return []
+        running = [t for r in self.bulk for t in r.running]
+        if self.design.policy == "age":
+            assert self.policy is not None
+            picked = [t for t in running if self.policy.move(self.record, t.produced)]
+            picked.sort(key=lambda t: -t.produced)
+        elif self.design.policy == "peek":
+            picked = [t for t in running if t.produced >= PEEK_AFTER and t.length - t.produced >= PEEK_LEFT]
+            picked.sort(key=lambda t: t.produced - t.length)
+        else:
+            return []
+        return picked[:room]
+
+    def _tick(self) -> None:
+        for t in self._to_move():
+            assert t.replica is not None
+            t.replica.running.remove(t)
+            t.replica.cache[t.session] = t.prompt + t.produced
+            self.moves += 1
+            self._place(t, self.tail, kv=self.design.kv)
+        self._push(self.now + TICK_S, "tick", None)
+
+    # ---- engine steps ------------------------------------------------------------------------
+    def _step(self, r: _Replica) -> None:
+        ready = [(t, p) for t, p in r.admit if t.kv_ready <= self.now]
+        r.admit = [(t, p) for t, p in r.admit if t.kv_ready > self.now]
+        r.running += [t for t, _ in ready]
+        if not r.running:
+            r.stepping = False
+            if r.admit:  # only KV still on its way: look again when the first lands
+                r.stepping = True
+                self._push(min(t.kv_ready for t, _ in r.admit), "step", r)
+            return
+        context = sum(t.prompt + t.produced for t in r.running)
+        dt = step_seconds(r.engine, context, sum(p for _, p in ready)) * self.scale
+        self._push(self.now + dt, "emit", (r, list(r.running)))
+
+    def _emit(self, r: _Replica, batch: list[_Turn]) -> None:
+        done = []
+        for t in batch:
+            if t.replica is not r:
+                continue  # moved away during the step
+            t.produced += 1
+            if t.produced >= t.length:
+                done.append(t)
+        for t in done:
+            r.running.remove(t)
+            r.cache[t.session] = t.prompt + t.length
+            self.rows.append((t.session, t.prompt, t.length, t.sent, self.now))
+            self.record.finished(str(t.session), "", t.length)
+            if t.turn + 1 < self.turns:
+                self._dispatch(_Turn(t.session, t.turn + 1, t.prompt + t.length + OBSERVATION,
+                                     int(self.lengths[t.session, t.turn + 1]), self.now))
+        for t in list(self.waiting):
+            target = self._target(t)
+            if target is not None:
+                self.waiting.remove(t)
+                self._place(t, target)
+        r.stepping = False
+        self._kick(r)
+
+    def run(self) -> dict[str, Any]:
+        self._push(TICK_S, "tick", None)
+        while len(self.rows) < self.lengths.size:
+            self.now, _, kind, what = heapq.heappop(self.events)
+            if kind == "tick":
+                self._tick()
+            elif kind == "step":
+                self._step(what)
+            else:
+                self._emit(*what)
+        rows = np.array(self.rows, dtype=np.float64)
+        wall = float(rows[:, 4].max())
+        req = {"session": rows[:, 0].astype(np.int64), "prompt_tokens": rows[:, 1].astype(np.int64),
+               "output_tokens": rows[:, 2].astype(np.int64), "done_at": rows[:, 4],
+               "latency_s": rows[:, 4] - rows[:, 3]}
+        bound = step_bound(self.cfg, req, wall)
+        assert bound is not None
+        return {"wall_s": wall, "bound_ratio": bound["bound_ratio"], "moves": self.moves,
+                "prefix_hit": self.hits / self.queries}
+
+
+def bench_config(max_tokens: int = 2048) -> Config:
+    """The tail bench's config (its ``age`` arm; the designs change only placement)."""
+    return compose_config(["engine.time_scale=0.25", f"workload.max_tokens={max_tokens}", *ARMS["age"]])
+
+
+def model_step(cfg: Config, design: Design, seed: int, max_tokens: int = 2048) -> dict[str, Any]:
+    """One modelled step of ``design`` (seconds at ``cfg.engine.time_scale``)."""
+    prompts, lengths = workload(cfg.engine, seed, max_tokens)
+    return _Step(cfg, design, prompts, lengths).run()
+
+
+def _summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def mean(name: str, key: str) -> float:
+        return statistics.fmean(s[key] for s in results[name])
+
+    off = mean("off", "wall_s")
+    return {name: {"step_time_s": round(mean(name, "wall_s"), 3), "speedup": round(off / mean(name, "wall_s"), 3),
+                   "bound_ratio": round(mean(name, "bound_ratio"), 3), "moves_per_step": round(mean(name, "moves"), 1),
+                   "prefix_hit": round(mean(name, "prefix_hit"), 4)}
+            for name in results}
+
+
+def run(quick: bool = False, designs: tuple[Design, ...] = DESIGNS,
+        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    steps = 4 if quick else 40
+    out: dict[str, Any] = {"steps": steps, "sessions_per_step": SESSIONS, "link_bytes_per_s": LINK_BYTES_PER_S}
+    for max_tokens, key in ((2048, "designs"), (1024, "moderate_tail")):
+        cfg = bench_config(max_tokens)
+        results = {d.name: [model_step(cfg, d, seed, max_tokens) for seed in range(steps)] for d in designs}
+        out[key] = _summary(results)
+        if progress is not None:
+            progress(key)
+    return out
