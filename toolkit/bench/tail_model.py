@@ -23,7 +23,8 @@ quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32
 ``age`` whose moves carry their KV over a 400 Gb/s link instead of recomputing it (``kv``: what vLLM's
 KV connectors such as NIXL do on GPUs; not on the CPU build); and two clairvoyant placements no router
 can run, as bounds on what a better predictor could buy: ``peek``, which knows every turn's length
-once it has generated 50 tokens and moves only those with at least 300 left, and ``oracle``, which
+once it has generated 50 tokens (``peek_at_start``: as it starts) and moves only those with at least
+300 left, and ``oracle``, which
 knows every session's length when the step begins and starts the 16 longest on the tail replica.
 
 The workload draws the tail bench's distributions (128 sessions of 3 turns, prompts of 64-384 tokens
@@ -89,6 +90,7 @@ class Design:
     tail_room: int | None = None  # the tail replica's max in flight (None: the fleet's)
     kv: bool = False
     tail: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``tail.*`` settings of the policy
+    peek_after: int = PEEK_AFTER  # ``peek``: tokens a turn has generated when its length is known
 
 
 DESIGNS = (
@@ -97,7 +99,7 @@ DESIGNS = (
     Design("age_tokens250", "age", tail={"long_tokens": 250}),
     Design("age_room32", "age", tail_room=32), Design("age_room64", "age", tail_room=64),
     Design("age_kv", "age", kv=True), Design("age_kv_room64", "age", tail_room=64, kv=True),
-    Design("peek", "peek"), Design("oracle", "oracle"),
+    Design("peek", "peek"), Design("peek_at_start", "peek", peek_after=0), Design("oracle", "oracle"),
 )
 
 
@@ -206,7 +208,8 @@ class _Step:
             picked = [t for t in running if self.policy.move(self.record, t.produced)]
             picked.sort(key=lambda t: -t.produced)
         elif self.design.policy == "peek":
-            picked = [t for t in running if t.produced >= PEEK_AFTER and t.length - t.produced >= PEEK_LEFT]
+            after = self.design.peek_after
+            picked = [t for t in running if t.produced >= after and t.length - t.produced >= PEEK_LEFT]
             picked.sort(key=lambda t: t.produced - t.length)
         else:
             return []
