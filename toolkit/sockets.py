@@ -15,6 +15,30 @@ from toolkit.errors import RouterUnavailable
 
 logger = logging.getLogger(__name__)
 
+# On hot paths pyzmq's send_multipart/recv_multipart (enum flags, copies) cost more than the socket
+# calls themselves: the backend's send/recv/get with plain int flags.
+_MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+_raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_raw_get = zmq.backend.Socket.get
+
+
+def send_frames(sock: zmq.Socket, *frames: bytes) -> None:
+    """One multipart message (the router's hot path)."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _raw_send(sock, f, _MORE if i < last else 0)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """One whole multipart message without blocking, or zmq.Again."""
+    frames = [_raw_recv(sock, _NOBLOCK)]
+    while _raw_get(sock, _RCVMORE):
+        frames.append(_raw_recv(sock, _NOBLOCK))
+    return frames
+
 
 class CurveSide(Protocol):
     """CURVE settings of one side (``toolkit.security.ServerCurve`` or ``ClientCurve``)."""

@@ -33,7 +33,7 @@ from toolkit.router.timeline import Timeline
 from toolkit.router.weights import WeightsMixin
 from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import server_curve
-from toolkit.sockets import advertised, make_socket
+from toolkit.sockets import advertised, make_socket, recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
 
@@ -45,28 +45,6 @@ _T_RESULT = P.TYPE_OF[P.Result]
 _dec_generate = P.DECODERS[_T_GENERATE]
 _dec_result = P.DECODERS[_T_RESULT]
 _enc = P._encoder
-_MORE = int(zmq.SNDMORE)
-_NOBLOCK = int(zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
-# On this hot path pyzmq's send_multipart/recv_multipart (enum flags, copies) cost more than the
-# socket calls themselves: use the backend's send/recv/get with plain int flags.
-_raw_send = zmq.backend.Socket.send
-_raw_recv = zmq.backend.Socket.recv
-_raw_get = zmq.backend.Socket.get
-
-
-def _send(sock: zmq.Socket, *frames: bytes) -> None:
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        _raw_send(sock, f, _MORE if i < last else 0)
-
-
-def _recv(sock: zmq.Socket) -> list[bytes]:
-    """One whole multipart message, or zmq.Again."""
-    frames = [_raw_recv(sock, _NOBLOCK)]
-    while _raw_get(sock, _RCVMORE):
-        frames.append(_raw_recv(sock, _NOBLOCK))
-    return frames
 
 
 class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
@@ -162,7 +140,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         """Handle up to _DRAIN messages; True if the socket may hold more."""
         for _ in range(_DRAIN):
             try:
-                frames = _recv(sock)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return False
             if len(frames) < 3:
@@ -213,7 +191,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         cached = self.results.get(rid)
         if cached is not None:
             self.stats["duplicates"] += 1
-            _send(self.frontend, client, _T_RESULT, cached)
+            send_frames(self.frontend, client, _T_RESULT, cached)
             return
         existing = self.live.get(rid)
         if existing is not None:
@@ -302,7 +280,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 return
 
     def _send(self, req: Request, r: Replica) -> None:
-        _send(self.backend, r.identity, _T_GENERATE, req.payload)
+        send_frames(self.backend, r.identity, _T_GENERATE, req.payload)
         if not r.inflight:
             r.progress_at = time.monotonic()  # the stall clock runs only while work is in flight
         r.inflight[req.request_id] = req
@@ -383,7 +361,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.tail.forget(req)
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
                         dispatches=req.dispatches, moves=req.moves)
-        _send(self.frontend, req.client, _T_RESULT, payload, _enc.encode(route))
+        send_frames(self.frontend, req.client, _T_RESULT, payload, _enc.encode(route))
         self.results[req.request_id] = payload
         if len(self.results) > self.rcfg.result_cache:
             self.results.popitem(last=False)
