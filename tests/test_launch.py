@@ -153,8 +153,9 @@ def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(t
     out = launch([f"hydra.run.dir={run}", *FAST, *crash, "rollout.max_failed_fraction=0"],
                  cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 1, out.stdout + out.stderr
+    text = " ".join((out.stdout + out.stderr).split())  # the console wraps lines at 80 columns
     assert ("step 0: 1 of 32 sessions failed (3.1%), more than rollout.max_failed_fraction = 0.0; first errors: "
-            "session 3: environment raised RuntimeError: environment crashed on session 3") in out.stdout + out.stderr
+            "session 3: environment raised RuntimeError: environment crashed on session 3") in text
     assert (run / "steps" / "step_00000.parquet").exists()  # the step's files are written before the run ends
     assert_no_process_left(run)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import inspect
 import json
 import logging
@@ -32,95 +31,27 @@ from toolkit.rollout.bound import has_time_model
 from toolkit.rollout.columns import (
     STAT_COLUMNS,
     Columns,
-    final_rows,
     gather_columns,
     pack,
     to_table,
     write_parquet,
 )
+from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
+from toolkit.rollout.guard import check_failure_budget, guarded, maybe_await
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
-from toolkit.rollout.sample import SAMPLE_STATUSES, NonPrefixTurn, Sample
+from toolkit.rollout.sample import NonPrefixTurn, Sample
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
 from toolkit.rollout.stepreport import RequestLog, step_report, write_step_report
 from toolkit.rollout.stepweights import StepWeights
 from toolkit.rollout.tokenizer import load_tokenizer
-from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.rundir import RunDir, atomic_write
 from toolkit.sockets import bind_host
 
 logger = logging.getLogger(__name__)
 
 MAX_TURNS_HARD = 256
-
-
-class SessionTimeout(Exception):
-    """A session's environment or agent ran past ``workload.env_timeout_s``."""
-
-
-async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
-    """``awaitable``'s result, cancelling it after ``timeout_s`` (SessionTimeout). Unlike wait_for,
-    a TimeoutError the user's own code raises stays that error, not a session timeout."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise SessionTimeout
-    return task.result()
-
-
-class FailureBudgetExceeded(ToolkitError):
-    """More of a step's sessions failed than ``rollout.max_failed_fraction`` allows."""
-
-
-async def _maybe(value: Any) -> Any:
-    """An environment's answer, awaited if it is async (a slow tool never blocks the other sessions)."""
-    return await value if inspect.isawaitable(value) else value
-
-
-class TailWatch:
-    """Reads the job's tail sentinel (at most every ``interval_s``) to tag new requests."""
-
-    def __init__(self, run_dir: RunDir, job: str, group: str, enabled: bool, interval_s: float = 0.05) -> None:
-        self.path = run_dir.sentinel(job)
-        self.group = group
-        self.enabled = enabled
-        self.interval_s = interval_s
-        self._checked = 0.0
-        self._info: dict[str, Any] | None = None
-
-    def info(self) -> dict[str, Any] | None:
-        now = time.monotonic()
-        if self.enabled and now - self._checked >= self.interval_s:
-            self._checked = now
-            self._info = read_json(self.path)
-        return self._info
-
-    def group_for(self, step: int) -> str | None:
-        info = self.info()
-        return self.group if info is not None and info.get("step") == step else None
-
-
-async def async_barrier(comm: Any, poll_s: float = 0.005) -> None:
-    """A barrier that waits on the event loop instead of spinning in MPI."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        await asyncio.sleep(poll_s)
-
-
-async def async_bcast_flag(comm: Any, flag: bool, poll_s: float = 0.005) -> bool:
-    """Rank 0's ``flag`` on every rank, waiting on the event loop (the other ranks' value is ignored)."""
-    buf = np.array([1 if flag else 0], dtype=np.int8)
-    req = comm.Ibcast(buf, root=0)
-    while not req.Test():
-        await asyncio.sleep(poll_s)
-    return bool(buf[0])
 
 
 class RankRunner:
@@ -291,42 +222,7 @@ class RankRunner:
                                    or t0 <= float(e.get("t", 0)) <= end]
         report["weights"] = self.weights.report(step)
         write_step_report(self.run_dir.step_report(step), report)
-        self._check_failures(step, cols)
-
-    def _check_failures(self, step: int, cols: Columns) -> None:
-        """The user's failure budget: past it every rank ends (the step's files are written first)."""
-        budget = self.cfg.rollout.max_failed_fraction
-        final = final_rows(cols)
-        failed_rows = final & (cols["status"] == SAMPLE_STATUSES.index("failed"))
-        failed, rows = int(failed_rows.sum()), int(final.sum())
-        if budget is None or not rows or failed / rows <= budget:
-            return
-        errors = ""
-        if "error" in cols:  # rollout.output=gather: the errors are here; shards: in the shard files
-            lens = cols["error__len"]
-            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            bad = np.flatnonzero(failed_rows)[:3]
-            texts = [bytes(cols["error"][starts[i]:starts[i] + lens[i]]).decode(errors="replace") for i in bad]
-            errors = "; first errors: " + " | ".join(f"session {int(cols['index'][i])}: {t}" for i, t in zip(bad, texts, strict=True))
-        raise FailureBudgetExceeded(
-            f"step {step}: {failed} of {rows} sessions failed ({failed / rows:.1%}), more than "
-            f"rollout.max_failed_fraction = {budget}{errors}")
-
-    async def _guarded(self, what: str, sid: str, awaitable: Any, fatal: tuple[type[BaseException], ...] = ()
-                       ) -> tuple[Any, str]:
-        """The user's environment or agent for one session, bounded by ``workload.env_timeout_s``:
-        (its result, "") or (None, why it failed); its failure is the session's alone. ``fatal``
-        errors pass through: they end every rank."""
-        timeout = self.cfg.workload.env_timeout_s
-        try:
-            return await bounded(awaitable, timeout), ""
-        except SessionTimeout:
-            return None, f"{what} timed out after workload.env_timeout_s = {timeout}s"
-        except fatal:
-            raise
-        except Exception as exc:
-            logger.warning("session %s: %s failed: %r", sid, what, exc)
-            return None, f"{what} raised {type(exc).__name__}: {exc}"
+        check_failure_budget(step, cols, self.cfg.rollout.max_failed_fraction)
 
     async def _done(self, step: int, sid: str, samples: list[Sample], log: RequestLog) -> list[Sample]:
         if self.tokenizer is not None:
@@ -343,7 +239,8 @@ class RankRunner:
         async with sem:
             sample = Sample.start(index, sid, [])
             # The toolkit's own failures (the router gone...) are not the environment's.
-            _, error = await self._guarded("environment", sid, self._turns(step, sid, sample, log), (ToolkitError,))
+            _, error = await guarded("environment", sid, self._turns(step, sid, sample, log), self.cfg.workload.env_timeout_s,
+                                     (ToolkitError,))
             if error:
                 sample.mark("failed", error)
         return await self._done(step, sid, [sample], log)
@@ -352,7 +249,7 @@ class RankRunner:
         cfg = self.cfg
         assert self.env_factory is not None
         env: Environment = self.env_factory()
-        context = list(await _maybe(env.reset(self.prompts.get(step, sample.index))))
+        context = list(await maybe_await(env.reset(self.prompts.get(step, sample.index))))
         sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
         sample.prompt_length = len(context)
         for turn in range(MAX_TURNS_HARD):
@@ -383,7 +280,7 @@ class RankRunner:
             except NonPrefixTurn as exc:
                 sample.mark("failed", str(exc))
                 return
-            outcome = await _maybe(env.step(res.output_token_ids, res.finish_reason))
+            outcome = await maybe_await(env.step(res.output_token_ids, res.finish_reason))
             sample.reward += outcome.reward
             if outcome.done:
                 return
@@ -399,7 +296,7 @@ class RankRunner:
         async with sem:
             key, sess = self.gateway.open_session(step, index, sid, log, cfg.workload.record_messages)
             try:
-                got, error = await self._guarded("agent", sid, self._agent(key, step, index))
+                got, error = await guarded("agent", sid, self._agent(key, step, index), self.cfg.workload.env_timeout_s)
             finally:
                 await self.gateway.close_session(key)
             reward = float(got) if got is not None else (sess.reward or 0.0)

@@ -1,0 +1,52 @@
+"""How a step's ranks agree without talking through the router: the job's tail sentinel on the shared
+file system, and MPI collectives awaited on the event loop (a rank keeps serving its sessions while
+it waits)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+from toolkit.rundir import RunDir, read_json
+
+
+class TailWatch:
+    """Reads the job's tail sentinel (at most every ``interval_s``) to tag new requests."""
+
+    def __init__(self, run_dir: RunDir, job: str, group: str, enabled: bool, interval_s: float = 0.05) -> None:
+        self.path = run_dir.sentinel(job)
+        self.group = group
+        self.enabled = enabled
+        self.interval_s = interval_s
+        self._checked = 0.0
+        self._info: dict[str, Any] | None = None
+
+    def info(self) -> dict[str, Any] | None:
+        now = time.monotonic()
+        if self.enabled and now - self._checked >= self.interval_s:
+            self._checked = now
+            self._info = read_json(self.path)
+        return self._info
+
+    def group_for(self, step: int) -> str | None:
+        info = self.info()
+        return self.group if info is not None and info.get("step") == step else None
+
+
+async def async_barrier(comm: Any, poll_s: float = 0.005) -> None:
+    """A barrier that waits on the event loop instead of spinning in MPI."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        await asyncio.sleep(poll_s)
+
+
+async def async_bcast_flag(comm: Any, flag: bool, poll_s: float = 0.005) -> bool:
+    """Rank 0's ``flag`` on every rank, waiting on the event loop (the other ranks' value is ignored)."""
+    buf = np.array([1 if flag else 0], dtype=np.int8)
+    req = comm.Ibcast(buf, root=0)
+    while not req.Test():
+        await asyncio.sleep(poll_s)
+    return bool(buf[0])

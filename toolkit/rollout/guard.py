@@ -1,0 +1,84 @@
+"""What keeps a user's environment or agent from taking a run down: each session's call bounded by
+``workload.env_timeout_s`` and its failure kept to its own sample, and the user's failure budget
+(``rollout.max_failed_fraction``), the one user-set limit that ends every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from typing import Any
+
+import numpy as np
+
+from toolkit.errors import ToolkitError
+from toolkit.rollout.columns import Columns, final_rows
+from toolkit.rollout.sample import SAMPLE_STATUSES
+
+logger = logging.getLogger(__name__)
+
+
+class SessionTimeout(Exception):
+    """A session's environment or agent ran past ``workload.env_timeout_s``."""
+
+
+async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
+    """``awaitable``'s result, cancelling it after ``timeout_s`` (SessionTimeout). Unlike wait_for,
+    a TimeoutError the user's own code raises stays that error, not a session timeout."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise SessionTimeout
+    return task.result()
+
+
+class FailureBudgetExceeded(ToolkitError):
+    """More of a step's sessions failed than ``rollout.max_failed_fraction`` allows."""
+
+
+async def maybe_await(value: Any) -> Any:
+    """An environment's answer, awaited if it is async (a slow tool never blocks the other sessions)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+async def guarded(what: str, sid: str, awaitable: Any, timeout: float | None,
+                  fatal: tuple[type[BaseException], ...] = ()) -> tuple[Any, str]:
+    """The user's environment or agent for one session, bounded by ``workload.env_timeout_s``:
+    (its result, "") or (None, why it failed); its failure is the session's alone. ``fatal``
+    errors pass through: they end every rank."""
+    try:
+        return await bounded(awaitable, timeout), ""
+    except SessionTimeout:
+        return None, f"{what} timed out after workload.env_timeout_s = {timeout}s"
+    except fatal:
+        raise
+    except Exception as exc:
+        logger.warning("session %s: %s failed: %r", sid, what, exc)
+        return None, f"{what} raised {type(exc).__name__}: {exc}"
+
+
+def check_failure_budget(step: int, cols: Columns, budget: float | None) -> None:
+    """The user's failure budget: past it every rank ends (the step's files are written first)."""
+    final = final_rows(cols)
+    failed_rows = final & (cols["status"] == SAMPLE_STATUSES.index("failed"))
+    failed, rows = int(failed_rows.sum()), int(final.sum())
+    if budget is None or not rows or failed / rows <= budget:
+        return
+    errors = ""
+    if "error" in cols:  # rollout.output=gather: the errors are here; shards: in the shard files
+        lens = cols["error__len"]
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        bad = np.flatnonzero(failed_rows)[:3]
+        texts = [bytes(cols["error"][starts[i]:starts[i] + lens[i]]).decode(errors="replace") for i in bad]
+        errors = "; first errors: " + " | ".join(f"session {int(cols['index'][i])}: {t}" for i, t in zip(bad, texts, strict=True))
+    raise FailureBudgetExceeded(
+        f"step {step}: {failed} of {rows} sessions failed ({failed / rows:.1%}), more than "
+        f"rollout.max_failed_fraction = {budget}{errors}")
