@@ -2,17 +2,19 @@
 their lower bound, on a model of its fleet with no process in it.
 
 ``python -m toolkit.bench tail`` runs real processes on a small machine, so its figures mix what a
-policy decides with what the processes cost (sockets, heartbeats, a shared CPU: about 0.15 s of a
-2.8 s step). This bench replays the same kind of step on the same fleet as a discrete-event model, to
-tell a limit of scheduling from one of the implementation, and to put a figure on designs the router
-cannot run today:
+policy decides with what the processes cost (sockets, heartbeats, a shared CPU). This bench replays
+the same kind of step on the same fleet as a discrete-event model, to tell a limit of scheduling from
+one of the implementation, and to put a figure on designs the router cannot run today:
 
-- each replica steps exactly as ``toolkit/engine/sim.py`` times it (:func:`step_seconds`: weights and
-  every running context read once a step, a step's prefill added to it), at the bench's fleet
-  (``conf/groups/default.yaml``) and ``time_scale``;
-- a session's later turns find their context cached on the replica that ran the earlier ones; a
-  request that moves recomputes its whole context where it lands, as the router's migration does
+- each replica steps as ``toolkit/engine/sim.py`` times it (:func:`step_seconds`: weights and every
+  running context read once a step, the step's prefill added to it), at the bench's fleet
+  (``conf/groups/default.yaml``) and ``time_scale``; its prefix cache holds, in whole blocks, what
+  finished or left there (the system prompt once a first request has finished);
+- a request that moves recomputes its whole context where it lands, as the router's migration does
   (unless the design says its KV travels with it);
+- new turns are placed by the router's own :class:`~toolkit.router.policy.ConsistentHash` (bounded
+  loads, rings weighted by each replica's full-batch decode rate, as the router learns it); what
+  cannot be placed waits, oldest first, ahead of a session's next turn;
 - ``age`` is the router's own :class:`~toolkit.router.tail.age.AgePolicy` over its own
   :class:`~toolkit.router.tail.base.StepRecord`, asked every ``TICK_S`` with exact token counts;
 - the bound is the step report's (:func:`~toolkit.rollout.bound.step_bound`) over the modelled requests.
@@ -21,15 +23,17 @@ Designs (``DESIGNS``): ``off`` (also with room for 64 requests on the tail repli
 room is not credited to a policy alone); ``age``, also with a lower bar for a long turn (the 0.8
 quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32, 64 requests);
 ``age`` whose moves carry their KV over a 400 Gb/s link instead of recomputing it (``kv``: what vLLM's
-KV connectors such as NIXL do on GPUs; not on the CPU build); and two clairvoyant placements no router
-can run, as bounds on what a better predictor could buy: ``peek``, which knows every turn's length
-once it has generated 50 tokens (``peek_at_start``: as it starts) and moves only those with at least
-300 left, and ``oracle``, which
-knows every session's length when the step begins and starts the 16 longest on the tail replica.
+KV connectors such as NIXL do on GPUs; not on the CPU build); and clairvoyant reference placements no
+router can run, to price better knowledge (not optimal schedules): ``peek`` knows every turn's length
+once it has generated 50 tokens and moves those with at least 300 left; ``peek_at_start`` knows it
+as the turn starts and starts those on the tail replica; ``oracle`` knows every session's length when
+the step begins and starts the 16 longest there.
 
 The workload draws the tail bench's distributions (128 sessions of 3 turns, prompts of 64-384 tokens
-behind a cached 32-token system prompt, 24-token observations, lognormal turns cut at 2,048), not its
-exact tokens; steps are seeded, and every design runs the same steps.
+behind a 32-token system prompt, 24-token observations, lognormal turns cut at 2,048), not its exact
+tokens; steps are seeded, and every design runs the same steps. ``prefix_hit`` counts every leg of a
+request (a moved request's recompute included; KV that travels counts neither way), so it is not the
+step report's figure.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from toolkit.bench.tail import ARMS
 from toolkit.config import Config, SimEngineConfig, compose_config, group_engine
 from toolkit.engine.sim import step_seconds
 from toolkit.rollout.bound import step_bound
+from toolkit.router.policy import ConsistentHash, Replica
 from toolkit.router.tail.base import StepRecord
 from toolkit.router.tail.routing import TICK_S, make_tail_policy
 
@@ -66,6 +71,7 @@ class _Turn:
     produced: int = 0
     replica: _Replica | None = None
     kv_ready: float = 0.0  # a move carrying KV runs from then on
+    dispatched: float | None = None  # when the router first placed it
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,7 +83,8 @@ class _Replica:
     admit: list[tuple[_Turn, int]] = dataclasses.field(default_factory=list)
     cache: dict[int, int] = dataclasses.field(default_factory=dict)
     stepping: bool = False
-    warm: bool = False  # the system prompt is cached
+    warm: bool = False  # a request has finished here, so the system prompt is cached
+    view: Replica | None = None  # the router's view of it (what its consistent hashing sees)
 
     def load(self) -> int:
         return len(self.running) + len(self.admit)
@@ -131,45 +138,55 @@ class _Step:
         self.now = 0.0
         self.waiting: list[_Turn] = []
         self.rows: list[tuple[int, int, int, float, float]] = []  # session, prompt, output, sent, done
+        self.finished: list[_Turn] = []
         self.moves = self.hits = self.queries = 0
         self.record = StepRecord(0)
         self.policy = (make_tail_policy(dataclasses.replace(cfg.tail, policy="age", **design.tail))
                        if design.policy == "age" else None)
-        self.home: dict[int, _Replica] = {}
-        self._homes(prompts)
+        self.emitted = self.waits = 0
+        self.ring = self._ring()
+        self.favoured: set[int] = set()
+        if design.policy == "oracle":
+            longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
+            self.favoured = set(longest.tolist())
         for s in range(self.sessions):
             self._dispatch(_Turn(s, 0, int(prompts[s]), int(lengths[s, 0]), 0.0))
 
     # ---- placement ---------------------------------------------------------------------------
-    def _homes(self, prompts: np.ndarray) -> None:
-        """Each session's replica: ``off`` hashes over every replica in proportion to its full-batch
-        decode rate (what the router's speed-weighted ring learns); the others over the bulk group."""
-        rng = np.random.default_rng([int(prompts.sum()), 1])
+    def _ring(self) -> ConsistentHash:
+        """The router's own bounded-load consistent hashing over the replicas a new turn may start on
+        (``off``: every replica; else the bulk group), each weighted by its full-batch decode rate as
+        the router learns it from heartbeats (its peak tokens/s)."""
+        for i, r in enumerate(self.replicas):
+            r.view = Replica(f"{r.group}-{i}", b"", r.group, r.cap, r.engine.max_model_len, r.engine.vocab_size,
+                             ready=True)
         pool = self.replicas if self.design.policy == "off" else self.bulk
-        rate = np.array([r.cap / step_seconds(r.engine, r.cap * 1000) for r in pool])
-        for s, i in enumerate(rng.choice(len(pool), size=self.sessions, p=rate / rate.sum())):
-            self.home[s] = pool[int(i)]
-        if self.design.policy == "oracle":
-            longest = np.argsort(-self.lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
-            for s in longest.tolist():
-                self.home[s] = self.tail
+        ring = ConsistentHash([r.view for r in pool if r.view is not None], self.cfg.router.load_factor)
+        rate = {r.view.replica_id: r.cap / step_seconds(r.engine, r.cap * 1000) for r in pool if r.view}
+        mean = sum(rate.values()) / len(rate)
+        ring.weights = {rid: v / mean for rid, v in rate.items()}
+        ring.update(ring.replicas)
+        self.pool = pool
+        return ring
 
     def _room(self, r: _Replica) -> int:
         return r.cap - r.load()
 
     def _target(self, t: _Turn) -> _Replica | None:
-        home = self.home[t.session]
-        if self.design.policy in ("age", "peek") and str(t.session) in self.record.on_tail and self._room(self.tail) > 0:
+        tail_first = (
+            (self.design.policy in ("age", "peek") and str(t.session) in self.record.on_tail)
+            or t.session in self.favoured
+            or (self.design.policy == "peek" and self.design.peek_after == 0 and t.length >= PEEK_LEFT))
+        if tail_first and self._room(self.tail) > 0:
             return self.tail
-        if self._room(home) > 0:
-            return home
-        if home is not self.tail and self.design.policy != "off":
-            return max(self.bulk, key=self._room) if max(map(self._room, self.bulk)) > 0 else None
-        return None
+        free = [r.view for r in self.pool if r.view is not None and self._room(r) > 0]
+        view = self.ring.choose(str(t.session), sum(r.load() for r in self.pool), free)
+        return next(r for r in self.pool if r.view is view) if view is not None else None
 
     def _dispatch(self, t: _Turn) -> None:
         r = self._target(t)
         if r is None:
+            self.waits += 1
             self.waiting.append(t)
         else:
             self._place(t, r)
@@ -178,16 +195,31 @@ class _Step:
         if r is self.tail and self.design.policy != "off":
             self.record.on_tail.add(str(t.session))
         context = t.prompt + t.produced
-        cached = min(context - 1, r.cache.get(t.session, SYSTEM if r.warm else 0))
-        if kv:
+        if kv:  # its KV travels: nothing to prefill, it runs once the bytes have landed
             t.kv_ready = self.now + context * r.engine.kv_bytes_per_token / LINK_BYTES_PER_S * self.scale
-            cached = context - 1
-        self.hits += cached
-        self.queries += context
-        r.warm = True
+            prefill = 1
+        else:  # as the sim's prefix cache: whole blocks of what finished here, at least one token computed
+            known = r.cache.get(t.session, SYSTEM if r.warm else 0)
+            block = r.engine.block_size
+            cached = min(context - 1, known) // block * block
+            self.hits += cached
+            self.queries += context
+            prefill = context - cached
         t.replica = r
-        r.admit.append((t, context - cached))
+        if t.dispatched is None:
+            t.dispatched = self.now
+        assert r.view is not None
+        r.view.inflight[str(id(t))] = None  # type: ignore[assignment]  # only its size matters here
+        r.admit.append((t, prefill))
         self._kick(r)
+
+    def _leave(self, t: _Turn, r: _Replica) -> None:
+        """``t`` ends on ``r`` or moves away: ``r`` caches its context (as the sim does on both)."""
+        r.running.remove(t)
+        r.cache[t.session] = t.prompt + t.produced
+        r.warm = True
+        assert r.view is not None
+        del r.view.inflight[str(id(t))]
 
     def _kick(self, r: _Replica) -> None:
         if not r.stepping and (r.running or r.admit):
@@ -218,8 +250,7 @@ class _Step:
     def _tick(self) -> None:
         for t in self._to_move():
             assert t.replica is not None
-            t.replica.running.remove(t)
-            t.replica.cache[t.session] = t.prompt + t.produced
+            self._leave(t, t.replica)
             self.moves += 1
             self._place(t, self.tail, kv=self.design.kv)
         self._push(self.now + TICK_S, "tick", None)
@@ -243,23 +274,29 @@ class _Step:
         done = []
         for t in batch:
             if t.replica is not r:
-                continue  # moved away during the step
+                continue  # moved away during the step: the sim aborted it before this token
             t.produced += 1
+            self.emitted += 1
             if t.produced >= t.length:
                 done.append(t)
+        following = []
         for t in done:
-            r.running.remove(t)
-            r.cache[t.session] = t.prompt + t.length
-            self.rows.append((t.session, t.prompt, t.length, t.sent, self.now))
-            self.record.finished(str(t.session), "", t.length)
+            self._leave(t, r)
+            self.rows.append((t.session, t.prompt, t.produced, t.sent, self.now))
+            self.finished.append(t)
+            self.record.finished(str(t.session), "", t.produced)
             if t.turn + 1 < self.turns:
-                self._dispatch(_Turn(t.session, t.turn + 1, t.prompt + t.length + OBSERVATION,
-                                     int(self.lengths[t.session, t.turn + 1]), self.now))
+                following.append(_Turn(t.session, t.turn + 1, t.prompt + t.produced + OBSERVATION,
+                                       int(self.lengths[t.session, t.turn + 1]), self.now))
+        # The router's queue serves what already waits before a session's next turn, which a rank
+        # sends only once the Result has reached it.
         for t in list(self.waiting):
             target = self._target(t)
             if target is not None:
                 self.waiting.remove(t)
                 self._place(t, target)
+        for t in following:
+            self._dispatch(t)
         r.stepping = False
         self._kick(r)
 
@@ -268,6 +305,9 @@ class _Step:
         while len(self.rows) < self.lengths.size:
             self.now, _, kind, what = heapq.heappop(self.events)
             if kind == "tick":
+                if not any(r.running or r.admit for r in self.replicas):
+                    raise RuntimeError(f"the model stalled at {self.now:.3f} s: {len(self.waiting)} turn(s) "
+                                       f"waiting and nothing running")
                 self._tick()
             elif kind == "step":
                 self._step(what)
@@ -281,7 +321,7 @@ class _Step:
         bound = step_bound(self.cfg, req, wall)
         assert bound is not None
         return {"wall_s": wall, "bound_ratio": bound["bound_ratio"], "moves": self.moves,
-                "prefix_hit": self.hits / self.queries}
+                "prefix_hit": self.hits / self.queries, "waits": self.waits}
 
 
 def bench_config(max_tokens: int = 2048) -> Config:
