@@ -39,10 +39,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
     models = build_all(root / "models")  # "ckpt": seed 1, the engine's model (model=tiny) is seed 0
     # On these 2 cores the engine's worker threads spin on both of them; the replica keeps its CPU
     # because they run at a lower priority (engine.cpu_engine_nice, by default). A replica is dropped
-    # only after 10 s without heartbeats: what this test checks is the update.
+    # only after 10 s without heartbeats: what this test checks is the update. Heartbeats come every
+    # 0.1 s so the test sees generation under way (and sends the update) early in the requests' budget.
     cfg = compose_config(["model=tiny", f"engine.cache_dir={root / 'cache'}", "groups=single",
                           "engine.max_model_len=2048", "rollout.update_mode=pause", "++engine.args.max_num_seqs=8",
-                          "router.missed_heartbeats=20"])
+                          "router.heartbeat_s=0.1", "router.missed_heartbeats=100"])
     validate(cfg)
     with LocalStack(cfg, tmp_path_factory.mktemp("paused") / "run") as st:
         st.start(timeout_s=300)
@@ -85,7 +86,7 @@ def test_an_update_mid_generation_aborts_nothing_and_the_later_tokens_change(sta
         # past the baseline's tokens), the update.
         start = before + len(base) * BUDGET
         running = [asyncio.create_task(c.generate(m)) for m in requests("live")]
-        while await generated(st) < start + len(running) * 20:
+        while await generated(st) < start + len(running) * 8:
             await asyncio.sleep(0.02)
         assert not any(t.done() for t in running)
         ack = await c.update_weights(str(ckpt), 1)
