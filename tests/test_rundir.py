@@ -29,3 +29,50 @@ def test_read_json_absent_is_none_and_atomic_write_leaves_no_temp(tmp_path: Path
     atomic_write(tmp_path / "a" / "x.json", json.dumps({"k": 1}))
     assert read_json(tmp_path / "a" / "x.json") == {"k": 1}
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["x.json"]
+
+
+def test_file_writer_never_blocks_its_caller_and_keeps_the_latest_content_in_order(tmp_path: Path,
+                                                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import toolkit.rundir as rundir
+
+    release = threading.Event()
+    started = threading.Event()
+    real = rundir.atomic_write
+
+    def slow_disk(path: Path, data: bytes | str) -> None:  # the first write hangs until released
+        if path.name == "a.json" and not release.is_set():
+            started.set()
+            assert release.wait(30)
+        real(path, data)
+
+    monkeypatch.setattr(rundir, "atomic_write", slow_disk)
+    w = rundir.FileWriter()
+    try:
+        a, b = tmp_path / "a.json", tmp_path / "b.json"
+        w.write(a, '{"v": 1}')
+        assert started.wait(10)
+        # The writer's thread is stuck in the file system; its callers are not.
+        w.write(b, lambda: json.dumps({"v": "rendered"}))
+        w.write(b, '{"v": 2}')  # replaces the one not yet written
+        w.write(a, '{"v": 3}')
+        w.remove(b)  # after the writes handed in before it
+        w.write(tmp_path / "c.json", "{}")
+        assert not w.flush(timeout_s=0.05) and not b.exists()
+        release.set()
+        assert w.flush(timeout_s=10)
+        assert read_json(a) == {"v": 3} and not b.exists() and read_json(tmp_path / "c.json") == {}
+    finally:
+        release.set()
+        w.close()
+
+
+def test_file_writer_logs_a_failed_write_and_goes_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    from toolkit.rundir import FileWriter
+
+    (tmp_path / "file").write_text("")
+    w = FileWriter()
+    w.write(tmp_path / "file" / "x.json", "{}")  # its directory is a file
+    w.write(tmp_path / "ok.json", '{"k": 1}')
+    w.close()
+    assert read_json(tmp_path / "ok.json") == {"k": 1}
+    assert any("writing" in r.getMessage() and "x.json" in r.getMessage() for r in caplog.records)

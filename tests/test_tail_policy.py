@@ -18,7 +18,7 @@ from toolkit.router.tail.base import StepRecord
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.predict import PredictPolicy
 from toolkit.router.tail.routing import TailRouting, reserved_group
-from toolkit.rundir import RunDir
+from toolkit.rundir import FileWriter, RunDir
 
 
 def tail_cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -81,7 +81,7 @@ class Fleet:
     def __init__(self, tmp: Path, *overrides: str) -> None:
         cfg = compose_config(["router.policy=consistent_hash", *overrides])
         self.pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
-        self.tail = TailRouting(cfg.tail, RunDir(tmp / "run"), self.pool)
+        self.tail = TailRouting(cfg.tail, RunDir(tmp / "run"), FileWriter(), self.pool)
         self.tp = [replica(0, "throughput", 4), replica(1, "throughput", 4)]
         self.fast = replica(0, "tail", 2)
         for r in (*self.tp, self.fast):

@@ -16,12 +16,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from toolkit.rundir import read_json
+from toolkit.rundir import RunDir, read_json
 
 
 def load_timelines(run_dir: Path) -> list[dict[str, Any]]:
     out = []
-    for p in sorted((run_dir / "timeline").glob("*.json")):
+    for p in sorted(RunDir(run_dir).timelines.glob("*.json")):
         data = read_json(p)
         if data:
             out.append(data)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
@@ -26,6 +30,74 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class FileWriter:
+    """Writes files from a thread of its own, each with :func:`atomic_write`, the latest content for a
+    path replacing one not yet written. The router's loop hands it what it persists (weights, flip
+    sentinels, timelines) and goes on: an fsync on a busy local disk or a shared file system can take
+    seconds, and the loop forwards every request. A failed write is logged; ``flush`` waits for the
+    writes handed in so far, ``close`` flushes and ends the thread."""
+
+    def __init__(self, name: str = "file-writer") -> None:
+        self._pending: dict[Path, Callable[[], bytes | str] | bytes | str | None] = {}  # None: remove
+        self._writing = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def write(self, path: Path, data: bytes | str | Callable[[], bytes | str]) -> None:
+        """Queue ``data`` for ``path``; a callable is rendered on the writer's thread (it must not
+        change meanwhile)."""
+        self._put(path, data)
+
+    def remove(self, path: Path) -> None:
+        """Queue the removal of ``path`` (after the writes handed in before it)."""
+        self._put(path, None)
+
+    def _put(self, path: Path, data: bytes | str | Callable[[], bytes | str] | None) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("write after FileWriter.close")
+            self._pending.pop(path, None)  # re-queued at the end: writes keep the order they were asked in
+            self._pending[path] = data
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write handed in so far is done; False if ``timeout_s`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._writing, timeout_s)
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        if not self.flush(timeout_s):
+            logger.error("%d file(s) not written within %ss: %s", len(self._pending), timeout_s,
+                         ", ".join(str(p) for p in self._pending))
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
+                    return
+                path = next(iter(self._pending))
+                data = self._pending.pop(path)
+                self._writing = True
+            try:
+                if data is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    atomic_write(path, data() if callable(data) else data)
+            except Exception:
+                logger.exception("writing %s failed", path)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
 
 
 def read_json(path: Path, retries: int = 5, delay_s: float = 0.05) -> Any | None:
@@ -58,6 +130,19 @@ class RunDir:
     @property
     def router_address(self) -> Path:
         return self.root / "router.json"
+
+    @property
+    def router_weights(self) -> Path:
+        """The latest weights the router handed out (path, version): a restarted router hands them on."""
+        return self.root / "weights.json"
+
+    @property
+    def timelines(self) -> Path:
+        """The router's per-step timelines, ``<job>.step_XXXXX.json`` (``toolkit.report`` draws them)."""
+        return self.root / "timeline"
+
+    def timeline(self, job: str, step: int) -> Path:
+        return self.timelines / f"{job}.step_{step:05d}.json"
 
     @property
     def router_stats(self) -> Path:

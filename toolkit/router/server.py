@@ -31,7 +31,7 @@ from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail.routing import TICK_S, TailRouting, reserved_group
 from toolkit.router.timeline import Timeline
 from toolkit.router.weights import WeightsMixin
-from toolkit.rundir import RunDir, atomic_write
+from toolkit.rundir import FileWriter, RunDir, atomic_write
 from toolkit.security import server_curve
 from toolkit.sockets import advertised, make_socket, recv_frames, send_frames
 
@@ -62,8 +62,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.results: OrderedDict[str, bytes] = OrderedDict()
         self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail))
         self.replicas = self.pool.replicas  # every registered replica, by socket identity
-        self.tail = TailRouting(cfg.tail, run_dir, self.pool)
-        self.timeline = Timeline(run_dir)
+        # What the router persists (weights, flip sentinels, timelines, stats), written off its loop.
+        self.files = FileWriter("router-files")
+        self.tail = TailRouting(cfg.tail, run_dir, self.files, self.pool)
+        self.timeline = Timeline(run_dir, self.files)
         self.known_groups = set(cfg.groups)
         self.stats: Counter[str] = Counter()
         self.dispatched: Counter[str] = Counter()
@@ -105,6 +107,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             self.curve.close()
         if self.endpoint is not None:
             self.endpoint.close()
+        self.files.close()
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         poller = zmq.Poller()
@@ -402,4 +405,4 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def write_stats(self) -> None:
         self.timeline.write_all()
         stats = {**self.stats, **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
-        atomic_write(self.run_dir.router_stats, json.dumps(stats, indent=1))
+        self.files.write(self.run_dir.router_stats, json.dumps(stats, indent=1))

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.rundir import RunDir, atomic_write
+from toolkit.rundir import FileWriter, RunDir
 
 
 @dataclass
@@ -43,8 +43,9 @@ class StepTimeline:
 
 
 class Timeline:
-    def __init__(self, run_dir: RunDir) -> None:
-        self.dir = run_dir.root / "timeline"
+    def __init__(self, run_dir: RunDir, files: FileWriter) -> None:
+        self.run_dir = run_dir
+        self.files = files
         self.steps: dict[str, StepTimeline] = {}
 
     def begin(self, job: str, step: int) -> None:
@@ -85,8 +86,10 @@ class Timeline:
             st.migrated += 1
 
     def write(self, st: StepTimeline) -> None:
-        atomic_write(self.dir / f"{st.job}.step_{st.step:05d}.json", json.dumps(st.to_json()))
+        """A finished step's timeline: nothing records into it any more, so the writer's thread renders it."""
+        self.files.write(self.run_dir.timeline(st.job, st.step), lambda: json.dumps(st.to_json()))
 
     def write_all(self) -> None:
+        """Every step's timeline so far, the ones in flight included (rendered here: they still change)."""
         for st in self.steps.values():
-            self.write(st)
+            self.files.write(self.run_dir.timeline(st.job, st.step), json.dumps(st.to_json()))

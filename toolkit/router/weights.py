@@ -8,14 +8,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from toolkit import protocol as P
-from toolkit.rundir import atomic_write, read_json
+from toolkit.rundir import read_json
 
 if TYPE_CHECKING:
     from toolkit.router.policy import Replica
 
 logger = logging.getLogger(__name__)
-
-WEIGHTS_FILE = "weights.json"  # in the run dir: the latest UpdateWeights, for a restarted router
 
 
 class WeightsMixin:
@@ -26,6 +24,7 @@ class WeightsMixin:
     backend: Any
     replicas: dict[bytes, Replica]
     run_dir: Any
+    files: Any
     weights: P.UpdateWeights | None
     weight_acks: dict[bytes, tuple[int, str]]
     weight_waiters: dict[tuple[str, int], set[bytes]]
@@ -38,7 +37,8 @@ class WeightsMixin:
         if self.weights is None or (self.weights.path, self.weights.version) != key:
             logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
                         len(self.replicas))
-            atomic_write(self.run_dir.root / WEIGHTS_FILE, json.dumps({"path": msg.path, "version": msg.version}))
+            # Kept for a restarted router, written off the loop: the replicas get the message first.
+            self.files.write(self.run_dir.router_weights, json.dumps({"path": msg.path, "version": msg.version}))
         self.weights = msg
         self.weight_waiters.setdefault(key, set()).add(client)
         for r in self.replicas.values():
@@ -50,7 +50,7 @@ class WeightsMixin:
     def _adopt_weights(self) -> P.UpdateWeights | None:
         """The latest weights a previous router of this run handed out (a restarted router gives them
         to replicas that register with it, as the old one would have)."""
-        info = read_json(self.run_dir.root / WEIGHTS_FILE)
+        info = read_json(self.run_dir.router_weights)
         return P.UpdateWeights(info["path"], int(info["version"])) if info else None
 
     def _push_weights(self, r: Replica) -> None:

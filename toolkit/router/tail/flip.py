@@ -1,7 +1,8 @@
 """The count flip: once a fraction of a step's sessions are done, the rest of the step goes to the tail group.
 
 The router counts ``SessionDone`` per (job, step). At exactly ``ceil(threshold * n_sessions)`` it
-writes the job's sentinel file into the run dir (temp file + rename) and from then on every request
+has the job's sentinel file written into the run dir (temp file + rename, on the router's file-writer
+thread: the dispatch never waits for the file system) and from then on every request
 of that step, queued ones included, is dispatched to the tail group only. Ranks (and any other
 router) read the same sentinel, so they agree on the flip without talking to this router.
 """
@@ -14,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.rundir import FileWriter, RunDir, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ def flip_count(threshold: float, n_sessions: int) -> int:
 
 
 class CountFlip:
-    def __init__(self, run_dir: RunDir, threshold: float | None, group: str) -> None:
+    def __init__(self, run_dir: RunDir, files: FileWriter, threshold: float | None, group: str) -> None:
         self.run_dir = run_dir
+        self.files = files
         self.threshold = threshold
         self.group = group
         self.steps: dict[str, StepState] = {}
@@ -48,7 +50,7 @@ class CountFlip:
             if not st.n_sessions:
                 st.n_sessions = n_sessions
             return  # a replay after a restart: keep the counts and any flip
-        self.run_dir.sentinel(job).unlink(missing_ok=True)
+        self.files.remove(self.run_dir.sentinel(job))
         self.steps[job] = StepState(step, n_sessions)
         logger.info("job %s step %d begins with %d sessions", job, step, n_sessions)
         for sid in self.early.pop((job, step), set()):
@@ -70,7 +72,7 @@ class CountFlip:
         if st.flipped_at is None and len(st.done) >= flip_count(self.threshold, st.n_sessions):
             st.flipped_at = time.time()
             st.flip_count = len(st.done)
-            atomic_write(
+            self.files.write(
                 self.run_dir.sentinel(job),
                 json.dumps({"job": job, "step": step, "time": st.flipped_at, "count": st.flip_count,
                             "n_sessions": st.n_sessions, "group": self.group}),

@@ -21,7 +21,7 @@ from toolkit.router.tail.base import StepRecord, TailPolicy
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.flip import CountFlip
 from toolkit.router.tail.predict import PredictPolicy
-from toolkit.rundir import RunDir
+from toolkit.rundir import FileWriter, RunDir
 
 if TYPE_CHECKING:
     from toolkit.protocol import Generate
@@ -52,10 +52,10 @@ def reserved_group(tc: TailConfig) -> str | None:
 
 
 class TailRouting:
-    def __init__(self, tc: TailConfig, run_dir: RunDir, pool: ReplicaPool) -> None:
+    def __init__(self, tc: TailConfig, run_dir: RunDir, files: FileWriter, pool: ReplicaPool) -> None:
         self.tc = tc
         self.group = tc.group
-        self.flip = CountFlip(run_dir, tc.threshold, tc.group)
+        self.flip = CountFlip(run_dir, files, tc.threshold, tc.group)
         self.policy: TailPolicy | None = make_tail_policy(tc) if tc.active else None
         self.pool = pool
         self.records: dict[str, StepRecord] = {}
