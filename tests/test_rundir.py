@@ -52,8 +52,9 @@ def test_file_writer_never_blocks_its_caller_and_keeps_the_latest_content_in_ord
         w.write(a, '{"v": 1}')
         assert started.wait(10)
         # The writer's thread is stuck in the file system; its callers are not.
-        w.write(b, lambda: json.dumps({"v": "rendered"}))
+        w.write(b, '{"v": 1}')
         w.write(b, '{"v": 2}')  # replaces the one not yet written
+        assert w.pending(a) and w.pending(b) and not w.pending(tmp_path / "never.json")
         w.write(a, '{"v": 3}')
         w.remove(b)  # after the writes handed in before it
         w.write(tmp_path / "c.json", "{}")
@@ -61,6 +62,7 @@ def test_file_writer_never_blocks_its_caller_and_keeps_the_latest_content_in_ord
         release.set()
         assert w.flush(timeout_s=10)
         assert read_json(a) == {"v": 3} and not b.exists() and read_json(tmp_path / "c.json") == {}
+        assert not w.pending(a) and w.error(a) is None
     finally:
         release.set()
         w.close()
@@ -70,9 +72,17 @@ def test_file_writer_logs_a_failed_write_and_goes_on(tmp_path: Path, caplog) -> 
     from toolkit.rundir import FileWriter
 
     (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "x.json"
     w = FileWriter()
-    w.write(tmp_path / "file" / "x.json", "{}")  # its directory is a file
+    w.write(bad, "{}")  # its directory is a file
     w.write(tmp_path / "ok.json", '{"k": 1}')
+    assert w.flush(10)
+    error = w.error(bad)
+    assert error is not None and "Error" in error and not w.pending(bad)
+    assert w.error(tmp_path / "ok.json") is None
+    (tmp_path / "file").unlink()
+    w.write(bad, "{}")  # written again: the error is the last write's
     w.close()
+    assert w.error(bad) is None and read_json(bad) == {}
     assert read_json(tmp_path / "ok.json") == {"k": 1}
     assert any("writing" in r.getMessage() and "x.json" in r.getMessage() for r in caplog.records)

@@ -110,13 +110,13 @@ def test_a_restarted_router_adopts_the_latest_weights(make_run, tmp_path: Path) 
 @pytest.mark.timeout(60)
 def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The router keeps ``weights.json`` for a restarted router, but an fsync on a busy disk or a shared
-    file system can take seconds: the replicas get the update at once and the client its answer, and
-    the file follows."""
+    file system can take seconds: the replicas get the update at once, and the client its answer once
+    the file is written (a router restarted after the answer must not hand out older weights)."""
     import json
     import threading
 
     import toolkit.rundir as rundir
-    from tests.test_router_drain import FakeReplica, RouterThread, recv
+    from tests.test_router_drain import FakeReplica, RouterThread, quiet, recv
     from toolkit import protocol as P
     from toolkit.config import compose_config
     from toolkit.validation import validate
@@ -141,14 +141,59 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
         got = replica.recv()
         assert isinstance(got, P.UpdateWeights) and got.version == 3  # while the file's write hangs
         replica.send(P.WeightsUpdated(3, replica.replica_id))
-        ack = recv(client)
-        assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
+        assert quiet(client, 1.0)  # loaded everywhere, but not yet on disk: no answer
         assert not (tmp_path / "run" / "weights.json").exists()
         release.set()
-        wait_for(lambda: (tmp_path / "run" / "weights.json").exists(), 10, "weights.json")
+        ack = recv(client)
+        assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
         assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
         client.close(0)
         replica.close()
     finally:
         release.set()
+        rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A failed write of ``weights.json`` (a full disk) is the client's error, naming the file; updating
+    again writes it again."""
+    import json
+
+    import toolkit.rundir as rundir
+    from tests.test_router_drain import FakeReplica, RouterThread, recv
+    from toolkit import protocol as P
+    from toolkit.config import compose_config
+    from toolkit.validation import validate
+
+    full = [True]
+    real = rundir.atomic_write
+
+    def full_disk(path: Path, data: bytes | str) -> None:
+        if path.name == "weights.json" and full[0]:
+            raise OSError(28, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(rundir, "atomic_write", full_disk)
+    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
+    validate(cfg)
+    rt = RouterThread(cfg, tmp_path / "run")
+    try:
+        replica = FakeReplica(rt, "throughput-0")
+        replica.become_ready()
+        client = rt.socket()
+        client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))
+        assert isinstance(replica.recv(), P.UpdateWeights)
+        replica.send(P.WeightsUpdated(3, replica.replica_id))
+        ack = recv(client)
+        assert isinstance(ack, P.WeightsUpdated) and ack.replicas == 1
+        assert "weights.json" in ack.error and "No space left on device" in ack.error
+        full[0] = False
+        client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))  # the client updates again
+        ack = recv(client)
+        assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
+        assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
+        client.close(0)
+        replica.close()
+    finally:
         rt.close()

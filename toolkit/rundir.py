@@ -36,43 +36,54 @@ class FileWriter:
     """Writes files from a thread of its own, each with :func:`atomic_write`, the latest content for a
     path replacing one not yet written. The router's loop hands it what it persists (weights, flip
     sentinels, timelines) and goes on: an fsync on a busy local disk or a shared file system can take
-    seconds, and the loop forwards every request. A failed write is logged; ``flush`` waits for the
-    writes handed in so far, ``close`` flushes and ends the thread."""
+    seconds, and the loop forwards every request. ``pending`` and ``error`` tell the loop whether a
+    path is on disk yet (an answer that promises it waits for it); ``flush`` waits for the writes
+    handed in so far, ``close`` flushes and ends the thread."""
 
     def __init__(self, name: str = "file-writer") -> None:
-        self._pending: dict[Path, Callable[[], bytes | str] | bytes | str | None] = {}  # None: remove
-        self._writing = False
+        self._queue: dict[Path, bytes | str | None] = {}  # None: remove
+        self._writing: Path | None = None
+        self._errors: dict[Path, str] = {}
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def write(self, path: Path, data: bytes | str | Callable[[], bytes | str]) -> None:
-        """Queue ``data`` for ``path``; a callable is rendered on the writer's thread (it must not
-        change meanwhile)."""
+    def write(self, path: Path, data: bytes | str) -> None:
         self._put(path, data)
 
     def remove(self, path: Path) -> None:
         """Queue the removal of ``path`` (after the writes handed in before it)."""
         self._put(path, None)
 
-    def _put(self, path: Path, data: bytes | str | Callable[[], bytes | str] | None) -> None:
+    def pending(self, path: Path) -> bool:
+        """Whether a write or removal of ``path`` handed in is not done yet."""
+        with self._cond:
+            return path in self._queue or self._writing == path
+
+    def error(self, path: Path) -> str | None:
+        """Why the last write of ``path`` failed, None if it succeeded (or is pending)."""
+        with self._cond:
+            return self._errors.get(path)
+
+    def _put(self, path: Path, data: bytes | str | None) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("write after FileWriter.close")
-            self._pending.pop(path, None)  # re-queued at the end: writes keep the order they were asked in
-            self._pending[path] = data
+            self._queue.pop(path, None)  # re-queued at the end: writes keep the order they were asked in
+            self._queue[path] = data
+            self._errors.pop(path, None)
             self._cond.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every write handed in so far is done; False if ``timeout_s`` passed first."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._writing, timeout_s)
+            return self._cond.wait_for(lambda: not self._queue and self._writing is None, timeout_s)
 
     def close(self, timeout_s: float | None = 30.0) -> None:
         if not self.flush(timeout_s):
-            logger.error("%d file(s) not written within %ss: %s", len(self._pending), timeout_s,
-                         ", ".join(str(p) for p in self._pending))
+            logger.error("%d file(s) not written within %ss: %s", len(self._queue), timeout_s,
+                         ", ".join(str(p) for p in self._queue))
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -81,22 +92,26 @@ class FileWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if not self._pending:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
                     return
-                path = next(iter(self._pending))
-                data = self._pending.pop(path)
-                self._writing = True
+                path = next(iter(self._queue))
+                data = self._queue.pop(path)
+                self._writing = path
+            error = None
             try:
                 if data is None:
                     path.unlink(missing_ok=True)
                 else:
-                    atomic_write(path, data() if callable(data) else data)
-            except Exception:
+                    atomic_write(path, data)
+            except Exception as e:
                 logger.exception("writing %s failed", path)
+                error = f"{type(e).__name__}: {e}"
             finally:
                 with self._cond:
-                    self._writing = False
+                    self._writing = None
+                    if error is not None and path not in self._queue:
+                        self._errors[path] = error
                     self._cond.notify_all()
 
 

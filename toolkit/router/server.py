@@ -388,6 +388,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.check_replicas(time.monotonic())
         wall = time.time()
         self.check_empty_groups(wall)
+        self._answer_weights()  # an answer may wait for weights.json
         if self._deadlines > 0:
             self._expire(wall)
 

@@ -86,10 +86,9 @@ class Timeline:
             st.migrated += 1
 
     def write(self, st: StepTimeline) -> None:
-        """A finished step's timeline: nothing records into it any more, so the writer's thread renders it."""
-        self.files.write(self.run_dir.timeline(st.job, st.step), lambda: json.dumps(st.to_json()))
+        self.files.write(self.run_dir.timeline(st.job, st.step), json.dumps(st.to_json()))
 
     def write_all(self) -> None:
-        """Every step's timeline so far, the ones in flight included (rendered here: they still change)."""
+        """Every step's timeline so far, the ones in flight included."""
         for st in self.steps.values():
-            self.files.write(self.run_dir.timeline(st.job, st.step), json.dumps(st.to_json()))
+            self.write(st)

@@ -37,8 +37,9 @@ class WeightsMixin:
         if self.weights is None or (self.weights.path, self.weights.version) != key:
             logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
                         len(self.replicas))
-            # Kept for a restarted router, written off the loop: the replicas get the message first.
-            self.files.write(self.run_dir.router_weights, json.dumps({"path": msg.path, "version": msg.version}))
+            self._record_weights(msg)
+        elif self.files.error(self.run_dir.router_weights) is not None:
+            self._record_weights(msg)  # a resend tries the failed write again
         self.weights = msg
         self.weight_waiters.setdefault(key, set()).add(client)
         for r in self.replicas.values():
@@ -46,6 +47,12 @@ class WeightsMixin:
             if not r.draining and self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
                 self._push_weights(r)
         self._answer_weights()
+
+    def _record_weights(self, msg: P.UpdateWeights) -> None:
+        """Kept for a restarted router. Written off the loop, so the replicas get the update at once;
+        the client is answered only once the file is on disk (a router restarted after the answer must
+        not hand out older weights)."""
+        self.files.write(self.run_dir.router_weights, json.dumps({"path": msg.path, "version": msg.version}))
 
     def _adopt_weights(self) -> P.UpdateWeights | None:
         """The latest weights a previous router of this run handed out (a restarted router gives them
@@ -70,8 +77,14 @@ class WeightsMixin:
         self._answer_weights()
 
     def _answer_weights(self) -> None:
+        """Answer the clients whose update every ready replica has acknowledged (or one failed), once
+        ``weights.json`` is written; the sweep calls it again while an answer waits for the file."""
         for gone in [i for i in self.weight_acks if i not in self.replicas]:
             del self.weight_acks[gone]
+        recorded = self.run_dir.router_weights
+        if not self.weight_waiters or self.files.pending(recorded):
+            return
+        write_error = self.files.error(recorded)
         ready = [r for r in self.replicas.values() if r.serving]
         for key in list(self.weight_waiters):
             version = key[1]
@@ -81,6 +94,9 @@ class WeightsMixin:
             done = sum(1 for a in acks if a is not None and a[0] == version and not a[1])
             if not errors and done < len(ready):
                 continue
+            if write_error is not None:
+                errors.append(f"the router could not record the weights in {recorded} (a restarted router "
+                              f"would hand out older ones; update again to retry): {write_error}")
             answer = P.WeightsUpdated(version, error="; ".join(errors), replicas=done)
             for client in self.weight_waiters.pop(key):
                 self.frontend.send_multipart([client, *P.encode(answer)])
