@@ -71,3 +71,17 @@ def test_a_request_started_after_an_idle_interval_is_counted_at_the_learned_rate
     assert m.tokens_since(4.0, 4.5) == pytest.approx(50.0)
     m.update(5.0, 880, 4)  # a full interval of work: its own rate again
     assert m.tokens_since(5.0, 5.5) == pytest.approx(50.0)
+
+
+def test_a_stalled_replica_ages_its_requests_no_further() -> None:
+    """An interval with requests running and no token out (an in-place weight update, a stalled
+    engine): the requests there are not older for it, so the ``age`` policy does not move them."""
+    m = SpeedMeter()
+    m.update(0.0, 0, 4)
+    m.update(1.0, 400, 4)  # 100 tokens/s per request
+    assert m.tokens_since(1.0, 1.5) == pytest.approx(50.0)
+    m.update(2.0, 400, 4)  # four running, nothing out
+    assert m.tokens_since(2.0, 3.0) == 0.0
+    assert m.tokens_since(0.5, 3.0) == pytest.approx(50.0)  # what it made before the stall
+    m.update(3.0, 500, 4)  # going again
+    assert m.tokens_since(3.0, 3.5) > 0.0

@@ -55,9 +55,12 @@ class SpeedMeter:
         if self._at is not None and now <= self._at:
             return
         # After an idle interval (between steps) a request dispatched since still runs: go on at the
-        # rate learned before. After a restart (the counter went back) nothing is known.
+        # rate learned before. An interval with requests running throughout and nothing produced (an
+        # in-place weight update, a stalled engine) goes on at nothing; after a restart (the counter
+        # went back) nothing is known either.
         restarted = self._at is not None and generated < self._generated
-        self._carry = 0.0 if restarted else self.request_tokens_per_s
+        stalled = self._running > 0 and running > 0
+        self._carry = 0.0 if restarted or stalled else self.request_tokens_per_s
         if self._at is not None and not restarted:
             busy = (self._running + running) / 2  # running at the interval's start and its end
             produced = generated - self._generated
