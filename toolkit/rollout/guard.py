@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from typing import Any
@@ -17,6 +16,10 @@ from toolkit.rollout.columns import Columns, final_rows
 from toolkit.rollout.sample import SAMPLE_STATUSES
 
 logger = logging.getLogger(__name__)
+
+
+CANCEL_GRACE_S = 5.0
+"""How long a timed-out environment or agent call gets to unwind once cancelled."""
 
 
 class SessionTimeout(Exception):
@@ -33,9 +36,15 @@ async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
         task.cancel()
         raise
     if not done:
+        # Give the cancelled call a moment to unwind (its finally blocks, its sockets) without taking
+        # on what it raises; a cancellation of this task itself still propagates from here, and a call
+        # that ignores its cancellation is left behind rather than holding the session.
         task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+        if not task.done():
+            logger.warning("a timed-out call ignored its cancellation for %ss; left running", CANCEL_GRACE_S)
+        elif not task.cancelled():
+            task.exception()  # retrieved: not logged as never retrieved
         raise SessionTimeout
     return task.result()
 

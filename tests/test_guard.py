@@ -1,0 +1,77 @@
+"""guard.bounded: a user's call bounded by workload.env_timeout_s, without swallowing anything else."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from toolkit.rollout import guard
+from toolkit.rollout.guard import SessionTimeout, bounded
+
+
+def test_a_call_past_its_timeout_is_cancelled_and_unwinds() -> None:
+    unwound: list[str] = []
+
+    async def hangs() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            unwound.append("finally")
+
+    with pytest.raises(SessionTimeout):
+        asyncio.run(bounded(hangs(), 0.05))
+    assert unwound == ["finally"]
+
+
+def test_the_users_own_timeout_error_stays_that_error() -> None:
+    async def raises() -> None:
+        raise TimeoutError("the tool's own")
+
+    with pytest.raises(TimeoutError, match="the tool's own"):
+        asyncio.run(bounded(raises(), 10))
+
+
+def test_cancelling_the_caller_while_the_call_unwinds_cancels_the_caller() -> None:
+    """The session is cancelled (its rank ends) while a timed-out call is still unwinding: the
+    cancellation is the caller's, not turned into a session timeout."""
+
+    async def slow_to_unwind() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(1)  # a slow cleanup
+            raise
+
+    async def main() -> BaseException | None:
+        outer = asyncio.ensure_future(bounded(slow_to_unwind(), 0.05))
+        await asyncio.sleep(0.3)  # past the timeout: bounded waits for the call to unwind
+        outer.cancel()
+        try:
+            await outer
+        except BaseException as e:  # noqa: BLE001 - what the caller sees is the point
+            return e
+        return None
+
+    assert isinstance(asyncio.run(main()), asyncio.CancelledError)
+
+
+def test_a_call_that_ignores_its_cancellation_is_left_behind(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(guard, "CANCEL_GRACE_S", 0.1)
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def stubborn() -> None:
+            while not done.is_set():
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    continue  # swallowed: a user's bare except
+
+        task = asyncio.ensure_future(bounded(stubborn(), 0.05))
+        with pytest.raises(SessionTimeout):
+            await task
+        done.set()
+
+    asyncio.run(main())
