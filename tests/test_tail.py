@@ -157,7 +157,7 @@ def test_migrated_requests_lose_no_token(make_run) -> None:  # type: ignore[no-u
 
     asyncio.run(with_client(rd, body))
     stack.stop()
-    timeline = json.loads((rd.root / "timeline" / "j.step_00000.json").read_text())
+    timeline = json.loads(rd.timeline("j", 0).read_text())
     assert timeline["migrated"] >= 2
     assert set(timeline["dispatched_after_flip"]) == {"tail"}
 
@@ -191,7 +191,7 @@ def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> 
     stack.stop()
     stats = json.loads(rd.router_stats.read_text())
     assert stats["migrated:age"] == 4 and "migrated" not in stats
-    timeline = json.loads((rd.root / "timeline" / "j.step_00000.json").read_text())
+    timeline = json.loads(rd.timeline("j", 0).read_text())
     assert timeline["migrated"] == 4 and timeline["flip_time"] is None
 
 

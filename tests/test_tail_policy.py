@@ -3,6 +3,7 @@ starts on the tail group, which running request moves, in what order and into ho
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,13 +76,20 @@ def request(rid: str, session: str, step: int = 0, group: str | None = None, seq
     return Request(msg, b"", b"client", "j", seq, 0.0)
 
 
+@pytest.fixture
+def files() -> Iterator[FileWriter]:
+    w = FileWriter()
+    yield w
+    w.close()
+
+
 class Fleet:
     """A pool of two throughput replicas (4 slots) and one tail replica (2 slots), with tail routing."""
 
-    def __init__(self, tmp: Path, *overrides: str) -> None:
+    def __init__(self, tmp: Path, files: FileWriter, *overrides: str) -> None:
         cfg = compose_config(["router.policy=consistent_hash", *overrides])
         self.pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
-        self.tail = TailRouting(cfg.tail, RunDir(tmp / "run"), FileWriter(), self.pool)
+        self.tail = TailRouting(cfg.tail, RunDir(tmp / "run"), files, self.pool)
         self.tp = [replica(0, "throughput", 4), replica(1, "throughput", 4)]
         self.fast = replica(0, "tail", 2)
         for r in (*self.tp, self.fast):
@@ -100,8 +108,8 @@ class Fleet:
         r.speed.update(now, generated, len(r.inflight))
 
 
-def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Path) -> None:
-    f = Fleet(tmp_path, "tail.policy=age", "tail.long_tokens=100")
+def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Path, files: FileWriter) -> None:
+    f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=100")
     assert f.pool.reserved == "tail" and f.tail.targets(request("x", "x"))[0] == BULK
     a, b = f.tp
     early = [request(f"e{i}", f"e{i}", seq=i) for i in range(2)]  # dispatched at 0
@@ -132,8 +140,8 @@ def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Pa
     assert rec.on_tail == {"e0", "e1"}  # ran there: their later turns prefer the tail group (l0 once it runs)
 
 
-def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path) -> None:
-    f = Fleet(tmp_path, "tail.policy=age", "tail.long_tokens=1")
+def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path, files: FileWriter) -> None:
+    f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=1")
     a = f.tp[0]
     named, moving, dead = request("n", "n", group="throughput"), request("m", "m"), request("d", "d")
     moving.migrating = "drain"
@@ -148,8 +156,8 @@ def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path) -> Non
     assert f.tail.to_move(1.0) == []
 
 
-def test_count_moves_nothing_before_the_flip_and_everything_after_it_with_migrate_inflight(tmp_path: Path) -> None:
-    f = Fleet(tmp_path, "tail.policy=count", "tail.threshold=0.25", "tail.migrate_inflight=true")
+def test_count_moves_nothing_before_the_flip_and_everything_after_it_with_migrate_inflight(tmp_path: Path, files: FileWriter) -> None:
+    f = Fleet(tmp_path, files, "tail.policy=count", "tail.threshold=0.25", "tail.migrate_inflight=true")
     assert f.pool.reserved is None and f.tail.targets(request("x", "x"))[0] is None
     a = f.tp[0]
     reqs = [request(f"r{i}", f"r{i}", seq=i) for i in range(3)]
@@ -162,8 +170,8 @@ def test_count_moves_nothing_before_the_flip_and_everything_after_it_with_migrat
     assert len(f.tail.to_move(1.0)) == 2  # the tail group's room, not all three at once
 
 
-def test_a_predicted_session_falls_back_to_the_bulk_when_the_tail_is_full(tmp_path: Path) -> None:
-    f = Fleet(tmp_path, "tail.policy=predict", "tail.long_tokens=100")
+def test_a_predicted_session_falls_back_to_the_bulk_when_the_tail_is_full(tmp_path: Path, files: FileWriter) -> None:
+    f = Fleet(tmp_path, files, "tail.policy=predict", "tail.long_tokens=100")
     rec = f.tail.records["j"]
     rec.finished("s", "", 500)
     assert f.tail.targets(request("s/1", "s")) == ("tail", BULK)

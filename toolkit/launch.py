@@ -159,16 +159,16 @@ def main(dcfg: DictConfig) -> None:
         preflight(cfg, run_dir.root)
         check_run_dir(cfg, run_dir)
     except ToolkitError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     _raise_on_sigterm()
     try:
         run(cfg, run_dir, console)
     except Interrupted as exc:
-        console.print(f"[yellow]interrupted:[/yellow] {exc}", highlight=False)
+        console.print(f"[yellow]interrupted:[/yellow] {exc}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_INTERRUPTED)
     except ToolkitError as exc:
-        console.print(f"[red]run failed:[/red] {exc}", highlight=False)
+        console.print(f"[red]run failed:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every component was stopped[/yellow]")
@@ -183,7 +183,7 @@ def cli() -> None:
     try:
         precheck(sys.argv[1:])
     except ToolkitError as exc:
-        Console().print(f"[red]error:[/red] {exc}", highlight=False)
+        Console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     main()
 
