@@ -16,6 +16,5 @@ class AgePolicy(TailPolicy):
     name = "age"
     moves_running = True
 
-    def move(self, rec: StepRecord, tokens: float) -> bool:
-        limit = self.long_turn(rec)
-        return limit is not None and tokens > limit
+    def move_above(self, rec: StepRecord) -> float | None:
+        return self.long_turn(rec)

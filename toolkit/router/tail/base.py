@@ -69,6 +69,11 @@ class TailPolicy(ABC):
         already ran there stays, for its prefix cache."""
         return session in rec.on_tail
 
+    def move_above(self, rec: StepRecord) -> float | None:
+        """Tokens above which a request of this step running outside the tail group should move there
+        now; None: none should."""
+        return None
+
     def move(self, rec: StepRecord, tokens: float) -> bool:
-        """A request running outside the tail group that has generated ``tokens`` should move now."""
-        return False
+        limit = self.move_above(rec)
+        return limit is not None and tokens > limit

@@ -9,7 +9,9 @@ their way, so a moved request never waits in the queue while it could have gone 
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from toolkit.config import TailConfig
@@ -140,26 +142,36 @@ class TailRouting:
         room = self.room()
         if room <= 0:
             return []
+        # Per job, the tokens above which its current step's requests move (-inf: all, after a flip
+        # with migrate_inflight); this runs every tick, so a step with nothing to move is not scanned.
+        limits: dict[str, tuple[int, float]] = {}
+        for job, rec in self.records.items():
+            if self.flipped(job, rec.step):
+                limit = -math.inf if self.tc.migrate_inflight else None
+            else:
+                limit = self.policy.move_above(rec) if self.policy.moves_running else None
+            if limit is not None:
+                limits[job] = (rec.step, limit)
+        if not limits:
+            return []
         found: list[tuple[float, int, Request, Replica]] = []
         for r in self.pool.replicas.values():
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
+            per_request_now = r.speed.per_request_at(now)
             for req in r.inflight.values():
                 m = req.msg
+                job_limit = limits.get(m.job)
+                if job_limit is None or job_limit[0] != m.step:
+                    continue
                 if req.migrating or m.group is not None or req.deaths or req.client_aborted:
                     continue
-                rec = self._record(m)
-                if rec is None:
-                    continue
-                tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
-                if self.flipped(m.job, m.step):
-                    if not self.tc.migrate_inflight:
-                        continue
-                elif not (self.policy.moves_running and self.policy.move(rec, tokens)):
-                    continue
-                found.append((tokens, req.seq, req, r))
-        found.sort(key=lambda f: (-f[0], f[1]))
-        moves = [(req, r) for _, _, req, r in found[:room]]
+                ran = max(0.0, per_request_now - r.speed.per_request_at(req.est_mark))
+                tokens = len(req.prefix_tokens) + ran
+                if tokens > job_limit[1]:
+                    found.append((tokens, -req.seq, req, r))
+        found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
+        moves = [(req, r) for _, _, req, r in found]
         for req, _ in moves:
             self.inbound.add(req.request_id)  # its session joins ``on_tail`` once it runs there
         return moves
