@@ -11,6 +11,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from toolkit import protocol as P
 from toolkit.errors import RouterUnavailable
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,11 @@ def send_frames(sock: zmq.Socket, *frames: bytes) -> None:
     last = len(frames) - 1
     for i, f in enumerate(frames):
         _raw_send(sock, f, _MORE if i < last else 0)
+
+
+def send_msg(sock: zmq.Socket, ident: bytes, msg: P.Message) -> None:
+    """One message to the peer ``ident`` of a ROUTER socket."""
+    send_frames(sock, ident, *P.encode(msg))
 
 
 def recv_frames(sock: zmq.Socket) -> list[bytes]:

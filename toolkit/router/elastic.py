@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit import protocol as P
 from toolkit.router.pool import BULK
 from toolkit.router.queue import FairQueue, Request
+from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from toolkit.config import RouterConfig
@@ -92,14 +93,14 @@ class ElasticMixin:
             r.shutdown_sent = True
             self.retired.add(r.replica_id)
             logger.info("replica %s is drained; shutting it down", r.replica_id)
-        self.backend.send_multipart([r.identity, *P.encode(P.Shutdown("drained"))])
+        send_msg(self.backend, r.identity, P.Shutdown("drained"))
 
     def refuse_retired(self, ident: bytes, replica_id: str) -> bool:
         """A replica told to shut down that speaks again (a heartbeat in flight, a reconnect) is told
         again rather than welcomed back; True if ``replica_id`` is one."""
         if replica_id not in self.retired:
             return False
-        self.backend.send_multipart([ident, *P.encode(P.Shutdown("drained"))])
+        send_msg(self.backend, ident, P.Shutdown("drained"))
         return True
 
     # ---- groups with no replica ------------------------------------------------------------

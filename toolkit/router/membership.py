@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit import protocol as P
 from toolkit.router.policy import Replica
 from toolkit.router.queue import FairQueue, Request
+from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -51,7 +52,7 @@ class MembershipMixin:
         r = self.replicas.get(ident)
         if r is None:
             if not self.refuse_retired(ident, msg.replica_id):
-                self.backend.send_multipart([ident, *P.encode(P.Reregister("unknown replica"))])
+                send_msg(self.backend, ident, P.Reregister("unknown replica"))
             return
         r.last_seen = time.monotonic()
         r.running, r.waiting, r.kv_usage = msg.running, msg.waiting, msg.kv_usage
@@ -92,7 +93,7 @@ class MembershipMixin:
         probe = P.Generate(request_id=f"{PROBE_PREFIX}{r.replica_id}:{self._probe_n}", job="__probe__",
                            prompt_token_ids=[1, 2, 3], sampling=P.Sampling(max_tokens=1))
         r.probe_sent_at = time.monotonic()
-        self.backend.send_multipart([r.identity, *P.encode(probe)])
+        send_msg(self.backend, r.identity, probe)
 
     def drop(self, r: Replica, why: str) -> None:
         """Remove a replica; its in-flight requests go back to the front of their jobs' queues."""

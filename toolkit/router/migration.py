@@ -17,6 +17,7 @@ import msgspec
 
 from toolkit import protocol as P
 from toolkit.router.queue import FairQueue, Request
+from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -44,7 +45,7 @@ class MigrationMixin:
         any group). It stays in ``r``'s slots until that Result comes back, so no token is lost."""
         req.migrating = why
         req.migrate_group = group
-        self.backend.send_multipart([r.identity, *P.encode(P.Abort(req.request_id))])
+        send_msg(self.backend, r.identity, P.Abort(req.request_id))
 
     def _continue(self, req: Request, res: P.Result, why: str) -> None:
         out = res.output_token_ids

@@ -33,7 +33,7 @@ from toolkit.router.timeline import Timeline
 from toolkit.router.weights import WeightsMixin
 from toolkit.rundir import FileWriter, RunDir, atomic_write
 from toolkit.security import server_curve
-from toolkit.sockets import advertised, make_socket, recv_frames, send_frames
+from toolkit.sockets import advertised, make_socket, recv_frames, send_frames, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             self.tail.step_begin(msg.job, msg.step, msg.n_sessions)
             self.timeline.begin(msg.job, msg.step)
             self.pool.reweight()
-            self.frontend.send_multipart([client, *P.encode(msg)])
+            send_msg(self.frontend, client, msg)
         elif isinstance(msg, P.SessionDone):
             if self.tail.session_done(msg.job, msg.step, msg.session_id):
                 st = self.tail.flip.steps[msg.job]
@@ -181,7 +181,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 self.timeline.flipped(msg.job, msg.step, st.flipped_at, st.flip_count)
                 self.move_long_runners()
         elif isinstance(msg, P.StatusRequest):
-            self.frontend.send_multipart([client, *P.encode(self.status())])
+            send_msg(self.frontend, client, self.status())
         elif isinstance(msg, P.UpdateWeights):
             self.update_weights(client, msg)
         elif isinstance(msg, P.Drain):
@@ -239,7 +239,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             req.client_aborted = True
             r = self.pool.get(req.replica)
             if r is not None:
-                self.backend.send_multipart([r.identity, *P.encode(P.Abort(rid))])
+                send_msg(self.backend, r.identity, P.Abort(rid))
 
     def status(self) -> P.Status:
         return P.Status(groups=self.pool.group_status(self.known_groups), queued=self.queue.size,
@@ -400,7 +400,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 r = self.pool.get(req.replica)
                 if r is not None:
                     self._release(r, req)
-                    self.backend.send_multipart([r.identity, *P.encode(P.Abort(req.request_id))])
+                    send_msg(self.backend, r.identity, P.Abort(req.request_id))
             self._fail(req, "timeout", "deadline passed")
 
     def write_stats(self) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit import protocol as P
 from toolkit.rundir import read_json
+from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from toolkit.router.policy import Replica
@@ -63,7 +64,7 @@ class WeightsMixin:
     def _push_weights(self, r: Replica) -> None:
         """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
         if self.weights is not None:
-            self.backend.send_multipart([r.identity, *P.encode(self.weights)])
+            send_msg(self.backend, r.identity, self.weights)
 
     def weights_updated(self, ident: bytes, msg: P.WeightsUpdated) -> None:
         r = self.replicas.get(ident)
@@ -99,4 +100,4 @@ class WeightsMixin:
                               f"would hand out older ones; update again to retry): {write_error}")
             answer = P.WeightsUpdated(version, error="; ".join(errors), replicas=done)
             for client in self.weight_waiters.pop(key):
-                self.frontend.send_multipart([client, *P.encode(answer)])
+                send_msg(self.frontend, client, answer)
