@@ -36,17 +36,19 @@ class TailWatch:
         return self.group if info is not None and info.get("step") == step else None
 
 
-async def async_barrier(comm: Any, poll_s: float = 0.005) -> None:
-    """A barrier that waits on the event loop instead of spinning in MPI."""
-    req = comm.Ibarrier()
+async def awaited(req: Any, poll_s: float = 0.005) -> None:
+    """Wait for a non-blocking MPI request on the event loop (a blocking wait spins a core in MPI and
+    stops the rank's sessions)."""
     while not req.Test():
         await asyncio.sleep(poll_s)
 
 
-async def async_bcast_flag(comm: Any, flag: bool, poll_s: float = 0.005) -> bool:
-    """Rank 0's ``flag`` on every rank, waiting on the event loop (the other ranks' value is ignored)."""
+async def async_barrier(comm: Any) -> None:
+    await awaited(comm.Ibarrier())
+
+
+async def async_bcast_flag(comm: Any, flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (the other ranks' value is ignored)."""
     buf = np.array([1 if flag else 0], dtype=np.int8)
-    req = comm.Ibcast(buf, root=0)
-    while not req.Test():
-        await asyncio.sleep(poll_s)
+    await awaited(comm.Ibcast(buf, root=0))
     return bool(buf[0])
