@@ -36,7 +36,7 @@ def test_a_session_alone_on_the_tail_replica_takes_its_critical_path_plus_the_pr
 def test_every_design_emits_every_token_once_and_never_beats_the_bound(design: tm.Design) -> None:
     cfg = tm.bench_config()
     for seed in range(2):
-        prompts, lengths = tm.workload(cfg.engine, seed, 2048)
+        prompts, lengths = tm.workload(cfg, seed)
         step = tm._Step(cfg, design, prompts, lengths)
         out = step.run()
         rows = np.array(step.rows)
@@ -59,7 +59,7 @@ def test_a_full_fleet_makes_turns_wait_and_serves_them_oldest_first() -> None:
     cfg = tm.bench_config()
     cfg.groups["throughput"].max_inflight = 8
     off = next(d for d in tm.DESIGNS if d.name == "off")
-    prompts, lengths = tm.workload(cfg.engine, 0, 2048)
+    prompts, lengths = tm.workload(cfg, 0)
     step = tm._Step(cfg, off, prompts, lengths)
     out = step.run()
     assert out["waits"] > 0 and step.emitted == lengths.sum()

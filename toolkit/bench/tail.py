@@ -65,6 +65,7 @@ from toolkit.rundir import RunDir
 from toolkit.validation import validate
 
 THRESHOLD = 0.95
+SESSIONS = 128
 WARMUP_STEPS = 1
 # The tail group at the cap, 3x the throughput group per token: TP 4 at 2/3 efficiency.
 TAIL_AT_CAP = ("groups.tail.engine.tensor_parallel_size=4", "+groups.tail.engine.tp_efficiency=0.6667")
@@ -195,7 +196,7 @@ def _measure(
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    sessions = 32 if quick else 128
+    sessions = 32 if quick else SESSIONS
     steps = 1 if quick else 12
     with tempfile.TemporaryDirectory(prefix="bench-tail-") as tmp:
         out = _measure(sessions, steps, 2048, Path(tmp))

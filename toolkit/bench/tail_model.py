@@ -42,20 +42,19 @@ import dataclasses
 import heapq
 import itertools
 import statistics
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from hydra.utils import instantiate
 
-from toolkit.bench.tail import ARMS
+from toolkit.bench.tail import ARMS, SESSIONS
 from toolkit.config import Config, SimEngineConfig, compose_config, group_engine
-from toolkit.engine.sim import step_seconds
+from toolkit.engine.sim import output_len, step_seconds
 from toolkit.rollout.bound import step_bound
 from toolkit.router.policy import ConsistentHash, Replica
 from toolkit.router.tail.base import StepRecord
 from toolkit.router.tail.routing import TICK_S, make_tail_policy
 
-SESSIONS, TURNS, OBSERVATION, SYSTEM, PROMPT = 128, 3, 24, 32, (64, 384)
 LINK_BYTES_PER_S = 50e9
 """A 400 Gb/s NIC: what a move that carries its KV pays per byte (``kv`` designs)."""
 PEEK_AFTER, PEEK_LEFT, ORACLE_SESSIONS = 50, 300, 16
@@ -110,12 +109,32 @@ DESIGNS = (
 )
 
 
-def workload(engine: SimEngineConfig, seed: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt tokens per session and output tokens per turn, drawn as the tail bench's are."""
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the tail bench's workload config makes of a step: sessions, turns, tokens between turns,
+    prompt lengths and the shared system prompt's."""
+
+    sessions: int
+    turns: int
+    observation: int
+    prompt_range: tuple[int, int]
+    system: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> Shape:
+        env, prompts = cfg.workload.env or {}, instantiate(cfg.workload.prompts)
+        return cls(cfg.sessions_per_step, int(env["max_turns"]), int(env["observation_tokens"]),
+                   (prompts.min_len, prompts.max_len), len(prompts.system))
+
+
+def workload(cfg: Config, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt tokens per session and output tokens per turn, drawn as the tail bench's are (the sim's
+    law, cut at ``workload.max_tokens``)."""
+    shape = Shape.of(cfg)
     rng = np.random.default_rng([seed, 0x7A11])
-    prompts = rng.integers(PROMPT[0], PROMPT[1] + 1, size=SESSIONS)
-    z = rng.standard_normal((SESSIONS, TURNS))
-    lengths = np.minimum(max_tokens, np.ceil(engine.output_len_median * np.exp(engine.output_len_sigma * z)))
+    prompts = rng.integers(shape.prompt_range[0], shape.prompt_range[1] + 1, size=shape.sessions)
+    z = rng.standard_normal((shape.sessions, shape.turns))
+    lengths = np.minimum(cfg.workload.max_tokens, output_len(cfg.engine, z))
     return prompts, lengths.astype(np.int64)
 
 
@@ -125,6 +144,7 @@ class _Step:
     def __init__(self, cfg: Config, design: Design, prompts: np.ndarray, lengths: np.ndarray) -> None:
         self.cfg, self.design, self.lengths = cfg, design, lengths
         self.sessions, self.turns = lengths.shape
+        self.shape = Shape.of(cfg)
         self.scale = cfg.engine.time_scale
         self.tail_group = cfg.tail.group
         self.replicas: list[_Replica] = []
@@ -144,6 +164,7 @@ class _Step:
         self.policy = (make_tail_policy(dataclasses.replace(cfg.tail, policy="age", **design.tail))
                        if design.policy == "age" else None)
         self.emitted = self.waits = 0
+        self.freed = False
         self.ring = self._ring()
         self.favoured: set[int] = set()
         if design.policy == "oracle":
@@ -162,10 +183,7 @@ class _Step:
                              ready=True)
         pool = self.replicas if self.design.policy == "off" else self.bulk
         ring = ConsistentHash([r.view for r in pool if r.view is not None], self.cfg.router.load_factor)
-        rate = {r.view.replica_id: r.cap / step_seconds(r.engine, r.cap * 1000) for r in pool if r.view}
-        mean = sum(rate.values()) / len(rate)
-        ring.weights = {rid: v / mean for rid, v in rate.items()}
-        ring.update(ring.replicas)
+        ring.set_speeds({r.view.replica_id: r.cap / step_seconds(r.engine, r.cap * 1000) for r in pool if r.view})
         self.pool = pool
         return ring
 
@@ -174,7 +192,8 @@ class _Step:
 
     def _target(self, t: _Turn) -> _Replica | None:
         tail_first = (
-            (self.design.policy in ("age", "peek") and str(t.session) in self.record.on_tail)
+            (self.policy is not None and self.policy.start_on_tail(self.record, str(t.session), ""))
+            or (self.design.policy == "peek" and str(t.session) in self.record.on_tail)
             or t.session in self.favoured
             or (self.design.policy == "peek" and self.design.peek_after == 0 and t.length >= PEEK_LEFT))
         if tail_first and self._room(self.tail) > 0:
@@ -199,7 +218,7 @@ class _Step:
             t.kv_ready = self.now + context * r.engine.kv_bytes_per_token / LINK_BYTES_PER_S * self.scale
             prefill = 1
         else:  # as the sim's prefix cache: whole blocks of what finished here, at least one token computed
-            known = r.cache.get(t.session, SYSTEM if r.warm else 0)
+            known = r.cache.get(t.session, self.shape.system if r.warm else 0)
             block = r.engine.block_size
             cached = min(context - 1, known) // block * block
             self.hits += cached
@@ -216,6 +235,7 @@ class _Step:
     def _leave(self, t: _Turn, r: _Replica) -> None:
         """``t`` ends on ``r`` or moves away: ``r`` caches its context (as the sim does on both)."""
         r.running.remove(t)
+        self.freed = True
         r.cache[t.session] = t.prompt + t.produced
         r.warm = True
         assert r.view is not None
@@ -286,15 +306,18 @@ class _Step:
             self.finished.append(t)
             self.record.finished(str(t.session), "", t.produced)
             if t.turn + 1 < self.turns:
-                following.append(_Turn(t.session, t.turn + 1, t.prompt + t.produced + OBSERVATION,
+                following.append(_Turn(t.session, t.turn + 1, t.prompt + t.produced + self.shape.observation,
                                        int(self.lengths[t.session, t.turn + 1]), self.now))
         # The router's queue serves what already waits before a session's next turn, which a rank
-        # sends only once the Result has reached it.
-        for t in list(self.waiting):
-            target = self._target(t)
-            if target is not None:
-                self.waiting.remove(t)
-                self._place(t, target)
+        # sends only once the Result has reached it; only a slot freed since (a turn done or moved
+        # away) can take one.
+        if self.freed and self.waiting:
+            for t in list(self.waiting):
+                target = self._target(t)
+                if target is not None:
+                    self.waiting.remove(t)
+                    self._place(t, target)
+        self.freed = False
         for t in following:
             self._dispatch(t)
         r.stepping = False
@@ -326,12 +349,13 @@ class _Step:
 
 def bench_config(max_tokens: int = 2048) -> Config:
     """The tail bench's config (its ``age`` arm; the designs change only placement)."""
-    return compose_config(["engine.time_scale=0.25", f"workload.max_tokens={max_tokens}", *ARMS["age"]])
+    return compose_config([f"sessions_per_step={SESSIONS}", "engine.time_scale=0.25",
+                           f"workload.max_tokens={max_tokens}", *ARMS["age"]])
 
 
-def model_step(cfg: Config, design: Design, seed: int, max_tokens: int = 2048) -> dict[str, Any]:
+def model_step(cfg: Config, design: Design, seed: int) -> dict[str, Any]:
     """One modelled step of ``design`` (seconds at ``cfg.engine.time_scale``)."""
-    prompts, lengths = workload(cfg.engine, seed, max_tokens)
+    prompts, lengths = workload(cfg, seed)
     return _Step(cfg, design, prompts, lengths).run()
 
 
@@ -346,14 +370,10 @@ def _summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             for name in results}
 
 
-def run(quick: bool = False, designs: tuple[Design, ...] = DESIGNS,
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(quick: bool = False) -> dict[str, Any]:
     steps = 4 if quick else 40
     out: dict[str, Any] = {"steps": steps, "sessions_per_step": SESSIONS, "link_bytes_per_s": LINK_BYTES_PER_S}
     for max_tokens, key in ((2048, "designs"), (1024, "moderate_tail")):
         cfg = bench_config(max_tokens)
-        results = {d.name: [model_step(cfg, d, seed, max_tokens) for seed in range(steps)] for d in designs}
-        out[key] = _summary(results)
-        if progress is not None:
-            progress(key)
+        out[key] = _summary({d.name: [model_step(cfg, d, seed) for seed in range(steps)] for d in DESIGNS})
     return out

@@ -47,6 +47,7 @@ import math
 import os
 import signal
 from collections import OrderedDict, deque
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -128,6 +129,12 @@ def _rng(*material: bytes) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+def output_len(cfg: SimEngineConfig, z: Any) -> Any:
+    """The output length(s), before any cut, for standard normal draw(s) ``z`` (a float or an array):
+    lognormal with median ``output_len_median`` and sigma ``output_len_sigma``, at least one token."""
+    return np.maximum(1, np.ceil(cfg.output_len_median * np.exp(cfg.output_len_sigma * np.asarray(z))))
+
+
 def plan_output(cfg: SimEngineConfig, req: Generate,
                 tokenizer: Tokenizer | None = None) -> tuple[list[int], list[float], str]:
     """The tokens, logprobs and finish reason this request will get: a pure function of the request.
@@ -159,7 +166,7 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
         of_prompt = _rng(b"prompt", (req.prompt_key or req.session_id).encode(), seed).standard_normal()
         z = (math.sqrt(pshare) * of_prompt + math.sqrt(share) * shared
              + math.sqrt(max(0.0, 1 - share - pshare)) * z)
-    natural = max(1, math.ceil(cfg.output_len_median * math.exp(cfg.output_len_sigma * z)))
+    natural = int(output_len(cfg, z))
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"
     tokens = rng.integers(1, cfg.vocab_size, size=n).tolist()

@@ -171,7 +171,12 @@ class ConsistentHash(Policy):
         self._capacity = max(1, sum(r.max_inflight for r in replicas))
 
     def reweight(self) -> None:
-        speeds = {r.replica_id: r.speed.peak_tokens_per_s for r in self.replicas if r.speed.peak_tokens_per_s > 0}
+        self.set_speeds({r.replica_id: r.speed.peak_tokens_per_s for r in self.replicas
+                         if r.speed.peak_tokens_per_s > 0})
+
+    def set_speeds(self, speeds: dict[str, float]) -> None:
+        """Weight the ring by each replica's full-batch decode rate (``speeds``, tokens/s); a change
+        within ``REWEIGHT_CHANGE`` of every weight keeps the ring as it is (and the sessions' homes)."""
         if len(speeds) < 2:
             return
         mean = sum(speeds.values()) / len(speeds)
