@@ -6,12 +6,17 @@ The published-checkpoint rules and ``rollout.max_staleness`` are in ``tests/test
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import launch, wait_for
+from toolkit import protocol as P
 from toolkit.client import RouterClient, router_status
 from toolkit.protocol import Generate, Sampling
 
@@ -107,19 +112,45 @@ def test_a_restarted_router_adopts_the_latest_weights(make_run, tmp_path: Path) 
         ctx.term()
 
 
+@contextlib.contextmanager
+def one_replica(tmp_path: Path, monkeypatch, disk: Callable[[Path, bytes | str], None]):  # type: ignore[no-untyped-def]
+    """A router (in this process) whose ``atomic_write`` is ``disk``, one ready fake replica and a raw
+    client socket."""
+    import toolkit.rundir as rundir
+    from tests.test_router_drain import FakeReplica, RouterThread
+    from toolkit.config import compose_config
+    from toolkit.validation import validate
+
+    monkeypatch.setattr(rundir, "atomic_write", disk)
+    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
+    validate(cfg)
+    rt = RouterThread(cfg, tmp_path / "run")
+    try:
+        replica = FakeReplica(rt, "throughput-0")
+        replica.become_ready()
+        client = rt.socket()
+        yield replica, client
+        client.close(0)
+        replica.close()
+    finally:
+        rt.close()
+
+
+def update_loaded_everywhere(replica, client, version: int) -> None:  # type: ignore[no-untyped-def]
+    """The client asks for ``version``; the replica gets it and acknowledges."""
+    client.send_multipart(P.encode(P.UpdateWeights(f"/ckpt/{version}", version)))
+    got = replica.recv()
+    assert isinstance(got, P.UpdateWeights) and got.version == version
+    replica.send(P.WeightsUpdated(version, replica.replica_id))
+
+
 @pytest.mark.timeout(60)
 def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The router keeps ``weights.json`` for a restarted router, but an fsync on a busy disk or a shared
     file system can take seconds: the replicas get the update at once, and the client its answer once
     the file is written (a router restarted after the answer must not hand out older weights)."""
-    import json
-    import threading
-
     import toolkit.rundir as rundir
-    from tests.test_router_drain import FakeReplica, RouterThread, quiet, recv
-    from toolkit import protocol as P
-    from toolkit.config import compose_config
-    from toolkit.validation import validate
+    from tests.test_router_drain import quiet, recv
 
     release = threading.Event()
     real = rundir.atomic_write
@@ -129,42 +160,25 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
             assert release.wait(30)
         real(path, data)
 
-    monkeypatch.setattr(rundir, "atomic_write", hung_disk)
-    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
-    validate(cfg)
-    rt = RouterThread(cfg, tmp_path / "run")
     try:
-        replica = FakeReplica(rt, "throughput-0")
-        replica.become_ready()
-        client = rt.socket()
-        client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))
-        got = replica.recv()
-        assert isinstance(got, P.UpdateWeights) and got.version == 3  # while the file's write hangs
-        replica.send(P.WeightsUpdated(3, replica.replica_id))
-        assert quiet(client, 1.0)  # loaded everywhere, but not yet on disk: no answer
-        assert not (tmp_path / "run" / "weights.json").exists()
-        release.set()
-        ack = recv(client)
-        assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
-        assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
-        client.close(0)
-        replica.close()
+        with one_replica(tmp_path, monkeypatch, hung_disk) as (replica, client):
+            update_loaded_everywhere(replica, client, 3)  # while the file's write hangs
+            assert quiet(client, 1.0)  # loaded everywhere, but not yet on disk: no answer
+            assert not (tmp_path / "run" / "weights.json").exists()
+            release.set()
+            ack = recv(client)
+            assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
+            assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
     finally:
         release.set()
-        rt.close()
 
 
 @pytest.mark.timeout(60)
 def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A failed write of ``weights.json`` (a full disk) is the client's error, naming the file; updating
     again writes it again."""
-    import json
-
     import toolkit.rundir as rundir
-    from tests.test_router_drain import FakeReplica, RouterThread, recv
-    from toolkit import protocol as P
-    from toolkit.config import compose_config
-    from toolkit.validation import validate
+    from tests.test_router_drain import recv
 
     full = [True]
     real = rundir.atomic_write
@@ -174,17 +188,8 @@ def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_pa
             raise OSError(28, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(rundir, "atomic_write", full_disk)
-    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
-    validate(cfg)
-    rt = RouterThread(cfg, tmp_path / "run")
-    try:
-        replica = FakeReplica(rt, "throughput-0")
-        replica.become_ready()
-        client = rt.socket()
-        client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))
-        assert isinstance(replica.recv(), P.UpdateWeights)
-        replica.send(P.WeightsUpdated(3, replica.replica_id))
+    with one_replica(tmp_path, monkeypatch, full_disk) as (replica, client):
+        update_loaded_everywhere(replica, client, 3)
         ack = recv(client)
         assert isinstance(ack, P.WeightsUpdated) and ack.replicas == 1
         assert "weights.json" in ack.error and "No space left on device" in ack.error
@@ -193,7 +198,3 @@ def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_pa
         ack = recv(client)
         assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
         assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
-        client.close(0)
-        replica.close()
-    finally:
-        rt.close()
