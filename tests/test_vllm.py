@@ -348,3 +348,37 @@ def test_vllm_benchmark_reports_its_fields(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["router_tokens_per_s"] > 0 and r["direct_tokens_per_s"] > 0
     assert r["ratio"] == pytest.approx(r["router_tokens_per_s"] / r["direct_tokens_per_s"], rel=0.01)
+
+
+AMX_PROBE = """
+import ctypes
+import torch
+from vllm.plugins import load_general_plugins
+
+if not torch.cpu._is_amx_tile_supported():
+    print("no-amx")
+    raise SystemExit
+libc = ctypes.CDLL(None, use_errno=True)
+SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1022, 18
+
+def granted():
+    mask = ctypes.c_ulong(0)
+    assert libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0, ctypes.get_errno()
+    return bool(mask.value & (1 << XFEATURE_XTILEDATA))
+
+load_general_plugins()  # what vLLM does in each of its processes, its workers included
+print("granted" if granted() else "refused")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_every_vllm_process_is_granted_the_cpus_amx_tiles() -> None:
+    """vLLM's CPU attention kernel uses AMX on CPUs that have it, and an AMX instruction in a process
+    that did not ask for the tiles is SIGILL (a worker dying on its first step): the toolkit's vLLM
+    plugin asks in every vLLM process."""
+    out = subprocess.run([sys.executable, "-c", AMX_PROBE], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    if last == "no-amx":
+        pytest.skip("this CPU has no AMX")
+    assert last == "granted"
