@@ -99,14 +99,14 @@ def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> N
         assert flip["spillover"] == 0.0
         assert flip["requests_after_by_group"]["throughput"] == 0
         assert set(rep["groups"]) == {"throughput", "tail"}
-    assert (run / "timeline.png").stat().st_size > 10_000
+    assert RunDir(run).timeline_png.stat().st_size > 10_000
     timelines = sorted(p.name for p in RunDir(run).timelines.iterdir())
     assert timelines == [f"rollout.step_{s:05d}.json" for s in range(3)]
-    (run / "timeline.png").unlink()
+    RunDir(run).timeline_png.unlink()
     out = subprocess.run([sys.executable, "-m", "toolkit.report", str(run)], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert out.returncode == 0, out.stderr
-    assert "18/18" in out.stdout and (run / "timeline.png").exists()
+    assert "18/18" in out.stdout and RunDir(run).timeline_png.exists()
     assert_no_process_left(run)
 
 

@@ -135,6 +135,8 @@ def _requeue(cfg: Config, run_dir: RunDir, console: Console) -> None:
 
 def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     table = Table(title="rollout summary", show_header=False)
+    table.add_column()
+    table.add_column(overflow="fold")  # paths wrap, never cut
     table.add_row("steps", str(summary["steps"]))
     table.add_row("sessions", str(summary["sessions"]))
     table.add_row("startup", f"{summary['startup_s']:.1f}s" if summary["startup_s"] else "-")
@@ -142,7 +144,7 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     table.add_row("generated tokens", f"{summary['generated_tokens']:,}")
     table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
     table.add_row("failed requests", str(summary["failed_requests"] or "none"))
-    table.add_row("outputs", f"{run_dir.steps}/step_*.parquet, {run_dir.report}, {run_dir.root / 'timeline.png'}")
+    table.add_row("outputs", f"{run_dir.steps}/step_*.parquet, {run_dir.report}, {run_dir.timeline_png}")
     console.print(table)
 
 

@@ -63,7 +63,7 @@ def draw_timeline(run_dir: Path, path: Path | None = None) -> Path | None:
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since step begin")
     fig.tight_layout()
-    out = path or run_dir / "timeline.png"
+    out = path or RunDir(run_dir).timeline_png
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

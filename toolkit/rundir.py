@@ -160,6 +160,11 @@ class RunDir:
         return self.timelines / f"{job}.step_{step:05d}.json"
 
     @property
+    def timeline_png(self) -> Path:
+        """In-flight requests per group over each step, flips marked (drawn from the timelines)."""
+        return self.root / "timeline.png"
+
+    @property
     def router_stats(self) -> Path:
         """The router's counters (requeued, migrated, dispatched per group...), rewritten as it runs."""
         return self.root / "router_stats.json"
