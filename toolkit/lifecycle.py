@@ -153,6 +153,16 @@ def setup_logging(log_file: Path | None = None, level: int = logging.INFO) -> No
     )
 
 
+def stdout_file() -> str | None:
+    """The file this process's standard output goes to (a submitit or Slurm job's log), None if it is
+    not a file: what a library prints rather than logs (vLLM's engine processes) is there."""
+    try:
+        target = os.readlink("/proc/self/fd/1")
+    except OSError:
+        return None
+    return target if os.path.isfile(target) else None
+
+
 def quiet_gc(gen0: int = 50_000) -> None:
     """Keep the cyclic garbage collector out of a serving loop's way: what was allocated at startup
     (modules, config, tokenizer) is frozen out of every collection, and the young generation is

@@ -43,7 +43,7 @@ from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.engine.metrics import ReplicaMetrics
 from toolkit.entry import enter_component
-from toolkit.lifecycle import ProcessRef
+from toolkit.lifecycle import ProcessRef, stdout_file
 from toolkit.metrics import Endpoint
 from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import client_curve
@@ -312,7 +312,9 @@ class ReplicaServer:
 
     def _check_engine(self) -> None:
         if self.engine.dead() and (self._recovery is None or self._recovery.done()):
-            logger.error("the engine died; its requests fail as engine_dead, new ones wait for a restart")
+            where = stdout_file()
+            logger.error("the engine died; its requests fail as engine_dead, new ones wait for a restart%s",
+                         f" (why is in the engine's own output: {where})" if where else "")
             if self.metrics is not None:
                 self.metrics.deaths.inc()
             self._recovery = self._spawn(self._recover(), "engine-restart")
