@@ -14,7 +14,6 @@ from toolkit.router.tail.base import StepRecord, TailPolicy
 
 class AgePolicy(TailPolicy):
     name = "age"
-    moves_running = True
 
     def move_above(self, rec: StepRecord) -> float | None:
         return self.long_turn(rec)

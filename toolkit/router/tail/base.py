@@ -49,8 +49,6 @@ class TailPolicy(ABC):
     reserves_group: ClassVar[bool] = True
     """Before the flip, the tail group serves only what this policy sends there (else: every group
     serves the step)."""
-    moves_running: ClassVar[bool] = False
-    """The router asks :meth:`move` about running requests."""
 
     def __init__(self, tc: TailConfig) -> None:
         self.tc = tc

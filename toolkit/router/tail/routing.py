@@ -137,8 +137,6 @@ class TailRouting:
         it, those the policy calls long runners. Each holds its room until it runs there."""
         if self.policy is None:
             return []
-        if not self.policy.moves_running and not (self.tc.migrate_inflight and self.flip.threshold is not None):
-            return []  # nothing this configuration would ever move: no scan every tick
         room = self.room()
         if room <= 0:
             return []
@@ -149,7 +147,7 @@ class TailRouting:
             if self.flipped(job, rec.step):
                 limit = -math.inf if self.tc.migrate_inflight else None
             else:
-                limit = self.policy.move_above(rec) if self.policy.moves_running else None
+                limit = self.policy.move_above(rec)
             if limit is not None:
                 limits[job] = (rec.step, limit)
         if not limits:
@@ -158,7 +156,6 @@ class TailRouting:
         for r in self.pool.replicas.values():
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
-            per_request_now = r.speed.per_request_at(now)
             for req in r.inflight.values():
                 m = req.msg
                 job_limit = limits.get(m.job)
@@ -166,8 +163,7 @@ class TailRouting:
                     continue
                 if req.migrating or m.group is not None or req.deaths or req.client_aborted:
                     continue
-                ran = max(0.0, per_request_now - r.speed.per_request_at(req.est_mark))
-                tokens = len(req.prefix_tokens) + ran
+                tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                 if tokens > job_limit[1]:
                     found.append((tokens, -req.seq, req, r))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
