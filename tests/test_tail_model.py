@@ -47,7 +47,7 @@ def test_every_design_emits_every_token_once_and_never_beats_the_bound(design: t
         assert out["bound_ratio"] >= 1.0
         # 144 slots for 128 sessions: the router's bounded-load hashing always finds one.
         assert out["waits"] == 0
-        if design.policy in ("age", "peek"):
+        if design.policy in ("age", "rank"):
             assert out["moves"] > 0  # the workload has long runners to move
         else:
             assert out["moves"] == 0
@@ -81,3 +81,19 @@ def test_the_quick_run_reports_every_design_for_both_workloads() -> None:
         assert set(r[key]) == {d.name for d in tm.DESIGNS}
         for fig in r[key].values():
             assert fig["step_time_s"] > 0 and fig["bound_ratio"] >= 1 and 0 < fig["prefix_hit"] < 1
+
+
+def test_rank_swaps_the_tail_replicas_lowest_for_a_session_with_more_work_left() -> None:
+    """With room for one on the tail replica and an exact predictor, the first long turn goes there;
+    when a longer one starts on the bulk, the two trade places, and every token is still emitted once."""
+    cfg = tm.bench_config()
+    cfg.groups["tail"].max_inflight = 1
+    design = next(d for d in tm.DESIGNS if d.name == "rank_foresight0")
+    prompts, lengths = np.array([100, 100]), np.array([[600, 1, 1], [100, 2000, 1]])
+    step = tm._Step(cfg, design, prompts, lengths)
+    step.run()
+    assert step.emitted == lengths.sum()
+    ended = {(t.session, t.turn): t.replica.group for t in step.finished if t.replica is not None}
+    assert ended[(1, 1)] == "tail"  # moved there, and never swapped out: nothing outranks it
+    assert ended[(0, 0)] == "throughput"  # moved there first, then swapped back for session 1
+    assert step.moves == 3

@@ -23,11 +23,20 @@ Designs (``DESIGNS``): ``off`` (also with room for 64 requests on the tail repli
 room is not credited to a policy alone); ``age``, also with a lower bar for a long turn (the 0.8
 quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32, 64 requests);
 ``age`` whose moves carry their KV over a 400 Gb/s link instead of recomputing it (``kv``: what vLLM's
-KV connectors such as NIXL do on GPUs; not on the CPU build); and clairvoyant reference placements no
-router can run, to price better knowledge (not optimal schedules): ``peek`` knows every turn's length
-once it has generated 50 tokens and moves those with at least 300 left; ``peek_at_start`` knows it
-as the turn starts and starts those on the tail replica; ``oracle`` knows every session's length when
-the step begins and starts the 16 longest there.
+KV connectors such as NIXL do on GPUs; not on the CPU build); ``rank``, a scheduler that keeps on
+the tail replica the requests whose sessions have the most work left, as far as it can tell; and an
+``oracle`` no router can run, which knows every session's length when the step begins and starts the
+16 longest there.
+
+``rank`` puts a figure on knowledge. Every ``TICK_S`` it ranks the running requests by their session's
+expected work left: the current turn's tokens still to come plus the mean turn length for each turn
+the session has left. It fills the tail replica's room from the top and, once the room is full, swaps
+its lowest-ranked request back to the bulk for a higher one (by ``SWAP_MARGIN`` tokens: a swap pays
+two recomputes). Without foresight a turn's tokens still to come are what the law of turn lengths
+expects of a turn that has run this long (all a router that watches ages knows); with
+``foresight=sigma`` a predictor names each turn's length as it starts, off by a lognormal factor of
+that sigma (0: exact; the turn lengths' own sigma is 1.0, so 0.5 explains three quarters of their
+log-variance), and once a turn outruns its prediction the law takes over.
 
 The workload draws the tail bench's distributions (128 sessions of 3 turns, prompts of 64-384 tokens
 behind a 32-token system prompt, 24-token observations, lognormal turns cut at 2,048), not its exact
@@ -57,7 +66,26 @@ from toolkit.router.tail.routing import TICK_S, make_tail_policy
 
 LINK_BYTES_PER_S = 50e9
 """A 400 Gb/s NIC: what a move that carries its KV pays per byte (``kv`` designs)."""
-PEEK_AFTER, PEEK_LEFT, ORACLE_SESSIONS = 50, 300, 16
+ORACLE_SESSIONS = 16
+SWAP_MARGIN = 200
+"""``rank``: tokens of expected work by which a request must outrank the tail replica's lowest to swap."""
+LAW_DRAWS = 200_000
+
+
+class _Law:
+    """The law of turn lengths as a scheduler could learn it: what a turn that has run ``a`` tokens is
+    still expected to produce, ``E[L - a | L > a]``, and the mean turn length (from a fixed-seed draw)."""
+
+    def __init__(self, cfg: Config) -> None:
+        z = np.random.default_rng(0x1A3).standard_normal(LAW_DRAWS)
+        self.sorted = np.sort(np.minimum(cfg.workload.max_tokens, output_len(cfg.engine, z)))
+        self.suffix = np.concatenate([np.cumsum(self.sorted[::-1])[::-1], [0.0]])
+        self.mean = float(self.sorted.mean())
+
+    def left(self, a: int) -> float:
+        i = int(np.searchsorted(self.sorted, a, side="right"))
+        n = self.sorted.size - i
+        return float(self.suffix[i] / n - a) if n else 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +99,14 @@ class _Turn:
     replica: _Replica | None = None
     kv_ready: float = 0.0  # a move carrying KV runs from then on
     dispatched: float | None = None  # when the router first placed it
+    error: float | None = None  # ``rank`` with foresight: the predictor's standard normal error for it
+
+    def predicted(self, sigma: float) -> float:
+        """A predictor's length for this turn: the true one off by a lognormal factor of ``sigma``, the
+        same draw for a turn in every design."""
+        if self.error is None:
+            self.error = float(np.random.default_rng([self.session, self.turn, self.length, 0x9E5]).standard_normal())
+        return self.length * float(np.exp(sigma * self.error))
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,11 +128,11 @@ class _Replica:
 @dataclasses.dataclass
 class Design:
     name: str
-    policy: str  # off | age | peek | oracle
+    policy: str  # off | age | rank | oracle
     tail_room: int | None = None  # the tail replica's max in flight (None: the fleet's)
     kv: bool = False
     tail: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``tail.*`` settings of the policy
-    peek_after: int = PEEK_AFTER  # ``peek``: tokens a turn has generated when its length is known
+    foresight: float | None = None  # ``rank``: sigma of a predictor's lognormal error (None: no predictor)
 
 
 DESIGNS = (
@@ -105,7 +141,8 @@ DESIGNS = (
     Design("age_tokens250", "age", tail={"long_tokens": 250}),
     Design("age_room32", "age", tail_room=32), Design("age_room64", "age", tail_room=64),
     Design("age_kv", "age", kv=True), Design("age_kv_room64", "age", tail_room=64, kv=True),
-    Design("peek", "peek"), Design("peek_at_start", "peek", peek_after=0), Design("oracle", "oracle"),
+    Design("rank", "rank"), *(Design(f"rank_foresight{f:g}", "rank", foresight=f) for f in (0.75, 0.5, 0.25, 0.0)),
+    Design("oracle", "oracle"),
 )
 
 
@@ -167,6 +204,7 @@ class _Step:
         self.freed = False
         self.ring = self._ring()
         self.favoured: set[int] = set()
+        self.law = _Law(cfg) if design.policy == "rank" else None
         if design.policy == "oracle":
             longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
             self.favoured = set(longest.tolist())
@@ -193,9 +231,8 @@ class _Step:
     def _target(self, t: _Turn) -> _Replica | None:
         tail_first = (
             (self.policy is not None and self.policy.start_on_tail(self.record, str(t.session), ""))
-            or (self.design.policy == "peek" and str(t.session) in self.record.on_tail)
-            or t.session in self.favoured
-            or (self.design.policy == "peek" and self.design.peek_after == 0 and t.length >= PEEK_LEFT))
+            or (self.design.policy == "rank" and str(t.session) in self.record.on_tail)
+            or t.session in self.favoured)
         if tail_first and self._room(self.tail) > 0:
             return self.tail
         free = [r.view for r in self.pool if r.view is not None and self._room(r) > 0]
@@ -252,27 +289,51 @@ class _Step:
     # ---- moves -------------------------------------------------------------------------------
     def _to_move(self) -> list[_Turn]:
         room = self._room(self.tail)
-        if room <= 0:
+        if room <= 0 or self.policy is None:
             return []
-        running = [t for r in self.bulk for t in r.running]
-        if self.design.policy == "age":
-            assert self.policy is not None
-            picked = [t for t in running if self.policy.move(self.record, t.produced)]
-            picked.sort(key=lambda t: -t.produced)
-        elif self.design.policy == "peek":
-            after = self.design.peek_after
-            picked = [t for t in running if t.produced >= after and t.length - t.produced >= PEEK_LEFT]
-            picked.sort(key=lambda t: t.produced - t.length)
-        else:
-            return []
+        picked = [t for r in self.bulk for t in r.running if self.policy.move(self.record, t.produced)]
+        picked.sort(key=lambda t: -t.produced)
         return picked[:room]
 
+    def _work_left(self, t: _Turn) -> float:
+        """``rank``: the expected tokens ``t``'s session has still to produce."""
+        assert self.law is not None
+        sigma = self.design.foresight
+        predicted = t.predicted(sigma) if sigma is not None else 0.0
+        now = predicted - t.produced if predicted > t.produced else self.law.left(t.produced)
+        return now + (self.turns - 1 - t.turn) * self.law.mean
+
+    def _move(self, t: _Turn, to: _Replica) -> None:
+        assert t.replica is not None
+        self._leave(t, t.replica)
+        self.moves += 1
+        self._place(t, to, kv=self.design.kv and to is self.tail)
+
+    def _rank(self) -> None:
+        """``rank``: fill the tail replica's room with the running requests of most work left, then swap
+        its lowest for a higher one while one outranks it by ``SWAP_MARGIN``."""
+        rank = {id(t): self._work_left(t) for r in self.replicas for t in r.running}
+        bulk = sorted((t for r in self.bulk for t in r.running), key=lambda t: -rank[id(t)])
+        residents = sorted(self.tail.running, key=lambda t: rank[id(t)])
+        for t in bulk:
+            if self._room(self.tail) <= 0:
+                if not residents or rank[id(t)] <= rank[id(residents[0])] + SWAP_MARGIN:
+                    break
+                out = residents.pop(0)
+                self.record.on_tail.discard(str(out.session))
+                source = t.replica
+                self._move(t, self.tail)
+                free = [r.view for r in self.pool if r.view is not None and self._room(r) > 0]
+                view = self.ring.choose(str(out.session), sum(r.load() for r in self.pool), free)
+                self._move(out, next((r for r in self.pool if r.view is view), source))  # type: ignore[arg-type]
+            else:
+                self._move(t, self.tail)
+
     def _tick(self) -> None:
+        if self.design.policy == "rank":
+            self._rank()
         for t in self._to_move():
-            assert t.replica is not None
-            self._leave(t, t.replica)
-            self.moves += 1
-            self._place(t, self.tail, kv=self.design.kv)
+            self._move(t, self.tail)
         self._push(self.now + TICK_S, "tick", None)
 
     # ---- engine steps ------------------------------------------------------------------------
