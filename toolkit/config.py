@@ -18,8 +18,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from toolkit.errors import ConfigError, FieldError
 
-POLICIES = ("consistent_hash", "least_loaded", "power_of_two", "round_robin")
-TAIL_POLICIES = ("count", "age", "predict")
 QUEUES = ("fair", "fifo")
 OUTPUTS = ("gather", "shards")
 UPDATE_MODES = ("pause", "drain")

@@ -13,9 +13,7 @@ from typing import Any
 from toolkit.cluster.base import CLUSTERS
 from toolkit.config import (
     OUTPUTS,
-    POLICIES,
     QUEUES,
-    TAIL_POLICIES,
     UPDATE_MODES,
     VLLM_OWN_ARGS,
     Config,
@@ -28,6 +26,8 @@ from toolkit.config import (
 )
 from toolkit.errors import ConfigError, FieldError
 from toolkit.rollout.tokenizer import tokenizer_problem
+from toolkit.router.policy import POLICIES
+from toolkit.router.tail import TAIL_POLICIES
 
 # Memory the way sbatch's --mem takes it (megabytes without a suffix).
 _MEM_RE = r"^[0-9]+[KMGT]?$"

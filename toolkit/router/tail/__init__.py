@@ -7,6 +7,13 @@ policy that picks long runners before any flip (``tail.policy``: ``count.py``, `
 router: where a request goes, which running requests move, and what each step has revealed.
 """
 
+from toolkit.router.tail.age import AgePolicy
+from toolkit.router.tail.base import TailPolicy
+from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.flip import CountFlip, flip_count
+from toolkit.router.tail.predict import PredictPolicy
 
-__all__ = ["CountFlip", "flip_count"]
+TAIL_POLICIES: dict[str, type[TailPolicy]] = {p.name: p for p in (CountPolicy, AgePolicy, PredictPolicy)}
+"""``tail.policy``'s choices (a new one: its module and its line here)."""
+
+__all__ = ["TAIL_POLICIES", "CountFlip", "TailPolicy", "flip_count"]

@@ -18,11 +18,9 @@ from toolkit.config import TailConfig
 from toolkit.errors import ConfigError, FieldError
 from toolkit.protocol import StepProgress
 from toolkit.router.pool import BULK
-from toolkit.router.tail.age import AgePolicy
+from toolkit.router.tail import TAIL_POLICIES
 from toolkit.router.tail.base import StepRecord, TailPolicy
-from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.flip import CountFlip
-from toolkit.router.tail.predict import PredictPolicy
 from toolkit.rundir import FileWriter, RunDir
 
 if TYPE_CHECKING:
@@ -37,9 +35,6 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.05
 """How often the router looks for running requests to move: a request on a busy replica makes ~100-300
 tokens a second, so a move comes within a few percent of a long turn of its threshold."""
-
-TAIL_POLICIES: dict[str, type[TailPolicy]] = {p.name: p for p in (CountPolicy, AgePolicy, PredictPolicy)}
-
 
 def make_tail_policy(tc: TailConfig) -> TailPolicy:
     cls = TAIL_POLICIES.get(tc.policy)
