@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from toolkit import samples as api
 from toolkit.protocol import Result, join_versions
-from toolkit.rollout.columns import pack, to_table, write_parquet
+from toolkit.rollout.columns import ColumnBuilder, pack, to_table, write_parquet
 from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
 from toolkit.rollout.tokenizer import ByteTokenizer
 
@@ -233,3 +233,24 @@ def test_write_parquet_sorts_by_index_one_row_group_at_a_time(tmp_path: Path, mo
     rows = f.read().to_pylist()
     assert [r["index"] for r in rows] == list(range(30))
     assert [r["tokens"] for r in rows] == [s.tokens for s in batch]
+
+
+def test_a_builder_hands_over_its_columns_and_starts_empty() -> None:
+    """A rank packs each session as it ends (in any order) and takes the step's columns once: they equal
+    packing the samples at the end, and the builder keeps no part of them."""
+    groups = ["tail", "throughput"]
+    batch = [build(i, [1 + i] * (2 + i % 3), [([7] * (1 + i % 4), [8]), ([9] * i, [])]) for i in range(6)]
+    builder = ColumnBuilder(groups)
+    for s in batch[3:] + batch[:3]:  # sessions end out of index order
+        builder.add(s)
+    assert len(builder) == 6
+    cols = builder.columns()
+    expected = pack(batch[3:] + batch[:3], groups)
+    assert set(cols) == set(expected)
+    for name, arr in expected.items():
+        assert np.array_equal(cols[name], arr), name
+    assert len(builder) == 0
+    empty = builder.columns()
+    assert all(a.size == 0 for a in empty.values())
+    builder.add(batch[0])
+    assert builder.columns()["index"].tolist() == [0]

@@ -103,15 +103,21 @@ class ColumnBuilder:
             self._scalars[name].append(value)
 
     def columns(self) -> Columns:
+        """The columns of every sample added so far; the builder starts empty again, so the per-sample
+        parts and their concatenation are never held together for long."""
         cols: Columns = {}
         for name, parts in self._parts.items():
             dtype = LIST_COLUMNS.get(name) or NESTED_COLUMNS.get(name) or np.uint8
             cols[name] = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+            parts.clear()
             cols[f"{name}__len"] = np.asarray(self._lengths[name], dtype=np.int64)
+            self._lengths[name].clear()
         for name, outer in self._outer.items():
             cols[f"{name}__turns"] = np.asarray(outer, dtype=np.int64)
+            outer.clear()
         for name, dtype in SCALAR_COLUMNS.items():
             cols[name] = np.asarray(self._scalars[name], dtype=dtype)
+            self._scalars[name].clear()
         return cols
 
 

@@ -30,9 +30,9 @@ from toolkit.protocol import Generate, GroupStatus, Sampling
 from toolkit.rollout.bound import has_time_model
 from toolkit.rollout.columns import (
     STAT_COLUMNS,
+    ColumnBuilder,
     Columns,
     gather_columns,
-    pack,
     to_table,
     write_parquet,
 )
@@ -153,8 +153,16 @@ class RankRunner:
         done = asyncio.Event()
         follow = (asyncio.create_task(self.weights.follow(step, done), name="weights")
                   if self.rank == 0 and cfg.rollout.weights_dir else None)
+        builder = ColumnBuilder(self.group_names)
+
+        async def packed(index: int) -> None:
+            # Packed as the session ends: its Python lists take ~60 B a token, the columns 9 B, so a
+            # rank never holds a whole step of finished samples as lists.
+            for sample in await run(step, index, sem, log):
+                builder.add(sample)
+
         try:
-            per_session = await asyncio.gather(*(run(step, i, sem, log) for i in mine))
+            await asyncio.gather(*(packed(i) for i in mine))
         except BaseException:
             if follow is not None:
                 follow.cancel()  # the step failed: its error is the one to report, not a load's
@@ -162,10 +170,7 @@ class RankRunner:
         done.set()
         if follow is not None:
             await follow  # a load under way is finished: the report lists every version the rows hold
-        samples = [s for group in per_session for s in group]
-        del per_session
-        cols = pack(samples, self.group_names)
-        del samples  # their Python lists take ~60 B per token, the packed columns 9 B
+        cols = builder.columns()  # in the order sessions ended; the step's files are written sorted
         shard: tuple[int, int] | None = None
         if cfg.rollout.output == "shards":
             # Each rank writes its own rows; only the per-session stats of the step report go to rank 0.
