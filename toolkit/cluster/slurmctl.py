@@ -8,7 +8,6 @@ with hundreds of replicas asks the controller once per interval, not once per jo
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import time
@@ -157,7 +156,3 @@ def hostnames(nodelist: str) -> list[str]:
     if out.returncode != 0:
         raise ComponentFailed(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
     return out.stdout.split()
-
-
-def user() -> str:
-    return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())

@@ -51,12 +51,6 @@ def _text(sample: Sample, name: str) -> str:
     return "\n".join(sorted(sample.replicas)) if name == "replicas" else getattr(sample, name)
 
 
-def _flat(parts: list[Any], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-    values = np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype, count=int(lengths.sum()))
-    return values, lengths
-
-
 def pack(samples: Iterable[Sample], group_names: list[str]) -> Columns:
     """The rank-local columns of ``samples``; ``group_names`` fixes the bit of each group."""
     builder = ColumnBuilder(group_names)

@@ -97,10 +97,6 @@ class JobQueue:
         self.size -= 1
         return best
 
-    def __iter__(self) -> Iterator[Request]:
-        for bucket in self.buckets.values():
-            yield from (r for r in bucket if not r.done)
-
 
 class FairQueue:
     def __init__(self) -> None:
@@ -154,7 +150,3 @@ class FairQueue:
                 bucket = q.buckets.get(g)
                 if bucket:
                     yield from (r for r in bucket if not r.done)
-
-    def __iter__(self) -> Iterator[Request]:
-        for q in list(self.jobs.values()):
-            yield from q
