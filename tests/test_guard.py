@@ -75,3 +75,20 @@ def test_a_call_that_ignores_its_cancellation_is_left_behind(monkeypatch) -> Non
         done.set()
 
     asyncio.run(main())
+
+
+def test_the_failure_budget_names_the_lowest_failed_sessions_whatever_order_they_ended_in() -> None:
+    from toolkit.rollout.columns import pack
+    from toolkit.rollout.guard import FailureBudgetExceeded, check_failure_budget
+    from toolkit.rollout.sample import Sample
+
+    samples = []
+    for index in (7, 3, 9, 1, 5):  # the order the sessions ended in
+        s = Sample.start(index, f"s{index}", [1, 2])
+        if index != 3:
+            s.mark("failed", f"boom {index}")
+        samples.append(s)
+    check_failure_budget(0, pack(samples, ["g"]), 0.9)  # 4 of 5 is within 0.9
+    with pytest.raises(FailureBudgetExceeded) as exc:
+        check_failure_budget(0, pack(samples, ["g"]), 0.5)
+    assert str(exc.value).endswith("first errors: session 1: boom 1 | session 5: boom 5 | session 7: boom 7")

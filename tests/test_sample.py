@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from toolkit import samples as api
 from toolkit.protocol import Result, join_versions
-from toolkit.rollout.columns import ColumnBuilder, pack, to_table, write_parquet
+from toolkit.rollout.columns import ColumnBuilder, final_rows, pack, to_table, write_parquet
 from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
 from toolkit.rollout.tokenizer import ByteTokenizer
 
@@ -235,22 +235,25 @@ def test_write_parquet_sorts_by_index_one_row_group_at_a_time(tmp_path: Path, mo
     assert [r["tokens"] for r in rows] == [s.tokens for s in batch]
 
 
-def test_a_builder_hands_over_its_columns_and_starts_empty() -> None:
-    """A rank packs each session as it ends (in any order) and takes the step's columns once: they equal
-    packing the samples at the end, and the builder keeps no part of them."""
+def test_sessions_packed_as_they_end_keep_their_rows_together_and_write_sorted(tmp_path: Path) -> None:
+    """A rank packs each session as it ends, so its rows come in completion order: each session's rows
+    (a branch, then its final line) stay together with the final one last, and the step's file is in
+    index order with a session's branch still before its final line. The builder keeps nothing."""
     groups = ["tail", "throughput"]
-    batch = [build(i, [1 + i] * (2 + i % 3), [([7] * (1 + i % 4), [8]), ([9] * i, [])]) for i in range(6)]
+    batch = {i: build(i, [1 + i] * (2 + i % 3), [([7] * (1 + i % 4), [8]), ([9] * i, [])]) for i in range(6)}
+    branch = build(2, [3] * 4, [([5] * 3, [])])
+    branch.branch = 1
     builder = ColumnBuilder(groups)
-    for s in batch[3:] + batch[:3]:  # sessions end out of index order
-        builder.add(s)
-    assert len(builder) == 6
+    ended = [[batch[3]], [batch[5]], [branch, batch[2]], [batch[0]], [batch[4]], [batch[1]]]
+    for session in ended:
+        for sample in session:
+            builder.add(sample)
     cols = builder.columns()
-    expected = pack(batch[3:] + batch[:3], groups)
-    assert set(cols) == set(expected)
-    for name, arr in expected.items():
-        assert np.array_equal(cols[name], arr), name
-    assert len(builder) == 0
-    empty = builder.columns()
-    assert all(a.size == 0 for a in empty.values())
-    builder.add(batch[0])
-    assert builder.columns()["index"].tolist() == [0]
+    assert len(builder) == 0 and all(a.size == 0 for a in builder.columns().values())
+    assert cols["index"].tolist() == [3, 5, 2, 2, 0, 4, 1]
+    assert final_rows(cols).tolist() == [True, True, False, True, True, True, True]
+    write_parquet(to_table(cols, groups, sort=False), tmp_path / "s.parquet")
+    rows = pq.read_table(tmp_path / "s.parquet").to_pylist()
+    assert [(r["index"], r["branch"]) for r in rows] == [(0, 0), (1, 0), (2, 1), (2, 0), (3, 0), (4, 0), (5, 0)]
+    assert [r["tokens"] for r in rows] == [batch[0].tokens, batch[1].tokens, branch.tokens,
+                                           *(batch[k].tokens for k in range(2, 6))]

@@ -100,6 +100,7 @@ class _Turn:
     kv_ready: float = 0.0  # a move carrying KV runs from then on
     dispatched: float | None = None  # when the router first placed it
     error: float | None = None  # ``rank`` with foresight: the predictor's standard normal error for it
+    placement: int = 0  # placements so far: an engine step's tokens go only to turns placed before it
 
     def predicted(self, sigma: float) -> float:
         """A predictor's length for this turn: the true one off by a lognormal factor of ``sigma``, the
@@ -262,6 +263,7 @@ class _Step:
             self.queries += context
             prefill = context - cached
         t.replica = r
+        t.placement += 1
         if t.dispatched is None:
             t.dispatched = self.now
         assert r.view is not None
@@ -349,13 +351,13 @@ class _Step:
             return
         context = sum(t.prompt + t.produced for t in r.running)
         dt = step_seconds(r.engine, context, sum(p for _, p in ready)) * self.scale
-        self._push(self.now + dt, "emit", (r, list(r.running)))
+        self._push(self.now + dt, "emit", (r, [(t, t.placement) for t in r.running]))
 
-    def _emit(self, r: _Replica, batch: list[_Turn]) -> None:
+    def _emit(self, r: _Replica, batch: list[tuple[_Turn, int]]) -> None:
         done = []
-        for t in batch:
-            if t.replica is not r:
-                continue  # moved away during the step: the sim aborted it before this token
+        for t, placement in batch:
+            if t.placement != placement:
+                continue  # moved during the step (away, or away and back): the sim aborted it before this token
             t.produced += 1
             self.emitted += 1
             if t.produced >= t.length:

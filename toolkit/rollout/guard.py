@@ -85,7 +85,8 @@ def check_failure_budget(step: int, cols: Columns, budget: float | None) -> None
     if "error" in cols:  # rollout.output=gather: the errors are here; shards: in the shard files
         lens = cols["error__len"]
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        bad = np.flatnonzero(failed_rows)[:3]
+        bad = np.flatnonzero(failed_rows)
+        bad = bad[np.argsort(cols["index"][bad], kind="stable")][:3]  # rows come as sessions ended
         texts = [bytes(cols["error"][starts[i]:starts[i] + lens[i]]).decode(errors="replace") for i in bad]
         errors = "; first errors: " + " | ".join(f"session {int(cols['index'][i])}: {t}" for i, t in zip(bad, texts, strict=True))
     raise FailureBudgetExceeded(
