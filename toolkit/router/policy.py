@@ -11,9 +11,9 @@ import hashlib
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from toolkit.errors import ConfigError, FieldError
 from toolkit.router.speed import SpeedMeter
@@ -70,16 +70,8 @@ def _hash64(key: str) -> int:
 
 
 class Policy(ABC):
-    name: ClassVar[str]
-    """Its ``router.policy`` value."""
-
     def __init__(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
-
-    @classmethod
-    def create(cls, replicas: list[Replica], load_factor: float, seed: int) -> Policy:
-        """One for a group (``router.load_factor``, a seed): each takes what it uses."""
-        return cls(replicas)
 
     def update(self, replicas: list[Replica]) -> None:
         """The group's ready replicas changed."""
@@ -105,15 +97,11 @@ def least_loaded(free: Iterable[Replica], bound: int = 1 << 62) -> Replica | Non
 
 
 class LeastLoaded(Policy):
-    name = "least_loaded"
-
     def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
         return least_loaded(free)
 
 
 class RoundRobin(Policy):
-    name = "round_robin"
-
     def __init__(self, replicas: list[Replica]) -> None:
         super().__init__(replicas)
         self._next = 0
@@ -129,15 +117,9 @@ class RoundRobin(Policy):
 
 
 class PowerOfTwo(Policy):
-    name = "power_of_two"
-
     def __init__(self, replicas: list[Replica], seed: int = 0) -> None:
         super().__init__(replicas)
         self._rng = random.Random(seed)
-
-    @classmethod
-    def create(cls, replicas: list[Replica], load_factor: float, seed: int) -> Policy:
-        return cls(replicas, seed)
 
     def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
         picks = self.replicas if len(self.replicas) <= 2 else self._rng.sample(self.replicas, 2)
@@ -163,14 +145,9 @@ class ConsistentHash(Policy):
     session's turns within a step keep their replica.
     """
 
-    name = "consistent_hash"
     VNODES = 64
     WALK = 64
     REWEIGHT_CHANGE = 0.2
-
-    @classmethod
-    def create(cls, replicas: list[Replica], load_factor: float, seed: int) -> Policy:
-        return cls(replicas, load_factor)
 
     def __init__(self, replicas: list[Replica], load_factor: float = 1.25) -> None:
         self.load_factor = load_factor
@@ -242,12 +219,18 @@ class ConsistentHash(Policy):
         return best
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (ConsistentHash, LeastLoaded, PowerOfTwo, RoundRobin)}
-"""``router.policy``'s choices (a new one: a class here and its line)."""
+POLICIES: dict[str, Callable[[list[Replica], float, int], Policy]] = {
+    "consistent_hash": lambda replicas, load_factor, seed: ConsistentHash(replicas, load_factor),
+    "least_loaded": lambda replicas, load_factor, seed: LeastLoaded(replicas),
+    "power_of_two": lambda replicas, load_factor, seed: PowerOfTwo(replicas, seed),
+    "round_robin": lambda replicas, load_factor, seed: RoundRobin(replicas),
+}
+"""``router.policy``'s choices, each making one for a group from its replicas, ``router.load_factor`` and
+a seed (a new one: a class here and its line)."""
 
 
 def make_policy(name: str, replicas: list[Replica], load_factor: float = 1.25, seed: int = 0) -> Policy:
-    cls = POLICIES.get(name)
-    if cls is None:
+    make = POLICIES.get(name)
+    if make is None:
         raise ConfigError([FieldError("router.policy", name, f"one of {list(POLICIES)}")])
-    return cls.create(replicas, load_factor, seed)
+    return make(replicas, load_factor, seed)
