@@ -88,6 +88,17 @@ class _Law:
         return float(self.suffix[i] / n - a) if n else 0.0
 
 
+_LAWS: dict[tuple[int, float, float], _Law] = {}
+
+
+def _law(cfg: Config) -> _Law:
+    """The workload's :class:`_Law`, drawn once for every step and design that model it."""
+    key = (cfg.workload.max_tokens, cfg.engine.output_len_median, cfg.engine.output_len_sigma)
+    if key not in _LAWS:
+        _LAWS[key] = _Law(cfg)
+    return _LAWS[key]
+
+
 @dataclasses.dataclass(eq=False)
 class _Turn:
     session: int
@@ -205,7 +216,7 @@ class _Step:
         self.freed = False
         self.ring = self._ring()
         self.favoured: set[int] = set()
-        self.law = _Law(cfg) if design.policy == "rank" else None
+        self.law = _law(cfg) if design.policy == "rank" else None
         if design.policy == "oracle":
             longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
             self.favoured = set(longest.tolist())
@@ -293,7 +304,10 @@ class _Step:
         room = self._room(self.tail)
         if room <= 0 or self.policy is None:
             return []
-        picked = [t for r in self.bulk for t in r.running if self.policy.move(self.record, t.produced)]
+        limit = self.policy.move_above(self.record)  # once a tick, as the router asks it
+        if limit is None:
+            return []
+        picked = [t for r in self.bulk for t in r.running if t.produced > limit]
         picked.sort(key=lambda t: -t.produced)
         return picked[:room]
 
