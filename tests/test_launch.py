@@ -161,6 +161,20 @@ def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(t
     assert_no_process_left(run)
 
 
+def test_a_predictor_that_answers_garbage_fails_its_sample_alone(tmp_path: Path) -> None:
+    hint = ["+workload.length_hint={_target_:tests.garbage_hint.GarbageOnSession,garbage_index:3,engine:${engine}}"]
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=2", "tail.policy=age", *hint],
+                 cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for step in range(2):
+        rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
+        assert rows[3]["status"] == "failed"
+        assert rows[3]["error"] == "workload.length_hint returned 'a lot': expected an int >= 0 (tokens; 0 = no guess)"
+        assert all(r["status"] == "completed" for r in rows if r["index"] != 3)
+    assert_no_process_left(run)
+
+
 def test_a_crashing_rank_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST, "workload.env._target_=tests.crashing_env.ExitOnSession",

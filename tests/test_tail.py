@@ -8,6 +8,7 @@ import json
 import math
 import time
 
+import msgspec
 import pytest
 from hydra.errors import ConfigCompositionException
 
@@ -193,6 +194,35 @@ def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> 
     assert stats["migrated:age"] == 4 and "migrated" not in stats
     timeline = json.loads(rd.timeline("j", 0).read_text())
     assert timeline["migrated"] == 4 and timeline["flip_time"] is None
+
+
+def test_a_turn_hinted_long_starts_on_the_tail_group_and_never_moves(make_run) -> None:  # type: ignore[no-untyped-def]
+    # age with a 60-token long turn: a hint above it starts the turn on the tail group (2 places);
+    # unhinted turns and turns hinted short start on the throughput group and move once they pass 60.
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.2", "tail.policy=age", "tail.long_tokens=60",
+                               "tail.threshold=null", "engine.time_scale=1.0", "engine.output_len_median=100000",
+                               "groups.tail.max_inflight=2"])
+    stack.start()
+    sim = cfg.engine
+
+    async def body(c: RouterClient) -> None:
+        before = await begin_counting(c, 6)
+        hinted = [msgspec.structs.replace(gen(f"hinted{i}", 0, [1, 2, 50 + i], max_tokens=200), expected_tokens=200)
+                  for i in range(2)]
+        short = [msgspec.structs.replace(gen(f"short{i}", 0, [1, 2, 80 + i], max_tokens=30), expected_tokens=30)
+                 for i in range(2)]
+        plain = [gen(f"plain{i}", 0, [1, 2, 90 + i], max_tokens=30) for i in range(2)]
+        outs = await asyncio.gather(*(c.generate(m) for m in [*hinted, *short, *plain]))
+        for m, (res, route) in zip([*hinted, *short, *plain], outs, strict=True):
+            assert res.status == "ok" and route is not None
+            assert res.output_token_ids == plan_output(sim, m)[0]
+            want = ("tail", 1, 0) if m in hinted else ("throughput", 1, 0)
+            assert (res.group, route.dispatches, route.moves) == want, m.request_id
+        await assert_generated_once(c, before, 2 * 200 + 4 * 30)
+
+    asyncio.run(with_client(rd, body))
+    stack.stop()
+    assert "migrated:age" not in json.loads(rd.router_stats.read_text())
 
 
 def test_the_speed_weighted_ring_keeps_a_sessions_turns_on_one_replica_within_a_step(make_run) -> None:  # type: ignore[no-untyped-def]

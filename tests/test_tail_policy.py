@@ -15,7 +15,7 @@ from toolkit.router.pool import BULK, ReplicaPool
 from toolkit.router.queue import Request
 from toolkit.router.speed import SpeedMeter
 from toolkit.router.tail.age import AgePolicy
-from toolkit.router.tail.base import StepRecord
+from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.predict import PredictPolicy
 from toolkit.router.tail.routing import TailRouting, reserved_group
@@ -42,12 +42,25 @@ def test_the_quantile_is_of_the_finished_turns_so_far() -> None:
 def test_age_moves_a_request_past_the_long_turn_of_the_step_and_never_before_it_is_known() -> None:
     age = AgePolicy(tail_cfg("tail.policy=age", "tail.long_quantile=0.5", "tail.long_min_finished=4"))
     rec = record([100, 200, 300])
-    assert age.long_turn(rec) is None and not age.move(rec, 10_000)  # 3 finished < long_min_finished
+    assert age.long_turn(rec) is None and age.move_limits(rec) is None  # 3 finished < long_min_finished
     rec.finished("s9", "", 400)
     assert age.long_turn(rec) == 300  # the median of 100..400 by nearest rank
-    assert not age.move(rec, 300) and age.move(rec, 301)
-    fixed = AgePolicy(tail_cfg("tail.policy=age", "tail.long_tokens=50"))
-    assert fixed.move(StepRecord(0), 51) and not fixed.move(StepRecord(0), 50)  # needs nothing finished
+    limits = age.move_limits(rec)
+    assert limits is not None and limits.priority(300) is None and limits.priority(301) == 301
+    fixed = AgePolicy(tail_cfg("tail.policy=age", "tail.long_tokens=50")).move_limits(StepRecord(0))
+    assert fixed is not None and fixed.priority(51) == 51 and fixed.priority(50) is None  # needs nothing finished
+
+
+def test_a_hint_rules_a_running_turn_until_it_is_outrun_then_its_age_does() -> None:
+    limits = MoveLimits(age=300, hint=600)
+    assert limits.priority(10, hint=1000) == 990  # hinted long: it moves young, by what is left
+    assert limits.priority(10, hint=500) is None  # 490 to come is no long turn
+    assert limits.priority(450, hint=500) is None  # older than 300, but its hint says it is about to end
+    assert limits.priority(600, hint=500) == 600  # it outran its hint: its age rules
+    assert limits.priority(301) == 301 and limits.priority(300) is None  # no hint: its age rules
+    assert MoveLimits(age=None, hint=600).priority(10_000) is None
+    assert MoveLimits(age=300, hint=None).priority(10, hint=5000) is None  # no limit for hints yet
+    assert EVERYTHING.priority(0) == 0 and EVERYTHING.priority(5, hint=10) == 5  # after a flip: all
 
 
 def test_predict_starts_a_session_on_the_tail_after_its_own_or_its_siblings_long_turns() -> None:
@@ -66,13 +79,30 @@ def test_predict_starts_a_session_on_the_tail_after_its_own_or_its_siblings_long
     assert not CountPolicy(tail_cfg("tail.threshold=0.9")).start_on_tail(rec, "e", "p2")  # count: only the flip
 
 
+def test_a_turn_hinted_long_starts_on_the_tail_against_the_last_steps_long_turn() -> None:
+    age = AgePolicy(tail_cfg("tail.policy=age", "tail.long_quantile=0.5", "tail.long_min_finished=2"))
+    rec = StepRecord(1, last_long=600)
+    rec.finished("a", "", 10)
+    rec.finished("b", "", 20)  # this step's early finishers are short: its own limit would be 20
+    assert age.long_hint(rec) == 600
+    assert age.start_on_tail(rec, "s", "", hint=601) and not age.start_on_tail(rec, "s", "", hint=600)
+    assert not age.start_on_tail(rec, "s", "")  # no hint
+    assert age.long_hint(record([10, 20, 30])) == 20  # no last step: this one's so far
+    assert age.long_hint(StepRecord(0)) is None and not age.start_on_tail(StepRecord(0), "s", "", hint=10**6)
+    fixed = AgePolicy(tail_cfg("tail.policy=age", "tail.long_tokens=50"))
+    assert fixed.start_on_tail(StepRecord(0, last_long=600), "s", "", hint=51)  # long_tokens rules
+    pred = PredictPolicy(tail_cfg("tail.policy=predict"))
+    assert pred.start_on_tail(rec, "s", "", hint=700)
+    assert not CountPolicy(tail_cfg("tail.threshold=0.9")).start_on_tail(rec, "s", "", hint=700)
+
+
 def replica(n: int, group: str, slots: int) -> Replica:
     return Replica(f"{group}-{n}@h:{n}", f"id-{group}{n}".encode(), group, slots, 10_000, 1000)
 
 
-def request(rid: str, session: str, step: int = 0, group: str | None = None, seq: int = 0) -> Request:
+def request(rid: str, session: str, step: int = 0, group: str | None = None, seq: int = 0, hint: int = 0) -> Request:
     msg = Generate(rid, job="j", session_id=session, step=step, prompt_token_ids=[1, 2, 3],
-                   sampling=Sampling(max_tokens=5000), group=group)
+                   sampling=Sampling(max_tokens=5000), group=group, expected_tokens=hint)
     return Request(msg, b"", b"client", "j", seq, 0.0)
 
 
@@ -140,6 +170,24 @@ def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Pa
     assert rec.on_tail == {"e0", "e1"}  # ran there: their later turns prefer the tail group (l0 once it runs)
 
 
+def test_hints_choose_which_running_requests_move_first(tmp_path: Path, files: FileWriter) -> None:
+    f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=100")
+    a, b = f.tp
+    # "end" came first: without its hint it would go before "old" (the same age, the older request).
+    ending, old, young = request("end", "end", seq=0, hint=160), request("old", "old", seq=1), request(
+        "young", "young", seq=2, hint=5000)
+    f.run(old, a, 0.0)
+    f.run(ending, a, 0.0)
+    f.heartbeat(a, 1.0, 0)
+    f.heartbeat(b, 1.0, 0)
+    f.run(young, b, 1.0)
+    f.heartbeat(a, 2.0, 300)  # 150 tokens each by t=2
+    f.heartbeat(b, 2.0, 10)  # young: 10 tokens, 4,990 to come by its hint
+    moved = f.tail.to_move(2.0)
+    # young first (most to come), then old by its age; "end" is as old, but its hint says 10 to go.
+    assert [req.request_id for req, _ in moved] == ["young", "old"]
+
+
 def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path, files: FileWriter) -> None:
     f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=1")
     a = f.tp[0]
@@ -178,6 +226,21 @@ def test_a_predicted_session_falls_back_to_the_bulk_when_the_tail_is_full(tmp_pa
     for i in range(2):
         f.run(request(f"t{i}", f"t{i}", group="tail"), f.fast)
     assert f.tail.targets(request("s/1", "s")) == (BULK, None)  # no room: it starts on the bulk
+
+
+def test_the_last_steps_long_turn_judges_the_hints_of_the_next(tmp_path: Path, files: FileWriter) -> None:
+    f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_quantile=0.5", "tail.long_min_finished=2")
+    assert f.tail.targets(request("h/0", "h", hint=10**6)) == (BULK, None)  # nothing known yet
+    rec = f.tail.records["j"]
+    for i, n in enumerate([100, 300, 500, 700]):
+        rec.finished(f"s{i}", "", n)
+    f.tail.step_begin("j", 1, 8)
+    assert f.tail.records["j"].last_long == 500
+    assert f.tail.targets(request("h/1", "h", step=1, hint=501)) == ("tail", BULK)
+    assert f.tail.targets(request("k/1", "k", step=1, hint=499)) == (BULK, None)
+    assert f.tail.targets(request("n/1", "n", step=1)) == (BULK, None)  # no hint
+    f.tail.step_begin("j", 2, 8)  # a step that finished too little to judge keeps the limit before it
+    assert f.tail.records["j"].last_long == 500
 
 
 @pytest.mark.parametrize(("speeds", "expect_more"), [((100.0, 300.0), 1)])

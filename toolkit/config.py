@@ -371,6 +371,10 @@ class WorkloadConfig:
     and the step goes on. null = none."""
     record_messages: bool = False
     """Agent sessions: keep the conversation as JSON in the ``messages`` column."""
+    length_hint: dict[str, Any] = field(default_factory=dict)
+    """A predictor of each turn's length, sent with it so a tail policy can start a turn hinted long on
+    the tail group: a Hydra ``_target_`` of a ``toolkit.rollout.hints.LengthHint`` (``SimOracle``: the
+    sim's plan, off by a chosen sigma, for benchmarks). Empty = no hints."""
 
 
 @dataclass

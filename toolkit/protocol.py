@@ -88,6 +88,10 @@ class Generate(Message):
     prompt_key: str = ""
     """Sessions that share a prompt (``samples_per_prompt``: GRPO siblings) share this key; the ``predict``
     tail policy reads their lengths together. Empty: the session stands alone."""
+    expected_tokens: int = 0
+    """A length hint: the output tokens the client expects this turn to produce (its own predictor:
+    ``workload.length_hint``, or an agent's ``expected_tokens``); a tail policy starts a turn hinted
+    long on the tail group. 0 = no hint. It changes where a request runs, never what it generates."""
 
 
 class Result(Message):

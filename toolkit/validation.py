@@ -45,6 +45,32 @@ def _check_target(path: str, spec: dict[str, Any], errors: list[FieldError]) -> 
         errors.append(FieldError(f"{path}._target_", target, f"an importable class ({exc})"))
 
 
+def _check_length_hint(spec: dict[str, Any], errors: list[FieldError]) -> None:
+    """A predictor is built once per rank: build it here too, so a bad one fails at setup."""
+    if not spec:
+        return
+    before = len(errors)
+    _check_target("workload.length_hint", spec, errors)
+    if len(errors) > before:
+        return
+    from hydra.utils import instantiate
+
+    from toolkit.rollout.hints import LengthHint
+
+    try:
+        hint = instantiate(spec)
+    except Exception as exc:  # Hydra wraps what the constructor raised
+        cause = exc.__cause__ or exc
+        if isinstance(cause, ConfigError):
+            errors.extend(cause.errors)
+        else:  # the user's constructor: say what it said
+            errors.append(FieldError("workload.length_hint", spec.get("_target_"), f"a predictor it can build ({cause})"))
+        return
+    if not isinstance(hint, LengthHint):
+        errors.append(FieldError("workload.length_hint._target_", spec.get("_target_"),
+                                 "a subclass of toolkit.rollout.hints.LengthHint"))
+
+
 def _check_workload_sources(cfg: Config, errors: list[FieldError]) -> None:
     """The tokenizer spec, and the prompt source's own argument checks (files, keys) via ``check_spec``."""
     # An agent workload's tokenizer is a model directory with a chat template (validate_agent checks it).
@@ -154,6 +180,7 @@ def validate(cfg: Config) -> None:
         _check_target("workload.env", cfg.workload.env, errors)
     _check_target("workload.prompts", cfg.workload.prompts, errors)
     _check_workload_sources(cfg, errors)
+    _check_length_hint(cfg.workload.length_hint, errors)
 
     if errors:
         raise ConfigError(errors)

@@ -145,6 +145,7 @@ class Design:
     kv: bool = False
     tail: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``tail.*`` settings of the policy
     foresight: float | None = None  # ``rank``: sigma of a predictor's lognormal error (None: no predictor)
+    hint: float | None = None  # ``age``: every turn carries a length hint off by a lognormal of this sigma
 
 
 DESIGNS = (
@@ -154,6 +155,7 @@ DESIGNS = (
     Design("age_room32", "age", tail_room=32), Design("age_room64", "age", tail_room=64),
     Design("age_kv", "age", kv=True), Design("age_kv_room64", "age", tail_room=64, kv=True),
     Design("rank", "rank"), *(Design(f"rank_foresight{f:g}", "rank", foresight=f) for f in (0.75, 0.5, 0.25, 0.0)),
+    *(Design(f"age_hint{f:g}", "age", hint=f) for f in (0.5, 0.25)),
     Design("oracle", "oracle"),
 )
 
@@ -216,7 +218,11 @@ class _Step:
         self.freed = False
         self.ring = self._ring()
         self.favoured: set[int] = set()
-        self.law = _law(cfg) if design.policy == "rank" else None
+        self.law = _law(cfg) if design.policy == "rank" or design.hint is not None else None
+        if design.hint is not None:  # hints are judged by the long turn of a whole step before: the law's
+            assert self.law is not None and self.policy is not None
+            q = self.policy.tc.long_quantile
+            self.record.last_long = float(self.law.sorted[int(q * self.law.sorted.size)])
         if design.policy == "oracle":
             longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
             self.favoured = set(longest.tolist())
@@ -242,7 +248,7 @@ class _Step:
 
     def _target(self, t: _Turn) -> _Replica | None:
         tail_first = (
-            (self.policy is not None and self.policy.start_on_tail(self.record, str(t.session), ""))
+            (self.policy is not None and self.policy.start_on_tail(self.record, str(t.session), "", self._hint(t)))
             or (self.design.policy == "rank" and str(t.session) in self.record.on_tail)
             or t.session in self.favoured)
         if tail_first and self._room(self.tail) > 0:
@@ -304,12 +310,17 @@ class _Step:
         room = self._room(self.tail)
         if room <= 0 or self.policy is None:
             return []
-        limit = self.policy.move_above(self.record)  # once a tick, as the router asks it
-        if limit is None:
+        limits = self.policy.move_limits(self.record)  # once a tick, as the router asks it
+        if limits is None:
             return []
-        picked = [t for r in self.bulk for t in r.running if t.produced > limit]
-        picked.sort(key=lambda t: -t.produced)
-        return picked[:room]
+        found = [(p, t) for r in self.bulk for t in r.running
+                 if (p := limits.priority(t.produced, self._hint(t))) is not None]
+        found.sort(key=lambda f: -f[0])
+        return [t for _, t in found[:room]]
+
+    def _hint(self, t: _Turn) -> int:
+        """``t``'s length hint, as ``SimOracle`` would send it (0: the design sends none)."""
+        return round(t.predicted(self.design.hint)) if self.design.hint is not None else 0
 
     def _work_left(self, t: _Turn) -> float:
         """``rank``: the expected tokens ``t``'s session has still to produce."""

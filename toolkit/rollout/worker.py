@@ -39,6 +39,7 @@ from toolkit.rollout.columns import (
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.guard import check_failure_budget, guarded, maybe_await
+from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.sample import NonPrefixTurn, Sample
@@ -69,6 +70,7 @@ class RankRunner:
         self.agent = instantiate(cfg.workload.agent, _partial_=True) if cfg.workload.agent else None
         self.agent_is_async = inspect.iscoroutinefunction(getattr(self.agent, "func", self.agent))
         self.env_factory = None if self.agent is not None else instantiate(cfg.workload.env, _partial_=True)
+        self.length_hint: LengthHint | None = instantiate(cfg.workload.length_hint) if cfg.workload.length_hint else None
         self.gateway: Any = None
         self.sampling = Sampling(max_tokens=cfg.workload.max_tokens, temperature=cfg.workload.temperature,
                                  top_p=cfg.workload.top_p)
@@ -270,6 +272,12 @@ class RankRunner:
                 deadline=time.time() + cfg.rollout.request_timeout_s,
                 prompt_key=self.prompts.prompt_key(step, sample.index),
             )
+            if self.length_hint is not None:
+                try:
+                    msg.expected_tokens = ask(self.length_hint, msg)
+                except HintFailed as exc:  # the user's code: this session fails, alone
+                    sample.mark("failed", str(exc))
+                    return
             sent = time.time()
             try:
                 res, route = await self.client.generate(msg)

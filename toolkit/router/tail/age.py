@@ -5,15 +5,22 @@ once, with its tokens, the oldest first while the group has room.
 Why age: turn lengths are heavy-tailed (lognormal-like), and for such a law the longer a request has
 run, the longer it is still expected to run; the step ends with those requests, so they are the ones
 to run where a request decodes fastest. No prediction, no model: only what the step has shown.
+
+With length hints (``Generate.expected_tokens``: ``workload.length_hint``, or an agent's) a turn hinted
+longer than a long turn of the job's last step starts on the tail group, and while a running turn's
+hint says more than that is still to come it moves there however young, the most left first; a turn
+its hint says is about to end stays. Past its hint, a turn is judged by its age again
+(:class:`~toolkit.router.tail.base.MoveLimits`).
 """
 
 from __future__ import annotations
 
-from toolkit.router.tail.base import StepRecord, TailPolicy
+from toolkit.router.tail.base import MoveLimits, StepRecord, TailPolicy
 
 
 class AgePolicy(TailPolicy):
     name = "age"
 
-    def move_above(self, rec: StepRecord) -> float | None:
-        return self.long_turn(rec)
+    def move_limits(self, rec: StepRecord) -> MoveLimits | None:
+        age, hint = self.long_turn(rec), self.long_hint(rec)
+        return None if age is None and hint is None else MoveLimits(age, hint)

@@ -1,8 +1,9 @@
 """What a tail policy decides, and what it decides from.
 
 A policy sees only what the step has revealed so far (:class:`StepRecord`: the lengths of the turns
-the step finished, per session and per prompt) and a running request's tokens (the router's estimate,
-``toolkit/router/speed.py``). It answers two questions: should a new turn start on the tail group,
+the step finished, per session and per prompt, and how long the job's last step found a long turn), a
+new turn's length hint if its client sent one (``Generate.expected_tokens``) and a running request's
+tokens (the router's estimate, ``toolkit/router/speed.py``). It answers two questions: should a new turn start on the tail group,
 and should a running request move there now. The router (``routing.py``) acts on the answers, only
 while the tail group has room.
 """
@@ -10,7 +11,9 @@ while the tail group has room.
 from __future__ import annotations
 
 import bisect
+import math
 from abc import ABC
+from dataclasses import dataclass
 from typing import ClassVar
 
 from toolkit.config import TailConfig
@@ -19,10 +22,12 @@ from toolkit.config import TailConfig
 class StepRecord:
     """What one job's current step has revealed to the router."""
 
-    __slots__ = ("step", "lengths", "by_session", "by_prompt", "on_tail")
+    __slots__ = ("step", "lengths", "by_session", "by_prompt", "on_tail", "last_long")
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, last_long: float | None = None) -> None:
         self.step = step
+        self.last_long = last_long
+        """The long-turn limit of the job's last step, over all its turns (``TailPolicy.long_hint``)."""
         self.lengths: list[int] = []
         """Output tokens of every turn the step finished, sorted."""
         self.by_session: dict[str, list[int]] = {}
@@ -62,16 +67,50 @@ class TailPolicy(ABC):
             return None
         return rec.quantile(self.tc.long_quantile)
 
-    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str) -> bool:
-        """A new turn of ``session`` should start on the tail group (if it has room). A session that
-        already ran there stays, for its prefix cache."""
-        return session in rec.on_tail
+    def long_hint(self, rec: StepRecord) -> float | None:
+        """Tokens above which a turn's length hint calls it long: ``long_tokens``, else the long-turn
+        limit of the job's last step (all its turns finished: the early finishers of this one are the
+        short turns, and a hint is read when its turn starts), else this step's so far."""
+        if self.tc.long_tokens is not None:
+            return self.tc.long_tokens
+        return rec.last_long if rec.last_long is not None else self.long_turn(rec)
 
-    def move_above(self, rec: StepRecord) -> float | None:
-        """Tokens above which a request of this step running outside the tail group should move there
-        now; None: none should."""
+    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:
+        """A new turn of ``session`` should start on the tail group (if it has room): a session that
+        already ran there stays, for its prefix cache; a turn whose client expects it to be long
+        (``hint`` tokens, 0: no hint) starts there."""
+        if session in rec.on_tail:
+            return True
+        limit = self.long_hint(rec) if hint > 0 else None
+        return limit is not None and hint > limit
+
+    def move_limits(self, rec: StepRecord) -> MoveLimits | None:
+        """When a request of this step running outside the tail group should move there now (asked once
+        a tick for every request); None: none should."""
         return None
 
-    def move(self, rec: StepRecord, tokens: float) -> bool:
-        limit = self.move_above(rec)
-        return limit is not None and tokens > limit
+
+@dataclass(frozen=True)
+class MoveLimits:
+    """When a running request moves to the tail group, and which goes first into little room."""
+
+    age: float | None
+    """Tokens above which a request moves (None: none moves for its age)."""
+    hint: float | None
+    """A hinted request moves while its hint says more than this many tokens are still to come (None:
+    none moves for its hint)."""
+
+    def priority(self, tokens: float, hint: int = 0) -> float | None:
+        """How much a request that has generated ``tokens`` (its length hint ``hint``, 0: none) is still
+        expected to generate, if it should move (the most first); None: it should not. While its hint
+        says it has more to come, the hint rules: a turn hinted long moves even while young, and one
+        about to end stays however old. Past its hint (or with none) its age rules, as for a turn that
+        has run this long the heavy tail expects about as much again."""
+        left = hint - tokens
+        if hint > 0 and left > 0:
+            return left if self.hint is not None and left > self.hint else None
+        return tokens if self.age is not None and tokens > self.age else None
+
+
+EVERYTHING = MoveLimits(-math.inf, -math.inf)
+"""After a flip with ``tail.migrate_inflight``: every request of the step moves."""

@@ -11,5 +11,5 @@ class CountPolicy(TailPolicy):
     name = "count"
     reserves_group = False
 
-    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str) -> bool:
+    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:
         return False

@@ -17,8 +17,8 @@ from toolkit.router.tail.base import StepRecord, TailPolicy
 class PredictPolicy(TailPolicy):
     name = "predict"
 
-    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str) -> bool:
-        if session in rec.on_tail:
+    def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:
+        if super().start_on_tail(rec, session, prompt_key, hint):
             return True
         limit = self.long_turn(rec)
         if limit is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 from typing import TYPE_CHECKING
 
 from toolkit.config import TailConfig
@@ -19,7 +18,7 @@ from toolkit.errors import ConfigError, FieldError
 from toolkit.protocol import StepProgress
 from toolkit.router.pool import BULK
 from toolkit.router.tail import TAIL_POLICIES
-from toolkit.router.tail.base import StepRecord, TailPolicy
+from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord, TailPolicy
 from toolkit.router.tail.flip import CountFlip
 from toolkit.rundir import FileWriter, RunDir
 
@@ -70,7 +69,11 @@ class TailRouting:
         self.flip.step_begin(job, step, n_sessions)
         rec = self.records.get(job)
         if rec is None or rec.step != step:
-            self.records[job] = StepRecord(step)
+            last = None
+            if rec is not None and self.policy is not None:  # the step that ends: all its turns are in
+                last = self.policy.long_turn(rec)
+                last = rec.last_long if last is None else last
+            self.records[job] = StepRecord(step, last)
 
     def session_done(self, job: str, step: int, session_id: str) -> bool:
         """Count a finished session; True when this flipped the step."""
@@ -97,7 +100,7 @@ class TailRouting:
         bulk = BULK if self.policy.reserves_group else None
         rec = self._record(m)
         if (rec is not None and m.session_id and self.room() > 0
-                and self.policy.start_on_tail(rec, m.session_id, m.prompt_key)):
+                and self.policy.start_on_tail(rec, m.session_id, m.prompt_key, m.expected_tokens)):
             return self.group, bulk
         return bulk, None
 
@@ -127,22 +130,23 @@ class TailRouting:
         return self.pool.free[self.group] - len(self.inbound)
 
     def to_move(self, now: float) -> list[tuple[Request, Replica]]:
-        """The running requests to move to the tail group now, as many as it has room for, the oldest
-        (most tokens) first: after a flip with ``migrate_inflight`` every request of the step; before
-        it, those the policy calls long runners. Each holds its room until it runs there."""
+        """The running requests to move to the tail group now, as many as it has room for, those with
+        the most still to come first (:meth:`MoveLimits.priority`: by their hints, else the oldest):
+        after a flip with ``migrate_inflight`` every request of the step; before it, those the policy
+        calls long runners. Each holds its room until it runs there."""
         if self.policy is None:
             return []
         room = self.room()
         if room <= 0:
             return []
-        # Per job, the tokens above which its current step's requests move (-inf: all, after a flip
-        # with migrate_inflight); this runs every tick, so a step with nothing to move is not scanned.
-        limits: dict[str, tuple[int, float]] = {}
+        # Per job, when its current step's requests move (all of them after a flip with
+        # migrate_inflight); this runs every tick, so a step with nothing to move is not scanned.
+        limits: dict[str, tuple[int, MoveLimits]] = {}
         for job, rec in self.records.items():
             if self.flipped(job, rec.step):
-                limit = -math.inf if self.tc.migrate_inflight else None
+                limit = EVERYTHING if self.tc.migrate_inflight else None
             else:
-                limit = self.policy.move_above(rec)
+                limit = self.policy.move_limits(rec)
             if limit is not None:
                 limits[job] = (rec.step, limit)
         if not limits:
@@ -159,8 +163,9 @@ class TailRouting:
                 if req.migrating or m.group is not None or req.deaths or req.client_aborted:
                     continue
                 tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
-                if tokens > job_limit[1]:
-                    found.append((tokens, -req.seq, req, r))
+                priority = job_limit[1].priority(tokens, m.expected_tokens)
+                if priority is not None:
+                    found.append((priority, -req.seq, req, r))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
         moves = [(req, r) for _, _, req, r in found]
         for req, _ in moves:
