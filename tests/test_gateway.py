@@ -77,8 +77,10 @@ def test_openai_chat_tools_streaming_n_and_logprobs_keep_the_engines_ids(make_ru
         assert len(lp) == two.usage.completion_tokens // 2 or lp  # per-token logprobs are there
         messages += [{"role": "assistant", "content": two.choices[1].message.content},
                      {"role": "user", "content": "Thanks."}]
-        await oai.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        # The toolkit's own field, as the SDK sends it: the agent's guess of the turn's length.
+        await oai.chat.completions.create(model="m", messages=messages, max_tokens=8, extra_body={"expected_tokens": 700})
         await gw.close_session(key)
+        assert [client.requests[f"rollout/0/7/{t}"].expected_tokens for t in ("1", "2", "3/1", "4")] == [0, 0, 0, 700]
         samples = sess.samples("completed", "", 1.0)
         # The line the harness continued: its generated ids are the engine's, turn by turn.
         final = next(s for s in samples if s.reward == 1.0)

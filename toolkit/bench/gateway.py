@@ -63,13 +63,16 @@ TOOLS = [{"type": "function", "function": {
 
 
 class RecordingClient(RouterClient):
-    """The rank's real client, keeping every Result it got by request id (the engines' own ids)."""
+    """The rank's real client, keeping every request it sent and every Result it got by request id (the
+    engines' own ids)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
+        self.requests: dict[str, Generate] = {}
         self.results: dict[str, Result] = {}
 
     async def generate(self, msg: Generate) -> tuple[Result, Route | None]:
+        self.requests[msg.request_id] = msg
         res, route = await super().generate(msg)
         self.results[msg.request_id] = res
         return res, route

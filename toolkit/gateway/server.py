@@ -221,7 +221,7 @@ class Gateway:
                                         f"{self.s.max_concurrent_requests} requests; retry later")
             self.inflight += 1
             try:
-                req = proto.parse(await self._body(request))
+                req = proto.request(await self._body(request))
                 result = await self.turn(entry, req)
             finally:
                 self.inflight -= 1
@@ -271,6 +271,7 @@ class Gateway:
                 session_id=sess.session_id, step=entry.step, prompt_token_ids=plan.prompt,
                 sampling=Sampling(budget, temperature, top_p, seeds[k], True, structured=structured),
                 group=self.tail_group(entry.step), deadline=time.time() + s.request_timeout_s,
+                expected_tokens=req.expected_tokens,
             ) for k in range(req.n)]
             entry.inflight.update(g.request_id for g in gens)
             sent = time.time()

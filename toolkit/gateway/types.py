@@ -71,6 +71,9 @@ class ChatRequest:
     model: str = ""
     include_usage: bool = False
     """OpenAI ``stream_options.include_usage``: a last chunk with the usage."""
+    expected_tokens: int = 0
+    """The agent's guess of this turn's length (the toolkit's ``expected_tokens`` field; 0: none):
+    a tail policy starts a turn guessed long on the tail group."""
 
 
 @dataclass

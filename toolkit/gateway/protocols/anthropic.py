@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from toolkit.gateway.protocols.base import (
+    TOOLKIT_FIELDS,
     Fields,
     Protocol,
     bad,
@@ -148,7 +149,7 @@ class Messages(Protocol):
 
     def parse(self, body: Any) -> ChatRequest:
         f = Fields(body)
-        f.only(KNOWN, REJECTED)
+        f.only(KNOWN | TOOLKIT_FIELDS, REJECTED)
         thinking = f.object("thinking")
         if thinking is not None and thinking.text("type", required=True) != "disabled":
             raise bad("thinking.type", "extended thinking is not supported; omit thinking or send type 'disabled'")

@@ -18,6 +18,9 @@ from typing import Any
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, Message
 
 SSE_CONTENT_TYPE = "text/event-stream"
+TOOLKIT_FIELDS = frozenset({"expected_tokens"})
+"""Fields of the toolkit's own that every protocol takes (an SDK sends them in ``extra_body``):
+``expected_tokens``, the agent's guess of the turn's length (``Generate.expected_tokens``)."""
 
 
 class Protocol(ABC):
@@ -29,7 +32,13 @@ class Protocol(ABC):
     @abstractmethod
     def parse(self, body: Any) -> ChatRequest:
         """The request body (decoded JSON) as a ChatRequest; GatewayError(400) if it is invalid or
-        asks for something the gateway does not support."""
+        asks for something the gateway does not support. It lets :data:`TOOLKIT_FIELDS` through."""
+
+    def request(self, body: Any) -> ChatRequest:
+        """:meth:`parse`, with the toolkit's own fields read."""
+        req = self.parse(body)
+        req.expected_tokens = Fields(body).integer("expected_tokens", 0) or 0
+        return req
 
     @abstractmethod
     def respond(self, req: ChatRequest, result: ChatResult) -> dict[str, Any]:

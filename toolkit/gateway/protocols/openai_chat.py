@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from toolkit.gateway.protocols.base import (
+    TOOLKIT_FIELDS,
     Fields,
     Protocol,
     bad,
@@ -124,7 +125,7 @@ class ChatCompletions(Protocol):
 
     def parse(self, body: Any) -> ChatRequest:
         f = Fields(body)
-        f.only(KNOWN, REJECTED)
+        f.only(KNOWN | TOOLKIT_FIELDS, REJECTED)
         modalities = f.array("modalities")
         if modalities is not None and modalities != ["text"]:
             raise bad("modalities", f"only [\"text\"] is supported, got {show(modalities)}")

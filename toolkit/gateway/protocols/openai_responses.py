@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from toolkit.gateway.protocols.base import (
+    TOOLKIT_FIELDS,
     Fields,
     Protocol,
     bad,
@@ -133,7 +134,7 @@ class Responses(Protocol):
 
     def parse(self, body: Any) -> ChatRequest:
         f = Fields(body)
-        f.only(KNOWN, REJECTED)
+        f.only(KNOWN | TOOLKIT_FIELDS, REJECTED)
         include = f.array("include") or []
         req = ChatRequest(
             messages=_input(f), tools=_tools(f), tool_choice=_tool_choice(f), response_format=_format(f),
