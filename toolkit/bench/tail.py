@@ -72,6 +72,13 @@ TAIL_AT_CAP = ("groups.tail.engine.tensor_parallel_size=4", "+groups.tail.engine
 # GRPO groups of 8 sessions per prompt whose lengths share half their log-variance (an assumption: Seer
 # shows strongly correlated sibling lengths, Fig. 4, but publishes no figure we could cite).
 SIBLINGS = ("+workload.prompts.samples_per_prompt=8", "engine.output_len_prompt_share=0.5")
+HINT_SIGMAS = (0.25, 0.5)
+"""``length_hints``: the sigma of the length predictor's lognormal miss (the turn lengths' own is 1.0)."""
+
+
+def hints(sigma: float) -> tuple[str, ...]:
+    """The main workload with every turn hinted by the sim's own plan, off by a lognormal of ``sigma``."""
+    return (f"+workload.length_hint={{_target_:toolkit.rollout.hints.SimOracle,sigma:{sigma},engine:${{engine}}}}",)
 
 
 def _config(overrides: list[str]) -> Config:
@@ -205,5 +212,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             out["tail_at_cap"] = _measure(sessions, steps // 2, 2048, Path(tmp), TAIL_AT_CAP, name="cap")
             out["correlated_siblings"] = _measure(sessions, steps // 2, 2048, Path(tmp), SIBLINGS,
                                                   ("off", "age", "predict", "age+count"), name="siblings")
+            out["length_hints"] = {
+                f"sigma{sigma:g}": _measure(sessions, steps // 2, 2048, Path(tmp), hints(sigma),
+                                            ("off", "age", "age+count"), name=f"hints{sigma:g}")
+                for sigma in HINT_SIGMAS}
     out.update({"sessions_per_step": sessions, "steps_per_arm": steps, "threshold": THRESHOLD})
     return out
