@@ -26,7 +26,9 @@ quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32
 KV connectors such as NIXL do on GPUs; not on the CPU build); ``rank``, a scheduler that keeps on
 the tail replica the requests whose sessions have the most work left, as far as it can tell; and an
 ``oracle`` no router can run, which knows every session's length when the step begins and starts the
-16 longest there.
+16 longest there; ``age_hint`` designs run the router's ``age`` with every turn carrying a length hint
+off by a lognormal factor of a sigma (as ``toolkit.rollout.hints.SimOracle`` sends it), judged against
+a whole step's long turn (the law's ``tail.long_quantile``, as the router takes it from the last step).
 
 ``rank`` puts a figure on knowledge. Every ``TICK_S`` it ranks the running requests by their session's
 expected work left: the current turn's tokens still to come plus the mean turn length for each turn

@@ -2,10 +2,10 @@
 
 A policy sees only what the step has revealed so far (:class:`StepRecord`: the lengths of the turns
 the step finished, per session and per prompt, and how long the job's last step found a long turn), a
-new turn's length hint if its client sent one (``Generate.expected_tokens``) and a running request's
-tokens (the router's estimate, ``toolkit/router/speed.py``). It answers two questions: should a new turn start on the tail group,
-and should a running request move there now. The router (``routing.py``) acts on the answers, only
-while the tail group has room.
+turn's length hint if its client sent one (``Generate.expected_tokens``) and a running request's
+tokens (the router's estimate, ``toolkit/router/speed.py``). It answers two questions: should a new
+turn start on the tail group, and should a running request move there now (:class:`MoveLimits`). The
+router (``routing.py``) acts on the answers, only while the tail group has room.
 """
 
 from __future__ import annotations
