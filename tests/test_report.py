@@ -17,7 +17,7 @@ def step(i: int) -> dict:
     return {
         "step": i, "wall_s": 3.514, "bound_s": 1.82, "bound_ratio": 1.931, "sessions": 128,
         "done_s": {"sessions": {"tail10_share": 0.442}}, "tokens_per_s": 46230.0, "reward_mean": 0.61234,
-        "prefix_hit_rate": 0.765, "tail": {"policy": "age", "moves": 43},
+        "prefix_hit_rate": 0.765, "tail": {"policy": "age", "moves": 43, "started": 17},
         "flip": {"count": 122, "expected_count": 122, "time_s": 2.31, "spillover": 0.0},
         "groups": {"throughput": {"requests": 300}, "tail": {"requests": 84}},
         "requests_by_status": {"ok": 383, "timeout": 1},
@@ -57,7 +57,7 @@ def test_a_wide_terminal_gets_a_step_per_row() -> None:
     text = render(200, table)
     assert "…" not in text
     rows = [line for line in text.splitlines() if "122/122" in line]
-    assert len(rows) == 10 and all("3.51s" in r and "1.93x" in r for r in rows)
+    assert len(rows) == 10 and all("3.51s" in r and "1.93x" in r and " 43 " in r and " 17 " in r for r in rows)
 
 
 def test_the_summary_is_a_table_and_json_is_for_machines(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ def test_a_hint_rules_a_running_turn_until_it_is_outrun_then_its_age_does() -> N
     limits = MoveLimits(age=300, hint=600)
     assert limits.priority(10, hint=1000) == 990  # hinted long: it moves young, by what is left
     assert limits.priority(10, hint=500) is None  # 490 to come is no long turn
+    assert limits.priority(400, hint=1000) == 600  # 600 to come is one
     assert limits.priority(450, hint=500) is None  # older than 300, but its hint says it is about to end
     assert limits.priority(600, hint=500) == 600  # it outran its hint: its age rules
     assert limits.priority(301) == 301 and limits.priority(300) is None  # no hint: its age rules
@@ -85,12 +86,12 @@ def test_a_turn_hinted_long_starts_on_the_tail_against_the_last_steps_long_turn(
     rec.finished("a", "", 10)
     rec.finished("b", "", 20)  # this step's early finishers are short: its own limit would be 20
     assert age.long_hint(rec) == 600
-    assert age.start_on_tail(rec, "s", "", hint=601) and not age.start_on_tail(rec, "s", "", hint=600)
+    assert age.start_on_tail(rec, "s", "", hint=600) and not age.start_on_tail(rec, "s", "", hint=599)
     assert not age.start_on_tail(rec, "s", "")  # no hint
     assert age.long_hint(record([10, 20, 30])) == 20  # no last step: this one's so far
     assert age.long_hint(StepRecord(0)) is None and not age.start_on_tail(StepRecord(0), "s", "", hint=10**6)
     fixed = AgePolicy(tail_cfg("tail.policy=age", "tail.long_tokens=50"))
-    assert fixed.start_on_tail(StepRecord(0, last_long=600), "s", "", hint=51)  # long_tokens rules
+    assert fixed.start_on_tail(StepRecord(0, last_long=600), "s", "", hint=50)  # long_tokens rules
     pred = PredictPolicy(tail_cfg("tail.policy=predict"))
     assert pred.start_on_tail(rec, "s", "", hint=700)
     assert not CountPolicy(tail_cfg("tail.threshold=0.9")).start_on_tail(rec, "s", "", hint=700)

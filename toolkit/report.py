@@ -113,6 +113,8 @@ STEP_FIELDS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ("reward", "mean reward", lambda s: "-" if s.get("reward_mean") is None else f"{s['reward_mean']:.3f}"),
     ("hit", "prefix-cache hit rate", lambda s: pct(s.get("prefix_hit_rate"))),
     ("moves", "requests moved to the tail group while running", lambda s: str((s.get("tail") or {}).get("moves", "-"))),
+    ("started", "requests the policy started on the tail group (before any flip)",
+     lambda s: str((s.get("tail") or {}).get("started", "-"))),
     ("flip", "sessions done at the flip / expected", _flip),
     ("flip@", "time of the flip", lambda s: secs((s.get("flip") or {}).get("time_s"))),
     ("failed", "requests that did not end ok", _failed),

@@ -128,11 +128,15 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
     report.update(step_bound(cfg, req, wall_s, speeds) or {})
     if cfg.tail.active:
         moved = req["moves"] > 0
+        # Sent there by the policy (a length hint, a session that ran there), not by a flip.
+        before_flip = req["dispatched_at"] < float(flip["time"]) if flip is not None else True
+        started = (req["group"] == group_names.index(cfg.tail.group)) & ~moved & before_flip
         report["tail"] = {
             "policy": cfg.tail.policy,
             "moves": int(req["moves"].sum()),
             "moved_requests": int(moved.sum()),
             "moved_tokens": int(req["output_tokens"][moved].sum()),
+            "started": int(started.sum()),
         }
     if cfg.tail.threshold is not None:
         expected = flip_count(cfg.tail.threshold, report["sessions"])

@@ -7,9 +7,9 @@ run, the longer it is still expected to run; the step ends with those requests, 
 to run where a request decodes fastest. No prediction, no model: only what the step has shown.
 
 With length hints (``Generate.expected_tokens``: ``workload.length_hint``, or an agent's) a turn hinted
-longer than a long turn of the job's last step starts on the tail group, and while a running turn's
-hint says more than that is still to come it moves there however young, the most left first; a turn
-its hint says is about to end stays. Past its hint, a turn is judged by its age again
+at least as long as a long turn of the job's last step starts on the tail group, and while a running
+turn's hint says at least that much is still to come it moves there however young, the most left
+first; a turn its hint says is about to end stays. Past its hint, a turn is judged by its age again
 (:class:`~toolkit.router.tail.base.MoveLimits`).
 """
 

@@ -82,7 +82,8 @@ class TailPolicy(ABC):
         if session in rec.on_tail:
             return True
         limit = self.long_hint(rec) if hint > 0 else None
-        return limit is not None and hint > limit
+        # At least as long: where the cap makes a tenth of the turns the same length, those are the long ones.
+        return limit is not None and hint >= limit
 
     def move_limits(self, rec: StepRecord) -> MoveLimits | None:
         """When a request of this step running outside the tail group should move there now (asked once
@@ -97,7 +98,7 @@ class MoveLimits:
     age: float | None
     """Tokens above which a request moves (None: none moves for its age)."""
     hint: float | None
-    """A hinted request moves while its hint says more than this many tokens are still to come (None:
+    """A hinted request moves while its hint says at least this many tokens are still to come (None:
     none moves for its hint)."""
 
     def priority(self, tokens: float, hint: int = 0) -> float | None:
@@ -108,7 +109,7 @@ class MoveLimits:
         has run this long the heavy tail expects about as much again."""
         left = hint - tokens
         if hint > 0 and left > 0:
-            return left if self.hint is not None and left > self.hint else None
+            return left if self.hint is not None and left >= self.hint else None
         return tokens if self.age is not None and tokens > self.age else None
 
 

@@ -1,6 +1,7 @@
 """``count``: nothing before the flip. Every group serves the step until ``ceil(threshold * n)`` of its
 sessions are done; then the rest goes to the tail group (``flip.py``). The seed's behaviour, and the
-right one when lengths cannot be told apart early (a cap close to the typical turn)."""
+right one when lengths cannot be told apart early (a cap close to the typical turn). It ignores length
+hints."""
 
 from __future__ import annotations
 

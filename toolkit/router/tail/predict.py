@@ -4,7 +4,8 @@ starts its next turn on the tail group while it has room. It moves nothing that 
 
 It wins where lengths are correlated within a session or a prompt (Seer, arXiv:2511.14617, §2.3:
 "responses within the same group have highly correlated generation lengths"); with independent
-turns it only picks sessions that are behind.
+turns it only picks sessions that are behind. A turn that carries a length hint starts there when the
+hint says it is long (``TailPolicy.start_on_tail``).
 """
 
 from __future__ import annotations
