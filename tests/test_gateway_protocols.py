@@ -220,7 +220,7 @@ def test_bad_requests_are_400_naming_the_field(proto: Protocol, body: Any, param
 def test_every_protocol_takes_the_agents_length_guess(proto: Protocol, body: dict[str, Any]) -> None:
     assert proto.request(body).expected_tokens == 0
     assert proto.request({**body, "expected_tokens": 700}).expected_tokens == 700
-    for bad in (-1, "long", 2.5):
+    for bad in (-1, "long", 2.5, 1 << 64):
         with pytest.raises(GatewayError) as info:
             proto.request({**body, "expected_tokens": bad})
         assert (info.value.status, info.value.param) == (400, "expected_tokens")

@@ -47,11 +47,16 @@ class Answers(LengthHint):
         return self.value  # type: ignore[return-value]
 
 
+class AsyncHint(LengthHint):
+    async def expected_tokens(self, request: Generate) -> int:  # type: ignore[override]
+        return 1
+
+
 def test_a_predictor_answers_a_count_of_tokens_or_its_session_fails() -> None:
     req = requests(1)[0]
     assert ask(Answers(0), req) == 0 and ask(Answers(np.int64(700)), req) == 700
-    for bad in (-1, 2.5, "a lot", None, True, math.nan):
-        with pytest.raises(HintFailed, match=r"workload.length_hint returned .*: expected an int >= 0"):
+    for bad in (-1, 2.5, "a lot", None, True, math.nan, 1 << 64):
+        with pytest.raises(HintFailed, match=r"workload.length_hint returned .*: expected an int in \[0, 2147483647\]"):
             ask(Answers(bad), req)
     with pytest.raises(HintFailed, match="workload.length_hint raised KeyError: 'prompt'"):
         ask(Answers(KeyError("prompt")), req)
@@ -70,5 +75,9 @@ def test_every_bad_length_hint_setting_is_reported_at_setup() -> None:
     with pytest.raises(ConfigError, match=r"length_hint = 'toolkit.rollout.prompts.Prompt': a predictor it can "
                                           r"build \(Prompt.__init__\(\) missing 1 required positional argument"):
         validate(compose_config(["+workload.length_hint={_target_:toolkit.rollout.prompts.Prompt}"]))
+    with pytest.raises(ConfigError, match="expected_tokens is a plain def"):
+        validate(compose_config(["+workload.length_hint={_target_:tests.test_hints.AsyncHint}"]))
+    with pytest.raises(ConfigError, match="empty with workload.agent"):
+        validate(compose_config(["workload=agent", "+workload.length_hint=" + ORACLE % 0.25]))
     validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25]))
     assert issubclass(SimOracle, LengthHint)

@@ -164,13 +164,16 @@ def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(t
 def test_a_predictor_that_answers_garbage_fails_its_sample_alone(tmp_path: Path) -> None:
     hint = ["+workload.length_hint={_target_:tests.garbage_hint.GarbageOnSession,garbage_index:3,engine:${engine}}"]
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "steps=2", "tail.policy=age", "tail.long_tokens=100", *hint],
+    # One turn per session: a turn starts on the tail group only for its hint (no earlier turn ran there).
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=2", "workload=singleturn", "tail.policy=age",
+                  "tail.long_tokens=100", *hint],
                  cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stdout + out.stderr
     for step in range(2):
         rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
         assert rows[3]["status"] == "failed"
-        assert rows[3]["error"] == "workload.length_hint returned 'a lot': expected an int >= 0 (tokens; 0 = no guess)"
+        assert rows[3]["error"] == ("workload.length_hint returned 'a lot': expected an int in [0, 2147483647] "
+                                    "(tokens; 0 = no guess)")
         assert all(r["status"] == "completed" for r in rows if r["index"] != 3)
     # Turns hinted over 100 tokens (the sim's exact plan) start on the tail group while it has room.
     tails = [s["tail"] for s in json.loads((run / "report.json").read_text())["steps"]]

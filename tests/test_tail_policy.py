@@ -56,12 +56,13 @@ def test_a_hint_rules_a_running_turn_until_it_is_outrun_then_its_age_does() -> N
     assert limits.priority(10, hint=1000) == 990  # hinted long: it moves young, by what is left
     assert limits.priority(10, hint=500) is None  # 490 to come is no long turn
     assert limits.priority(400, hint=1000) == 600  # 600 to come is one
-    assert limits.priority(450, hint=500) is None  # older than 300, but its hint says it is about to end
+    assert limits.priority(450, hint=500) is None  # older than 300, but its hint says it ends in 50
+    assert limits.priority(400, hint=900) == 400  # 500 to come: no long turn, no end either; its age rules
     assert limits.priority(600, hint=500) == 600  # it outran its hint: its age rules
     assert limits.priority(301) == 301 and limits.priority(300) is None  # no hint: its age rules
     assert MoveLimits(age=None, hint=600).priority(10_000) is None
     assert MoveLimits(age=300, hint=None).priority(10, hint=5000) is None  # no limit for hints yet
-    assert EVERYTHING.priority(0) == 0 and EVERYTHING.priority(5, hint=10) == 5  # after a flip: all
+    assert EVERYTHING.priority(0) == 0 and EVERYTHING.priority(3, hint=10) == 7  # after a flip: all
 
 
 def test_predict_starts_a_session_on_the_tail_after_its_own_or_its_siblings_long_turns() -> None:
@@ -240,6 +241,9 @@ def test_the_last_steps_long_turn_judges_the_hints_of_the_next(tmp_path: Path, f
     assert f.tail.targets(request("h/1", "h", step=1, hint=501)) == ("tail", BULK)
     assert f.tail.targets(request("k/1", "k", step=1, hint=499)) == (BULK, None)
     assert f.tail.targets(request("n/1", "n", step=1)) == (BULK, None)  # no hint
+    capped = request("c/1", "c", step=1, hint=10**6)
+    capped.msg.sampling = Sampling(max_tokens=30)
+    assert f.tail.targets(capped) == (BULK, None)  # its budget is 30 tokens, whatever its hint says
     f.tail.step_begin("j", 2, 8)  # a step that finished too little to judge keeps the limit before it
     assert f.tail.records["j"].last_long == 500
 

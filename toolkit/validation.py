@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 import re
 from pathlib import Path
@@ -69,6 +70,10 @@ def _check_length_hint(spec: dict[str, Any], errors: list[FieldError]) -> None:
     if not isinstance(hint, LengthHint):
         errors.append(FieldError("workload.length_hint._target_", spec.get("_target_"),
                                  "a subclass of toolkit.rollout.hints.LengthHint"))
+    elif inspect.iscoroutinefunction(hint.expected_tokens):
+        errors.append(FieldError("workload.length_hint._target_", spec.get("_target_"),
+                                 "a LengthHint whose expected_tokens is a plain def (it is asked before every "
+                                 "turn, in the rank's event loop), not async def"))
 
 
 def _check_workload_sources(cfg: Config, errors: list[FieldError]) -> None:
@@ -180,7 +185,12 @@ def validate(cfg: Config) -> None:
         _check_target("workload.env", cfg.workload.env, errors)
     _check_target("workload.prompts", cfg.workload.prompts, errors)
     _check_workload_sources(cfg, errors)
-    _check_length_hint(cfg.workload.length_hint, errors)
+    if cfg.workload.agent and cfg.workload.length_hint:
+        errors.append(FieldError("workload.length_hint", cfg.workload.length_hint.get("_target_"),
+                                 "empty with workload.agent (an agent sends its own hint: the request's "
+                                 "expected_tokens field)"))
+    else:
+        _check_length_hint(cfg.workload.length_hint, errors)
 
     if errors:
         raise ConfigError(errors)

@@ -16,7 +16,7 @@ from toolkit.protocol import STATUSES, GroupStatus, Result, Route
 from toolkit.rollout.bound import step_bound
 from toolkit.rollout.columns import Columns, final_rows
 from toolkit.rollout.sample import SAMPLE_STATUSES
-from toolkit.router.tail import flip_count
+from toolkit.router.tail import TAIL_POLICIES, flip_count
 from toolkit.rundir import atomic_write
 
 
@@ -136,8 +136,9 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
             "moves": int(req["moves"].sum()),
             "moved_requests": int(moved.sum()),
             "moved_tokens": int(req["output_tokens"][moved].sum()),
-            "started": int(started.sum()),
         }
+        if TAIL_POLICIES[cfg.tail.policy].reserves_group:  # else every group serves the step anyway
+            report["tail"]["started"] = int(started.sum())
     if cfg.tail.threshold is not None:
         expected = flip_count(cfg.tail.threshold, report["sessions"])
         report["flip"] = {"expected_count": expected, "count": None, "time_s": None, "spillover": None}

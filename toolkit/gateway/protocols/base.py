@@ -37,7 +37,7 @@ class Protocol(ABC):
     def request(self, body: Any) -> ChatRequest:
         """:meth:`parse`, with the toolkit's own fields read."""
         req = self.parse(body)
-        req.expected_tokens = Fields(body).integer("expected_tokens", 0) or 0
+        req.expected_tokens = Fields(body).integer("expected_tokens", 0, (1 << 31) - 1) or 0
         return req
 
     @abstractmethod

@@ -9,7 +9,7 @@ to run where a request decodes fastest. No prediction, no model: only what the s
 With length hints (``Generate.expected_tokens``: ``workload.length_hint``, or an agent's) a turn hinted
 at least as long as a long turn of the job's last step starts on the tail group, and while a running
 turn's hint says at least that much is still to come it moves there however young, the most left
-first; a turn its hint says is about to end stays. Past its hint, a turn is judged by its age again
+first; a turn its hint says ends within the age limit stays. Otherwise its age rules
 (:class:`~toolkit.router.tail.base.MoveLimits`).
 """
 

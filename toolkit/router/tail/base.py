@@ -103,13 +103,17 @@ class MoveLimits:
 
     def priority(self, tokens: float, hint: int = 0) -> float | None:
         """How much a request that has generated ``tokens`` (its length hint ``hint``, 0: none) is still
-        expected to generate, if it should move (the most first); None: it should not. While its hint
-        says it has more to come, the hint rules: a turn hinted long moves even while young, and one
-        about to end stays however old. Past its hint (or with none) its age rules, as for a turn that
-        has run this long the heavy tail expects about as much again."""
+        expected to generate, if it should move (the most first); None: it should not. A turn whose hint
+        says a long turn is still to come moves even while young; one whose hint says it ends within
+        the age limit stays however old. Otherwise (past its hint, with none, or in between) its age
+        rules, as for a turn that has run this long the heavy tail expects about as much again."""
         left = hint - tokens
         if hint > 0 and left > 0:
-            return left if self.hint is not None and left >= self.hint else None
+            if self.hint is not None and left >= self.hint:
+                return left
+            about_to_end = self.age if self.age is not None else self.hint
+            if about_to_end is None or left < about_to_end:
+                return None
         return tokens if self.age is not None and tokens > self.age else None
 
 

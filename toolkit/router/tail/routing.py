@@ -35,6 +35,11 @@ TICK_S = 0.05
 """How often the router looks for running requests to move: a request on a busy replica makes ~100-300
 tokens a second, so a move comes within a few percent of a long turn of its threshold."""
 
+def hinted(m: Generate) -> int:
+    """``m``'s length hint for its whole turn (0: none), at most what its budget lets it generate."""
+    return min(m.expected_tokens, m.sampling.max_tokens + m.resumed_tokens)
+
+
 def make_tail_policy(tc: TailConfig) -> TailPolicy:
     cls = TAIL_POLICIES.get(tc.policy)
     if cls is None:
@@ -100,7 +105,7 @@ class TailRouting:
         bulk = BULK if self.policy.reserves_group else None
         rec = self._record(m)
         if (rec is not None and m.session_id and self.room() > 0
-                and self.policy.start_on_tail(rec, m.session_id, m.prompt_key, m.expected_tokens)):
+                and self.policy.start_on_tail(rec, m.session_id, m.prompt_key, max(0, hinted(m) - m.resumed_tokens))):
             return self.group, bulk
         return bulk, None
 
@@ -163,7 +168,7 @@ class TailRouting:
                 if req.migrating or m.group is not None or req.deaths or req.client_aborted:
                     continue
                 tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
-                priority = job_limit[1].priority(tokens, m.expected_tokens)
+                priority = job_limit[1].priority(tokens, hinted(m))
                 if priority is not None:
                     found.append((priority, -req.seq, req, r))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
