@@ -69,6 +69,11 @@ class Heartbeat(Message):
     """Tokens generated since the engine started: the router's evidence of progress."""
 
 
+MAX_EXPECTED_TOKENS = (1 << 31) - 1
+"""The largest length hint (``Generate.expected_tokens``) a client may send; a router caps it at the
+turn's budget anyway."""
+
+
 class Generate(Message):
     request_id: str
     job: str = ""

@@ -21,10 +21,7 @@ import numpy as np
 
 from toolkit.config import SimEngineConfig
 from toolkit.errors import ConfigError, FieldError
-from toolkit.protocol import Generate
-
-MAX_HINT = (1 << 31) - 1
-"""The largest hint the wire takes (a router caps a hint at the turn's budget anyway)."""
+from toolkit.protocol import MAX_EXPECTED_TOKENS, Generate
 
 
 class LengthHint(ABC):
@@ -44,8 +41,8 @@ def ask(hint: LengthHint, request: Generate) -> int:
         value = hint.expected_tokens(request)
     except Exception as exc:
         raise HintFailed(f"workload.length_hint raised {type(exc).__name__}: {exc}") from exc
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_HINT:
-        raise HintFailed(f"workload.length_hint returned {value!r}: expected an int in [0, {MAX_HINT}] "
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_EXPECTED_TOKENS:
+        raise HintFailed(f"workload.length_hint returned {value!r}: expected an int in [0, {MAX_EXPECTED_TOKENS}] "
                          f"(tokens; 0 = no guess)")
     return int(value)
 

@@ -128,9 +128,6 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
     report.update(step_bound(cfg, req, wall_s, speeds) or {})
     if cfg.tail.active:
         moved = req["moves"] > 0
-        # Sent there by the policy (a length hint, a session that ran there), not by a flip.
-        before_flip = req["dispatched_at"] < float(flip["time"]) if flip is not None else True
-        started = (req["group"] == group_names.index(cfg.tail.group)) & ~moved & before_flip
         report["tail"] = {
             "policy": cfg.tail.policy,
             "moves": int(req["moves"].sum()),
@@ -138,6 +135,9 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
             "moved_tokens": int(req["output_tokens"][moved].sum()),
         }
         if TAIL_POLICIES[cfg.tail.policy].reserves_group:  # else every group serves the step anyway
+            # Sent there by the policy (a length hint, a session that ran there), not by a flip.
+            before_flip = req["dispatched_at"] < float(flip["time"]) if flip is not None else True
+            started = (req["group"] == group_names.index(cfg.tail.group)) & ~moved & before_flip
             report["tail"]["started"] = int(started.sum())
     if cfg.tail.threshold is not None:
         expected = flip_count(cfg.tail.threshold, report["sessions"])

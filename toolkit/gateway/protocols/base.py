@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, Message
+from toolkit.protocol import MAX_EXPECTED_TOKENS
 
 SSE_CONTENT_TYPE = "text/event-stream"
 TOOLKIT_FIELDS = frozenset({"expected_tokens"})
@@ -37,7 +38,7 @@ class Protocol(ABC):
     def request(self, body: Any) -> ChatRequest:
         """:meth:`parse`, with the toolkit's own fields read."""
         req = self.parse(body)
-        req.expected_tokens = Fields(body).integer("expected_tokens", 0, (1 << 31) - 1) or 0
+        req.expected_tokens = Fields(body).integer("expected_tokens", 0, MAX_EXPECTED_TOKENS) or 0
         return req
 
     @abstractmethod
