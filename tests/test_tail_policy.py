@@ -51,6 +51,14 @@ def test_age_moves_a_request_past_the_long_turn_of_the_step_and_never_before_it_
     assert fixed is not None and fixed.priority(51) == 51 and fixed.priority(50) is None  # needs nothing finished
 
 
+def test_hints_move_nothing_in_a_step_that_has_sent_none() -> None:
+    age = AgePolicy(tail_cfg("tail.policy=age"))
+    rec = StepRecord(1, last_long=600)
+    assert age.move_limits(rec) is None  # nothing finished, no hint seen: no tick scans the requests
+    rec.hinted = True
+    assert age.move_limits(rec) == MoveLimits(age=None, hint=600)
+
+
 def test_a_hint_rules_a_running_turn_until_it_is_outrun_then_its_age_does() -> None:
     limits = MoveLimits(age=300, hint=600)
     assert limits.priority(10, hint=1000) == 990  # hinted long: it moves young, by what is left

@@ -225,6 +225,7 @@ class _Step:
             assert self.law is not None and self.policy is not None
             q = self.policy.tc.long_quantile
             self.record.last_long = float(self.law.sorted[int(q * self.law.sorted.size)])
+            self.record.hinted = True
         if design.policy == "oracle":
             longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
             self.favoured = set(longest.tolist())

@@ -22,5 +22,5 @@ class AgePolicy(TailPolicy):
     name = "age"
 
     def move_limits(self, rec: StepRecord) -> MoveLimits | None:
-        age, hint = self.long_turn(rec), self.long_hint(rec)
+        age, hint = self.long_turn(rec), self.long_hint(rec) if rec.hinted else None
         return None if age is None and hint is None else MoveLimits(age, hint)

@@ -22,7 +22,7 @@ from toolkit.config import TailConfig
 class StepRecord:
     """What one job's current step has revealed to the router."""
 
-    __slots__ = ("step", "lengths", "by_session", "by_prompt", "on_tail", "last_long")
+    __slots__ = ("step", "lengths", "by_session", "by_prompt", "on_tail", "last_long", "hinted")
 
     def __init__(self, step: int, last_long: float | None = None) -> None:
         self.step = step
@@ -35,6 +35,8 @@ class StepRecord:
         self.by_prompt: dict[str, list[int]] = {}
         """Finished turn lengths per prompt key (sessions that share a prompt: GRPO siblings)."""
         self.on_tail: set[str] = set()
+        self.hinted = False
+        """A request of the step carried a length hint (until one does, no hint can move anything)."""
         """Sessions that ran a turn on the tail group before the flip (their later turns prefer it)."""
 
     def finished(self, session: str, prompt_key: str, tokens: int) -> None:
