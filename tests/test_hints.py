@@ -81,3 +81,13 @@ def test_every_bad_length_hint_setting_is_reported_at_setup() -> None:
         validate(compose_config(["workload=agent", "+workload.length_hint=" + ORACLE % 0.25]))
     validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25]))
     assert issubclass(SimOracle, LengthHint)
+
+
+def test_a_predictor_no_tail_policy_reads_is_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="toolkit.validation"):
+        validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25, "tail.policy=age"]))
+        assert not caplog.records
+        validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25, "tail.policy=count", "tail.threshold=0.95"]))
+    [record] = caplog.records
+    assert "tail.policy=count places no turn by its hint" in record.getMessage()
+    assert "tail.policy=age or predict read hints" in record.getMessage()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import logging
 import math
 import re
 from pathlib import Path
@@ -29,6 +30,8 @@ from toolkit.errors import ConfigError, FieldError
 from toolkit.rollout.tokenizer import tokenizer_problem
 from toolkit.router.policy import POLICIES
 from toolkit.router.tail import TAIL_POLICIES
+
+logger = logging.getLogger(__name__)
 
 # Memory the way sbatch's --mem takes it (megabytes without a suffix).
 _MEM_RE = r"^[0-9]+[KMGT]?$"
@@ -191,9 +194,21 @@ def validate(cfg: Config) -> None:
                                  "expected_tokens field)"))
     else:
         _check_length_hint(cfg.workload.length_hint, errors)
+        _warn_unread_hints(cfg)
 
     if errors:
         raise ConfigError(errors)
+
+
+def _warn_unread_hints(cfg: Config) -> None:
+    """A predictor nothing reads is no error (a baseline arm keeps the hinted workload as it is), but it
+    costs every turn a call, so say so once."""
+    policy = TAIL_POLICIES.get(cfg.tail.policy)
+    if cfg.workload.length_hint and policy is not None and not policy.reads_hints:
+        logger.warning("workload.length_hint (%s) is set but tail.policy=%s places no turn by its hint: the ranks "
+                       "ask it before every turn for nothing; tail.policy=%s read hints",
+                       cfg.workload.length_hint.get("_target_"), cfg.tail.policy,
+                       " or ".join(name for name, p in TAIL_POLICIES.items() if p.reads_hints))
 
 
 def _validate_placement(cfg: Config, errors: list[FieldError]) -> None:

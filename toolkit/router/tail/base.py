@@ -35,9 +35,9 @@ class StepRecord:
         self.by_prompt: dict[str, list[int]] = {}
         """Finished turn lengths per prompt key (sessions that share a prompt: GRPO siblings)."""
         self.on_tail: set[str] = set()
+        """Sessions that ran a turn on the tail group before the flip (their later turns prefer it)."""
         self.hinted = False
         """A request of the step carried a length hint (until one does, no hint can move anything)."""
-        """Sessions that ran a turn on the tail group before the flip (their later turns prefer it)."""
 
     def finished(self, session: str, prompt_key: str, tokens: int) -> None:
         bisect.insort(self.lengths, tokens)
@@ -56,6 +56,8 @@ class TailPolicy(ABC):
     reserves_group: ClassVar[bool] = True
     """Before the flip, the tail group serves only what this policy sends there (else: every group
     serves the step)."""
+    reads_hints: ClassVar[bool] = True
+    """The policy places turns by their length hints (``Generate.expected_tokens``)."""
 
     def __init__(self, tc: TailConfig) -> None:
         self.tc = tc

@@ -11,6 +11,7 @@ from toolkit.router.tail.base import StepRecord, TailPolicy
 class CountPolicy(TailPolicy):
     name = "count"
     reserves_group = False
+    reads_hints = False
 
     def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:
         return False
