@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
 from hydra.errors import MissingConfigException
 
+import toolkit.config
 from tests.conftest import CONF, compose_config, launch
-from toolkit.config import ConfigError
+from toolkit.config import ConfigError, backends, sections
 from toolkit.validation import validate
 
 
@@ -187,3 +190,18 @@ def test_agent_workload_errors_are_reported_at_once(tmp_path: Path) -> None:
     cfg = compose_config(["workload=agent", f"workload.tokenizer={tmp_path}"])
     with pytest.raises(ConfigError, match="has no chat_template"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("module", [backends, sections, toolkit.config], ids=lambda m: m.__name__)
+def test_every_config_field_has_a_docstring_under_it(module: object) -> None:
+    classes = [c for c in vars(module).values()
+               if inspect.isclass(c) and dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
+    assert classes
+    missing = []
+    for cls in classes:
+        lines = inspect.getsource(cls).splitlines()
+        for f in dataclasses.fields(cls):
+            at = [i for i, line in enumerate(lines) if line.startswith(f"    {f.name}:")]
+            if at and not lines[at[0] + 1].strip().startswith('"""'):  # no line: inherited, checked in its class
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert not missing

@@ -100,8 +100,8 @@ class Cluster(ABC):
 
 
 CLUSTERS = Registry("cluster", {
-    "local": Backend("toolkit.config:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
-    "slurm": Backend("toolkit.config:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster"),
-    "allocation": Backend("toolkit.config:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster"),
+    "local": Backend("toolkit.config.backends:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
+    "slurm": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster"),
+    "allocation": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster"),
 })
 """Cluster backends by ``cluster.type``."""

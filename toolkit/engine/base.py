@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from toolkit.engine.nodes import NodeRole
 
 ENGINES = Registry("engine", {
-    "sim": Backend("toolkit.config:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
-    "vllm": Backend("toolkit.config:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine"),
+    "sim": Backend("toolkit.config.backends:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
+    "vllm": Backend("toolkit.config.backends:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine"),
 })
 """Engine backends by ``engine.type``."""
 

@@ -49,7 +49,7 @@ _ENGINE_STATUS = {"client_error": 400, "timeout": 504}
 
 @dataclass
 class Settings:
-    """What the gateway needs of the run's config (``toolkit/config.py`` ``GatewayConfig`` and friends)."""
+    """What the gateway needs of the run's config (``toolkit/config/sections.py`` ``GatewayConfig`` and friends)."""
 
     job: str
     model: str

@@ -1,0 +1,236 @@
+"""Structured configs, registered in Hydra's ConfigStore.
+
+YAML under ``conf/`` picks defaults; these dataclasses give every field a type and a docstring.
+The entry point converts Hydra's DictConfig to these plain objects once (:func:`from_dictconfig`),
+validates them (:func:`toolkit.validation.validate`, every error at once) and writes ``config.yaml``
+into the run directory, from which every other process reloads the same objects (:func:`load_run_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
+
+from toolkit.config.backends import (
+    VLLM_OWN_ARGS,
+    ClusterConfig,
+    GroupConfig,
+    ReplicaResources,
+    SimEngineConfig,
+    SlurmClusterConfig,
+    VllmEngineConfig,
+)
+from toolkit.config.sections import (
+    OUTPUTS,
+    QUEUES,
+    UPDATE_MODES,
+    GatewayConfig,
+    ReportConfig,
+    RolloutConfig,
+    RouterConfig,
+    TailConfig,
+    WorkloadConfig,
+)
+from toolkit.errors import ConfigError, FieldError
+
+__all__ = [
+    "CONF_DIR", "OUTPUTS", "QUEUES", "UPDATE_MODES", "VLLM_OWN_ARGS", "ClusterConfig", "Config", "ConfigError",
+    "ConfigSchema", "GatewayConfig", "GroupConfig", "ReplicaResources", "ReportConfig", "RolloutConfig",
+    "RouterConfig", "SimEngineConfig", "SlurmClusterConfig", "TailConfig", "VllmEngineConfig", "WorkloadConfig",
+    "compose_config", "from_dictconfig", "group_engine", "load_run_config", "register_configs", "replica_devices",
+    "replica_nodes", "replica_resources", "replica_shape", "save_run_config", "typed_groups",
+]
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """How components start, typed by the ``cluster`` config group (its ``type`` field)."""
+    engine: Any = MISSING
+    """Engine backend config, chosen by the ``engine`` config group (its ``type`` field)."""
+    groups: dict[str, GroupConfig] = field(default_factory=dict)
+    """Engine groups by name."""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """What a session runs: prompts, environment or agent, sampling (the ``workload`` config group)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """How the router binds, queues and places requests."""
+    tail: TailConfig = field(default_factory=TailConfig)
+    """Tail routing: which requests go to the fast tail group, and when."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How the ranks run a step's sessions, write its samples and wait for weights."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """The ranks' HTTP gateway for agents (``workload.agent``)."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """The step report, its console line and the trackers it feeds."""
+    steps: int = 2
+    """Rollout steps to run."""
+    sessions_per_step: int = 32
+    """Sessions (prompts) per step; one Parquet row each."""
+    ranks: int = 2
+    """MPI rollout ranks."""
+    job: str = "rollout"
+    """Job name: the router shares replicas fairly between jobs."""
+    seed: int = 0
+    """Seeds prompts and the simulator."""
+    resume: bool = False
+    """Continue the run in ``hydra.run.dir`` at its first step without a step report (a fresh run if
+    the directory holds none). The config must equal the stored one except for run settings
+    (``toolkit/resume.py``: steps, timeouts, cluster, replica counts...)."""
+
+
+@dataclass
+class ConfigSchema(Config):
+    """What Hydra composes against: :class:`Config` with ``groups`` untyped, because OmegaConf cannot
+    assign a new mapping to a ``dict[str, GroupConfig]`` node (``+groups.mid={replicas: 1}`` and
+    ``+groups.mid.replicas=1`` failed inside OmegaConf). :func:`from_dictconfig` types the groups and
+    lists every bad group field."""
+
+    groups: dict[str, Any] = field(default_factory=dict)
+    """Engine groups by name (fields of :class:`GroupConfig`)."""
+
+
+GROUP_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(GroupConfig)}
+
+
+def typed_groups(raw: Any) -> dict[str, GroupConfig]:
+    """``groups`` as :class:`GroupConfig` objects; a :class:`ConfigError` naming every bad field."""
+    if not isinstance(raw, dict):
+        raise ConfigError([FieldError("groups", raw, "a mapping of group name to group fields")])
+    groups: dict[str, GroupConfig] = {}
+    errors = []
+    for name, fields in raw.items():
+        fields = {} if fields is None else fields
+        if not isinstance(fields, dict):
+            errors.append(FieldError(f"groups.{name}", fields, f"a mapping of group fields: {', '.join(GROUP_FIELDS)}"))
+            continue
+        node = OmegaConf.structured(GroupConfig)
+        for key, value in fields.items():
+            if key not in GROUP_FIELDS:
+                errors.append(FieldError(f"groups.{name}.{key}", value,
+                                         f"not a group field; one of {', '.join(GROUP_FIELDS)}"))
+                continue
+            try:
+                node = OmegaConf.merge(node, {key: value})
+            except (ValidationError, ValueError):
+                errors.append(FieldError(f"groups.{name}.{key}", value, f"must be {GROUP_FIELDS[key]}"))
+        if not errors:
+            obj = OmegaConf.to_object(node)
+            assert isinstance(obj, GroupConfig)
+            groups[str(name)] = obj
+    if errors:
+        raise ConfigError(errors)
+    return groups
+
+
+def register_configs() -> None:
+    """The schemas the YAML in ``conf/`` builds on: the whole config, each backend's (from the
+    registries beside the engine and cluster base classes) and the workload's."""
+    from toolkit.cluster.base import CLUSTERS
+    from toolkit.engine.base import ENGINES
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=ConfigSchema)
+    for group, registry in (("cluster", CLUSTERS), ("engine", ENGINES)):
+        for name in registry.names():
+            cs.store(group=group, name=f"{name}_schema", node=registry.schema(name))
+    cs.store(group="workload", name="workload_schema", node=WorkloadConfig)
+
+
+def engine_schema(type_name: str) -> type:
+    from toolkit.engine.base import ENGINES
+
+    return ENGINES.schema(type_name)
+
+
+def cluster_schema(type_name: str) -> type:
+    from toolkit.cluster.base import CLUSTERS
+
+    return CLUSTERS.schema(type_name)
+
+
+def from_dictconfig(cfg: DictConfig | dict) -> Config:
+    """Turn a composed (or reloaded) config into plain dataclasses, typing ``engine`` and ``cluster``
+    by their ``type``."""
+    raw = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    raw = OmegaConf.to_container(raw, resolve=True)
+    assert isinstance(raw, dict)
+    engine_raw = raw.pop("engine", None) or {}
+    cluster_raw = raw.pop("cluster", None) or {}
+    groups = typed_groups(raw.pop("groups", None) or {})
+    raw.pop("defaults", None)
+    schema = engine_schema(str(engine_raw.get("type", "sim")))
+    merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items()})
+    merged.engine = OmegaConf.merge(OmegaConf.structured(schema), engine_raw)
+    merged.cluster = OmegaConf.merge(OmegaConf.structured(cluster_schema(str(cluster_raw.get("type", "local")))),
+                                     cluster_raw)
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, Config)
+    obj.groups = groups
+    return obj
+
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose_config(overrides: list[str] | None = None) -> Config:
+    """The config ``launch`` gets for these overrides (composed from ``conf/``; not yet validated)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return from_dictconfig(compose(config_name="config", overrides=overrides or []))
+
+
+def group_engine(cfg: Config, group: str) -> Any:
+    """The engine config of one group: ``engine`` with the group's overrides applied."""
+    return dataclasses.replace(cfg.engine, **cfg.groups[group].engine)
+
+
+def replica_devices(cfg: Config, group: str) -> int:
+    """Devices one replica of ``group`` uses: vLLM's tensor x pipeline parallel size (1 for the sim)."""
+    e = group_engine(cfg, group)
+    return int(getattr(e, "tensor_parallel_size", 1)) * int(getattr(e, "pipeline_parallel_size", 1))
+
+
+def replica_shape(cfg: Config, group: str) -> tuple[int, int] | None:
+    """``(devices per node, nodes)`` of one replica of ``group`` as ``cluster.gpus_per_node`` places it;
+    None when it does not (``gpus_per_node`` 0) or cannot (devices not a multiple of it)."""
+    per_node = cfg.cluster.gpus_per_node
+    devices = replica_devices(cfg, group)
+    if per_node <= 0 or (devices > per_node and devices % per_node):
+        return None
+    return (devices, 1) if devices <= per_node else (per_node, devices // per_node)
+
+
+def replica_nodes(cfg: Config, group: str) -> int:
+    """Node ranks (processes that meet through a master address) of one replica of ``group``."""
+    if isinstance(cfg.cluster, SlurmClusterConfig):
+        return replica_resources(cfg, group).nodes
+    shape = replica_shape(cfg, group)
+    return shape[1] if shape else 1
+
+
+def replica_resources(cfg: Config, group: str) -> ReplicaResources:
+    """What one replica of ``group`` asks Slurm for: ``cluster.replica`` with the group's overrides; with
+    ``cluster.gpus_per_node``, GPUs per node and nodes follow the group's tensor x pipeline parallel size
+    (validation refuses explicit values that disagree)."""
+    assert isinstance(cfg.cluster, SlurmClusterConfig)
+    res = dataclasses.replace(cfg.cluster.replica, **cfg.cluster.group_resources.get(group, {}))
+    shape = replica_shape(cfg, group) if isinstance(group_engine(cfg, group), VllmEngineConfig) else None
+    if shape is not None:
+        res = dataclasses.replace(res, gpus=shape[0], nodes=shape[1])
+    return res
+
+
+def save_run_config(cfg: Config, path: Path) -> None:
+    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def load_run_config(run_dir: str | Path) -> Config:
+    """Reload the validated config that ``launch`` wrote into the run directory."""
+    return from_dictconfig(OmegaConf.load(Path(run_dir) / "config.yaml"))

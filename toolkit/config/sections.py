@@ -1,0 +1,185 @@
+"""The run's other sections: router, tail routing, rollout, workload, gateway and report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+QUEUES = ("fair", "fifo")
+OUTPUTS = ("gather", "shards")
+UPDATE_MODES = ("pause", "drain")
+
+
+@dataclass
+class RouterConfig:
+    host: str | None = None
+    """Address the router binds its two sockets on (ports are picked free); null = 127.0.0.1 with
+    ``cluster=local``, else every interface (0.0.0.0), advertising this node's hostname."""
+    curve: bool | None = None
+    """ZeroMQ CURVE: encrypted sockets, only the run's own replicas and ranks get in (keys in
+    ``<run dir>/keys``, mode 0600); null = on for Slurm clusters, off for ``cluster=local``."""
+    policy: str = "consistent_hash"
+    """Replica choice in a group: consistent_hash | least_loaded | power_of_two | round_robin."""
+    load_factor: float = 1.25
+    """Bounded-load consistent hashing: no replica above ceil(load_factor * average load)."""
+    heartbeat_s: float = 0.5
+    """Interval of replica heartbeats."""
+    missed_heartbeats: int = 6
+    """A replica silent for this many intervals is dropped and its requests re-queued."""
+    max_engine_deaths: int = 2
+    """A request in flight at this many replica deaths fails as ``engine_dead``."""
+    suspects_per_replica: int = 1
+    """Requests that were in flight at a death run at most this many per replica, so the next death
+    points at one of them and innocent co-travellers of a poison request are not failed with it."""
+    stall_timeout_s: float = 60.0
+    """A replica with requests in flight that generates no token for this long is dropped as hung."""
+    queue: str = "fair"
+    """``fair``: one request per job in turn; ``fifo``: plain arrival order (a baseline)."""
+    probe_timeout_s: float = 30.0
+    """A replica whose readiness probe has not answered by then is probed again."""
+    result_cache: int = 200000
+    """Results kept to answer duplicate submissions of a request id."""
+    no_replica_timeout_s: float | None = 300.0
+    """A group with no ready replica (scaled to zero, drained, all dead) makes its requests wait, not
+    fail; a request that has waited this long while its target group had no ready replica fails as
+    ``no_replica``. null = wait forever."""
+
+
+@dataclass
+class TailConfig:
+    policy: str = "count"
+    """How a step's long runners reach ``group`` (``toolkit/router/tail/``): ``count``: only at the flip
+    (``threshold``); ``age``: a running request whose turn has generated more than a long turn
+    (``long_quantile``/``long_tokens``) moves there with its tokens at once, oldest first, while the group
+    has room; ``predict``: a session whose earlier turns or prompt siblings were long starts its next turn
+    there. With ``age`` and ``predict`` the group serves only such requests until the flip, and a session
+    that ran there keeps its later turns there while it has room."""
+    threshold: float | None = None
+    """Fraction of a step's sessions done at which the rest of the step flips to ``group``; null = no
+    flip (with ``policy=count``: tail routing off)."""
+    group: str = "tail"
+    """The fast group that takes a step's long runners, and the whole step after its flip."""
+    migrate_inflight: bool = False
+    """After the flip, the step's requests running outside the tail group move to it too (aborted and
+    continued from where they stopped: prompt + tokens so far, remaining budget), oldest first, as
+    it has room."""
+    long_quantile: float = 0.9
+    """A turn is long when it has generated more tokens than this quantile of the turns the step has
+    finished so far (``age`` and ``predict``)."""
+    long_tokens: int | None = None
+    """A fixed token count to call a turn long, instead of ``long_quantile``; null = the quantile."""
+    long_min_finished: int = 8
+    """Turns the step must have finished before ``long_quantile`` means anything (no move before)."""
+
+    @property
+    def active(self) -> bool:
+        """Tail routing is on: a flip, or a policy that moves long runners early."""
+        return self.threshold is not None or self.policy != "count"
+
+
+@dataclass
+class RolloutConfig:
+    max_concurrent_rollouts: int | None = None
+    """Cap on a step's sessions in flight across all ranks; null = all at once."""
+    output: str = "gather"
+    """``gather``: rank 0 gathers every sample (Gatherv) and writes ``steps/step_XXXXX.parquet``;
+    ``shards``: each rank writes ``steps/step_XXXXX/shard_RRRRR.parquet``, rank 0 only a manifest."""
+    decode_responses: bool = False
+    """Decode each sample's response text on its rank (needs ``workload.tokenizer``); off: ``response = ""``."""
+    request_timeout_s: float = 600.0
+    """Deadline of each generation request, counted from its submission."""
+    max_failed_fraction: float | None = 0.1
+    """A step whose share of ``failed`` samples (an environment or agent that raised, hung past
+    ``workload.env_timeout_s`` or sent garbage) is above this fails the run, after its files are
+    written; null = never. Failed samples below it are rows with ``status = failed`` and the error."""
+    update_mode: str = "pause"
+    """How a replica takes new weights while requests run: ``pause``: it pauses between engine steps,
+    reloads, resets its prefix cache and resumes the same requests, whose later tokens come from the new
+    weights (their Results list both versions); ``drain``: it lets the requests in the engine finish
+    first, new ones wait. Either way no request is aborted or retried. An engine that cannot update in
+    place drains."""
+    weights_dir: str | None = None
+    """Published checkpoints (``toolkit.weights.publish``): before step ``s``, if the latest published
+    ``<weights_dir>/step_XXXXX`` up to ``s`` is newer than the replicas' weights, every replica loads it
+    (``update_mode``) as weight version ``XXXXX`` (the model's own weights are version 0), and so again
+    whenever one up to ``s`` is published while step ``s`` runs; null = off."""
+    max_staleness: int | None = None
+    """Bounded staleness ``k`` (needs ``weights_dir``): step ``s`` starts only once weights of version
+    ``>= s - k`` are published; 0 = strictly on-policy (each step waits for the update from the step
+    before), 1 = the rollout of step ``s`` overlaps training on step ``s-1``; null = never wait."""
+    weights_timeout_s: float = 3600.0
+    """How long a step waits for the weights ``max_staleness`` asks for; past it the run fails, naming
+    the missing version and ``weights_dir``."""
+    weights_poll_s: float = 0.2
+    """How often rank 0 looks in ``weights_dir`` for a new checkpoint: while a step waits for one, and
+    while a step runs (a checkpoint up to the running step is loaded as soon as it is published)."""
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = "multiturn"
+    """A short name for reports."""
+    env: dict[str, Any] = field(default_factory=dict)
+    """Environment: a Hydra ``_target_`` class implementing ``toolkit.rollout.envs.Environment``."""
+    prompts: dict[str, Any] = field(default_factory=dict)
+    """Prompt source: a Hydra ``_target_`` class implementing ``toolkit.rollout.prompts.PromptSource``."""
+    max_tokens: int = 256
+    """Generation budget of one turn."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    tokenizer: Any = None
+    """For text prompts and ``rollout.decode_responses``: null, a path to a ``tokenizer.json`` (HF
+    ``tokenizers`` library), or a Hydra ``_target_`` with ``encode``/``decode`` (``toolkit/rollout/tokenizer.py``).
+    With ``agent``: the model's directory (tokenizer files and chat template), or ``tiny``."""
+    agent: dict[str, Any] = field(default_factory=dict)
+    """Agents over HTTP instead of ``env``: a Hydra ``_target_`` of ``async def solve(base_url, task) ->
+    reward`` (extra keys are bound as keyword arguments), run once per session against the rank's
+    gateway (``toolkit/gateway``); ``toolkit.rollout.agents.run_command`` starts a harness program per
+    session. Empty = the in-process ``env``."""
+    env_timeout_s: float | None = 600.0
+    """Bound on one session's environment or agent (all its turns); past it the sample is ``failed``
+    and the step goes on. null = none."""
+    record_messages: bool = False
+    """Agent sessions: keep the conversation as JSON in the ``messages`` column."""
+    length_hint: dict[str, Any] = field(default_factory=dict)
+    """A predictor of each turn's length, sent with it so a tail policy can start a turn hinted long on
+    the tail group: a Hydra ``_target_`` of a ``toolkit.rollout.hints.LengthHint`` (``SimOracle``: the
+    sim's plan, off by a chosen sigma, for benchmarks). Empty = no hints."""
+
+
+@dataclass
+class GatewayConfig:
+    """The HTTP gateway each rank serves to agents (``workload.agent``; ``toolkit/gateway``)."""
+
+    host: str | None = None
+    """Address to bind; null = 127.0.0.1 with ``cluster=local``, else every interface (advertising
+    the node's hostname). Like the router, it admits only the run's token when ``router.curve`` is on."""
+    port: int = 0
+    """0 = a free port per rank; N = port N + rank (ranks that share a node need one each)."""
+    max_concurrent_requests: int = 1024
+    """Requests a rank's gateway serves at once; more are answered 429 (the SDKs retry with backoff)."""
+    max_body_mb: float = 32.0
+    """Largest request body; larger ones are answered 413."""
+    tool_parser: str = "hermes"
+    """How tool calls are found in generated text (``toolkit/gateway/toolcalls.py``): hermes | none."""
+
+
+@dataclass
+class ReportConfig:
+    log_interval_s: float = 30.0
+    """When launch's output is not a terminal (a Slurm log, a pipe): a plain progress line of the running
+    step this often (on a terminal the display is redrawn every second)."""
+    metrics: bool = True
+    """The router, every replica and every rank serve Prometheus metrics on ``/metrics``
+    (``toolkit/metrics.py``); launch lists the endpoints in ``<run dir>/prometheus_targets.json`` (file_sd)."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers that log every step report (flattened, keyed by step) with the run's config:
+    ``wandb`` (needs ``pip install wandb``), ``tensorboard`` (``pip install tensorboardX``); files under
+    ``<run dir>/trackers``."""
+    wandb_project: str = "rollout-toolkit"
+    """The W&B project of the run."""
+    wandb_mode: str | None = None
+    """``online``, ``offline`` (no network; ``wandb sync`` later) or ``disabled``; null = W&B's own
+    setting (``WANDB_MODE``, else online)."""
