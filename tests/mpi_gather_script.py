@@ -56,13 +56,13 @@ def main() -> int:
     cols = pack(mine, GROUPS)
     if len(sys.argv) > 2 and sys.argv[2] == "shards":
         rd = RunDir(Path(sys.argv[3]))
-        rows, nbytes = write_shard(rd.steps, 0, comm.rank, to_table(cols, GROUPS, [s.session_id for s in mine]))
+        rows, nbytes = write_shard(rd, 0, comm.rank, to_table(cols, GROUPS, [s.session_id for s in mine]))
         stats = gather_columns(comm, {k: cols[k] for k in STAT_COLUMNS})
         info = gather_shard_info(comm, rows, nbytes)
         if comm.rank == 0:
             assert stats is not None and info is not None
             assert sorted(stats["index"].tolist()) == list(range(n))
-            write_manifest(rd.steps, 0, info)
+            write_manifest(rd, 0, info)
             rd.step_report(0).write_text(json.dumps({"step": 0}))
             manifest = json.loads((rd.steps / "step_00000" / "manifest.json").read_text())
             assert [s["rows"] for s in manifest["shards"]] == [len(range(r, n, comm.size)) for r in range(comm.size)]

@@ -62,8 +62,8 @@ def write_run(root: Path, layout: str, decoded: bool = False) -> RunDir:
         info = []
         for rank in range(3):
             mine = every[rank::3]
-            info.append(write_shard(rd.steps, 0, rank, to_table(pack(mine, GROUPS), GROUPS, [s.session_id for s in mine])))
-        write_manifest(rd.steps, 0, np.array(info, dtype=np.int64))
+            info.append(write_shard(rd, 0, rank, to_table(pack(mine, GROUPS), GROUPS, [s.session_id for s in mine])))
+        write_manifest(rd, 0, np.array(info, dtype=np.int64))
     rd.step_report(0).write_text(json.dumps({"step": 0}))
     return rd
 

@@ -258,6 +258,22 @@ class RunDir:
         """``rollout.output=shards``: the step's per-rank files and manifest."""
         return self.steps / f"step_{step:05d}"
 
+    def step_shard(self, step: int, rank: int) -> Path:
+        return self.step_shards(step) / f"shard_{rank:05d}.parquet"
+
+    def step_manifest(self, step: int) -> Path:
+        return self.step_shards(step) / "manifest.json"
+
+    @property
+    def keys(self) -> Path:
+        """The run's CURVE certificates and the gateway's token (``toolkit/security.py``)."""
+        return self.root / "keys"
+
+    @property
+    def cache(self) -> Path:
+        """Compile caches (vLLM, torch, Triton) when ``cluster.cache_dir`` names none."""
+        return self.root / "cache"
+
     def first_unfinished_step(self) -> int:
         """The first step without a step report: the report is written last, so every step before it
         is complete and nothing of it or after it is."""

@@ -37,7 +37,6 @@ from toolkit.rollout.columns import pack
 from toolkit.rollout.columns import to_table as _to_table
 from toolkit.rollout.columns import write_parquet as _write_parquet
 from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
-from toolkit.rollout.shards import manifest_path
 from toolkit.rollout.tokenizer import Tokenizer
 from toolkit.rundir import RunDir, read_json
 
@@ -48,25 +47,25 @@ __all__ = ["NonPrefixTurn", "RunEnded", "Sample", "StepTimeout", "StepUnavailabl
 _REPORT = re.compile(r"^step_(\d{5,})\.json$")
 
 
-def _steps_dir(run_dir: str | Path | RunDir) -> Path:
-    root = run_dir.root if isinstance(run_dir, RunDir) else Path(run_dir)
-    return RunDir(root).steps
+def _run_dir(run_dir: str | Path | RunDir) -> RunDir:
+    return run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
 
 
 def steps(run_dir: str | Path | RunDir) -> list[int]:
     """The steps of a run whose outputs are complete (their report exists), in order."""
-    d = _steps_dir(run_dir)
+    d = _run_dir(run_dir).steps
     found = (_REPORT.match(p.name) for p in d.iterdir()) if d.is_dir() else iter(())
     return sorted(int(m.group(1)) for m in found if m)
 
 
 def step_files(run_dir: str | Path | RunDir, step: int) -> list[Path]:
     """The Parquet files of one step: one file (gather) or the shards in rank order (shards)."""
-    d = _steps_dir(run_dir)
-    single = d / f"step_{step:05d}.parquet"
+    rd = _run_dir(run_dir)
+    d = rd.steps
+    single = rd.step_parquet(step)
     if single.is_file():
         return [single]
-    manifest = manifest_path(d, step)
+    manifest = rd.step_manifest(step)
     if manifest.is_file():
         info = json.loads(manifest.read_text())
         return [d / s["path"] for s in info["shards"]]
@@ -120,7 +119,7 @@ def wait_step(run_dir: str | Path | RunDir, step: int, timeout_s: float, poll_s:
     trainer's wait for the rollout. Raises :class:`StepTimeout` after ``timeout_s``, and
     :class:`RunEnded` at once if the run ended (``report.json``: failed, interrupted, or ok with
     fewer steps) without it; both name the run dir, the step and how far the run got."""
-    rd = RunDir(run_dir.root if isinstance(run_dir, RunDir) else Path(run_dir))
+    rd = _run_dir(run_dir)
     report_path = rd.step_report(step)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -24,6 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from toolkit.config import Config
 from toolkit.errors import ToolkitError
+from toolkit.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def curve_enabled(cfg: Config) -> bool:
 
 
 def keys_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "keys"
+    return RunDir(Path(run_dir)).keys
 
 
 def _write_cert(path: Path, public: bytes, secret: bytes | None) -> None:

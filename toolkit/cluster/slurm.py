@@ -44,7 +44,7 @@ _JOB_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SUBMITIT_")
 def cache_dir(cfg: Config, run_dir: RunDir) -> Path:
     c = cfg.cluster
     assert isinstance(c, SlurmClusterConfig)
-    return Path(c.cache_dir) if c.cache_dir else run_dir.root / "cache"
+    return Path(c.cache_dir) if c.cache_dir else run_dir.cache
 
 
 def cache_env(cache: Path) -> dict[str, str]:

@@ -14,33 +14,20 @@ Layout under ``steps/``::
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from toolkit.rollout.columns import write_parquet
-from toolkit.rundir import atomic_write
+from toolkit.rundir import RunDir, atomic_write
 
 LAYOUT = "shards"
 
 
-def step_dir(steps: Path, step: int) -> Path:
-    return steps / f"step_{step:05d}"
-
-
-def shard_path(steps: Path, step: int, rank: int) -> Path:
-    return step_dir(steps, step) / f"shard_{rank:05d}.parquet"
-
-
-def manifest_path(steps: Path, step: int) -> Path:
-    return step_dir(steps, step) / "manifest.json"
-
-
-def write_shard(steps: Path, step: int, rank: int, table: pa.Table) -> tuple[int, int]:
+def write_shard(run_dir: RunDir, step: int, rank: int, table: pa.Table) -> tuple[int, int]:
     """Write this rank's rows; return (rows, bytes) for the manifest."""
-    path = shard_path(steps, step, rank)
+    path = run_dir.step_shard(step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return table.num_rows, write_parquet(table, path)
 
@@ -53,10 +40,10 @@ def gather_shard_info(comm: Any, rows: int, nbytes: int, root: int = 0) -> np.nd
     return out
 
 
-def write_manifest(steps: Path, step: int, info: np.ndarray) -> dict[str, Any]:
-    shards = [{"rank": r, "path": str(shard_path(steps, step, r).relative_to(steps)), "rows": int(rows),
+def write_manifest(run_dir: RunDir, step: int, info: np.ndarray) -> dict[str, Any]:
+    shards = [{"rank": r, "path": str(run_dir.step_shard(step, r).relative_to(run_dir.steps)), "rows": int(rows),
                "bytes": int(nbytes)} for r, (rows, nbytes) in enumerate(info.tolist())]
     manifest = {"step": step, "layout": LAYOUT, "rows": int(info[:, 0].sum()), "bytes": int(info[:, 1].sum()),
                 "shards": shards}
-    atomic_write(manifest_path(steps, step), json.dumps(manifest, indent=1))
+    atomic_write(run_dir.step_manifest(step), json.dumps(manifest, indent=1))
     return manifest

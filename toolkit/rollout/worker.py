@@ -177,7 +177,7 @@ class RankRunner:
         if cfg.rollout.output == "shards":
             # Each rank writes its own rows; only the per-session stats of the step report go to rank 0.
             table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
-            shard = write_shard(self.run_dir.steps, step, self.rank, table)
+            shard = write_shard(self.run_dir, step, self.rank, table)
             cols = {name: cols[name] for name in STAT_COLUMNS}
         # Rank 0's sessions are done: the speeds for the step's bound, while the other ranks finish
         # theirs (not counted in the step's wall time beyond what they take anyway).
@@ -212,7 +212,7 @@ class RankRunner:
                     shards: np.ndarray | None = None, speeds: dict[str, GroupStatus] | None = None) -> None:
         cfg = self.cfg
         if shards is not None:
-            write_manifest(self.run_dir.steps, step, shards)
+            write_manifest(self.run_dir, step, shards)
         else:
             table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
             write_parquet(table, self.run_dir.step_parquet(step))
