@@ -96,10 +96,12 @@ def test_every_component_of_a_launch_serves_counts_equal_to_the_step_report(tmp_
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text("{}")
     # On-policy: step 1 waits for weights version 1, so every component is up, step 0 is over, and
-    # nothing else runs while the test scrapes. The default tail policy moves requests past 30 tokens
-    # to the tail group, so some requests run on two replicas.
+    # nothing else runs while the test scrapes. The default tail policy starts the step's first 4
+    # turns on the tail group (its room) and moves requests past 30 tokens there, so some requests
+    # run on two replicas.
     proc = start_launch([f"hydra.run.dir={run}", "steps=2", "sessions_per_step=12", "router.heartbeat_s=0.2",
-                         "engine.time_scale=0.2", "tail.long_tokens=30", f"rollout.weights_dir={weights}",
+                         "engine.time_scale=0.2", "tail.long_tokens=30", "groups.tail.max_inflight=4",
+                         f"rollout.weights_dir={weights}",
                          "rollout.max_staleness=0", "rollout.weights_timeout_s=120"])
     try:
         wait_for(lambda: (run / "steps" / "step_00000.json").exists(), 180, "step 0's report")

@@ -173,6 +173,10 @@ def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> 
 
     async def body(c: RouterClient) -> None:
         before = await begin_counting(c, 10)
+        # The step's first turn finds the tail group's room idle and starts there; once a turn of the
+        # step has ended, the tail group takes only long runners.
+        opener, route = await c.generate(gen("opener", 0, [1, 2, 3], max_tokens=5))
+        assert route is not None and (opener.status, opener.group, route.moves) == ("ok", "tail", 0)
         longs = [gen(f"long{i}", 0, [1, 2, 50 + i], max_tokens=400) for i in range(4)]
         shorts = [gen(f"short{i}", 0, [1, 2, 80 + i], max_tokens=30) for i in range(6)]
         outs = await asyncio.gather(*(c.generate(m) for m in [*longs, *shorts]))
@@ -186,7 +190,7 @@ def test_a_long_runner_moves_before_any_flip_with_every_token_once(make_run) -> 
             else:  # short turns never reach 60 tokens: they stay on the throughput group
                 assert (len(full), route.moves, res.group) == (30, 0, "throughput")
         assert not rd.sentinel("j").exists()  # it moved before (and without) any flip
-        await assert_generated_once(c, before, 4 * 400 + 6 * 30)
+        await assert_generated_once(c, before, 5 + 4 * 400 + 6 * 30)
 
     asyncio.run(with_client(rd, body))
     stack.stop()

@@ -106,6 +106,20 @@ def test_a_turn_hinted_long_starts_on_the_tail_against_the_last_steps_long_turn(
     assert not CountPolicy(tail_cfg("tail.threshold=0.9")).start_on_tail(rec, "s", "", hint=700)
 
 
+def test_a_steps_first_turns_fill_the_tail_room_until_one_ends_or_a_hint_is_seen() -> None:
+    age = AgePolicy(tail_cfg("tail.policy=age"))
+    pred = PredictPolicy(tail_cfg("tail.policy=predict"))
+    rec = StepRecord(1, last_long=600)
+    assert age.start_on_tail(rec, "s", "") and pred.start_on_tail(rec, "s", "")  # else the room idles
+    assert not age.start_on_tail(rec, "s", "", hint=10)  # a hinted turn is judged by its hint
+    rec.finished("a", "", 10)  # from the first turn that ends, only what the step showed counts
+    assert not age.start_on_tail(rec, "s", "") and not pred.start_on_tail(rec, "s", "")
+    hinted = StepRecord(1, last_long=600)
+    hinted.hinted = True  # where turns carry hints, they pick the turns that start there
+    assert not age.start_on_tail(hinted, "s", "")
+    assert not CountPolicy(tail_cfg("tail.threshold=0.9")).start_on_tail(StepRecord(0), "s", "")
+
+
 def replica(n: int, group: str, slots: int) -> Replica:
     return Replica(f"{group}-{n}@h:{n}", f"id-{group}{n}".encode(), group, slots, 10_000, 1000)
 
@@ -150,7 +164,9 @@ class Fleet:
 
 def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Path, files: FileWriter) -> None:
     f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=100")
-    assert f.pool.reserved == "tail" and f.tail.targets(request("x", "x"))[0] == BULK
+    assert f.pool.reserved == "tail" and f.tail.targets(request("x", "x")) == ("tail", BULK)  # the step's start
+    f.tail.records["j"].finished("z", "", 10)  # a turn ended: from now on the tail takes long runners only
+    assert f.tail.targets(request("x", "x")) == (BULK, None)
     a, b = f.tp
     early = [request(f"e{i}", f"e{i}", seq=i) for i in range(2)]  # dispatched at 0
     for req in early:
@@ -246,6 +262,7 @@ def test_the_last_steps_long_turn_judges_the_hints_of_the_next(tmp_path: Path, f
         rec.finished(f"s{i}", "", n)
     f.tail.step_begin("j", 1, 8)
     assert f.tail.records["j"].last_long == 500
+    f.tail.records["j"].finished("z", "", 10)  # past the step's start, where any turn fills the room
     assert f.tail.targets(request("h/1", "h", step=1, hint=501)) == ("tail", BULK)
     assert f.tail.targets(request("k/1", "k", step=1, hint=499)) == (BULK, None)
     assert f.tail.targets(request("n/1", "n", step=1)) == (BULK, None)  # no hint
@@ -318,6 +335,7 @@ def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
         router.heartbeat(rid.encode(), P.Heartbeat(rid))
     tp, tl = router.replicas[b"tp0"], router.replicas[b"tl0"]
     router.tail.step_begin("j", 0, 4)
+    router.tail.records["j"].finished("z", "", 5)  # past the step's start: only long runners go to the tail
 
     def submit(rid: str, group: str | None = None, deadline: float = 0.0) -> None:
         msg = P.Generate(rid, job="j", session_id=rid, step=0, prompt_token_ids=[1, 2, 3],
