@@ -34,8 +34,9 @@ another: ``off`` (no tail routing: every group serves the whole step under consi
 ``steer`` (the count flip at 0.95: after ceil(0.95 * 128) = 122 sessions, every request of the step,
 queued ones included, goes to the tail group), ``migrate`` (steer + ``tail.migrate_inflight``: the
 step's requests running elsewhere move to the tail group with their tokens, as it has room), ``age``
-(``tail.policy=age``: the tail group takes only long runners, moved with their tokens the moment
-they pass the step's 0.9 quantile of finished turn lengths, oldest first, while it has room),
+(``tail.policy=age``: the tail group takes the step's first turns while it has room, then only long
+runners, moved with their tokens the moment they pass the step's 0.9 quantile of finished turn
+lengths, oldest first, while it has room),
 ``predict`` (``tail.policy=predict``: a session whose earlier turn was long starts its next turn on
 the tail group) and ``age+count`` (age, then the flip at 0.95 with migration). Step time is the
 step report's ``wall_s`` (step begin to the step's Parquet file written), averaged over 12 steps per

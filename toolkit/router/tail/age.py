@@ -5,6 +5,7 @@ once, with its tokens, the oldest first while the group has room.
 Why age: turn lengths are heavy-tailed (lognormal-like), and for such a law the longer a request has
 run, the longer it is still expected to run; the step ends with those requests, so they are the ones
 to run where a request decodes fastest. No prediction, no model: only what the step has shown.
+Until the first turn of a step ends, new turns fill the tail group's room (``TailPolicy.start_on_tail``).
 
 With length hints (``Generate.expected_tokens``: ``workload.length_hint``, or an agent's) a turn hinted
 at least as long as a long turn of the job's last step starts on the tail group, and while a running
