@@ -113,11 +113,11 @@ class TailRouting:
         """``req`` was sent to ``r`` (``now``: monotonic): the origin of its token estimate there."""
         req.est_mark = now
         m = req.msg
-        if m.expected_tokens and (rec := self._record(m)) is not None:
+        rec = self._record(m)
+        if m.expected_tokens and rec is not None:
             rec.hinted = True  # from now on the step's ticks look at hints (a run without any never does)
         if r.group == self.group:
             self.inbound.discard(req.request_id)
-            rec = self._record(m)
             if rec is not None and m.session_id and not self.flipped(m.job, m.step):
                 rec.on_tail.add(m.session_id)
 
