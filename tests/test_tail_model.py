@@ -18,7 +18,7 @@ def test_a_session_alone_on_the_tail_replica_takes_its_critical_path_plus_the_pr
     cfg = tm.bench_config()
     prompts, lengths = np.array([300]), np.array([[700, 40, 1200]])
     oracle = next(d for d in tm.DESIGNS if d.name == "oracle")
-    step = tm._Step(cfg, oracle, prompts, lengths)
+    step = tm.Step(cfg, oracle, prompts, lengths)
     out = step.run()
     tail = group_engine(cfg, cfg.tail.group)
     # Its first prompt is prefilled whole (the replica is cold); a later turn's context is cached in
@@ -37,7 +37,7 @@ def test_every_design_emits_every_token_once_and_never_beats_the_bound(design: t
     cfg = tm.bench_config()
     for seed in range(2):
         prompts, lengths = tm.workload(cfg, seed)
-        step = tm._Step(cfg, design, prompts, lengths)
+        step = tm.Step(cfg, design, prompts, lengths)
         out = step.run()
         rows = np.array(step.rows)
         # One token per running turn per engine step, none to a turn that moved away mid-step.
@@ -60,7 +60,7 @@ def test_a_full_fleet_makes_turns_wait_and_serves_them_oldest_first() -> None:
     cfg.groups["throughput"].max_inflight = 8
     off = next(d for d in tm.DESIGNS if d.name == "off")
     prompts, lengths = tm.workload(cfg, 0)
-    step = tm._Step(cfg, off, prompts, lengths)
+    step = tm.Step(cfg, off, prompts, lengths)
     out = step.run()
     assert out["waits"] > 0 and step.emitted == lengths.sum()
     first = sorted((t for t in step.finished if t.turn == 0), key=lambda t: t.session)
@@ -90,7 +90,7 @@ def test_rank_swaps_the_tail_replicas_lowest_for_a_session_with_more_work_left()
     cfg.groups["tail"].max_inflight = 1
     design = next(d for d in tm.DESIGNS if d.name == "rank_foresight0")
     prompts, lengths = np.array([100, 100]), np.array([[600, 1, 1], [100, 2000, 1]])
-    step = tm._Step(cfg, design, prompts, lengths)
+    step = tm.Step(cfg, design, prompts, lengths)
     step.run()
     assert step.emitted == lengths.sum()
     ended = {(t.session, t.turn): t.replica.group for t in step.finished if t.replica is not None}
