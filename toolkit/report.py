@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print report.json (steps and summary) and stop")
     args = parser.parse_args(argv)
     console = Console()
-    report = read_json(args.run_dir / "report.json")
+    report = read_json(RunDir(args.run_dir).report)
     if report is None:
         console.print(f"[red]error:[/red] no report.json in {args.run_dir}")
         return 2

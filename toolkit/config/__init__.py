@@ -37,6 +37,7 @@ from toolkit.config.sections import (
     WorkloadConfig,
 )
 from toolkit.errors import ConfigError, FieldError
+from toolkit.rundir import RunDir
 
 __all__ = [
     "CONF_DIR", "OUTPUTS", "QUEUES", "UPDATE_MODES", "VLLM_OWN_ARGS", "ClusterConfig", "Config", "ConfigError",
@@ -233,4 +234,4 @@ def save_run_config(cfg: Config, path: Path) -> None:
 
 def load_run_config(run_dir: str | Path) -> Config:
     """Reload the validated config that ``launch`` wrote into the run directory."""
-    return from_dictconfig(OmegaConf.load(Path(run_dir) / "config.yaml"))
+    return from_dictconfig(OmegaConf.load(RunDir(Path(run_dir)).config))
