@@ -323,6 +323,40 @@ def test_drain_with_migrate_continues_from_where_it_stopped(rt: RouterThread) ->
     client.close(0)
 
 
+@pytest.mark.timeout(60)
+def test_drain_with_migrate_leaves_what_cannot_continue_and_keeps_a_leg_without_logprobs_without(
+        rt: RouterThread) -> None:
+    a = FakeReplica(rt, "throughput-0")
+    a.become_ready()
+    client = rt.socket()
+    bare = Generate("r1", job="j", session_id="r1", step=0, prompt_token_ids=[1, 2, 3],
+                    sampling=Sampling(max_tokens=10, logprobs=False))
+    choice = Generate("r2", job="j", session_id="r2", step=0, prompt_token_ids=[1, 2, 4],
+                      sampling=Sampling(max_tokens=10, structured=P.Structured(choice=["yes", "no"])))
+    for m in (bare, choice):
+        client.send_multipart(P.encode(m))
+    assert {a.recv().request_id, a.recv().request_id} == {"r1", "r2"}  # type: ignore[attr-defined]
+    b = FakeReplica(rt, "throughput-1")
+    b.become_ready()
+    send_drain(rt.frontend, ["throughput-0"], ctx=rt.ctx)
+    assert a.recv() == P.Abort("r1")
+    assert quiet(a.sock)  # r2 is constrained by a grammar: it finishes where it runs
+    a.send(P.Result("r1", "cancelled", [11, 12, 13], [], "abort", a.replica_id))
+    cont = b.recv()
+    assert isinstance(cont, P.Generate) and cont.request_id == "r1" and not cont.sampling.logprobs
+    b.send(P.Result("r1", "ok", list(range(14, 21)), [], "length", b.replica_id))
+    res1 = recv(client)
+    assert isinstance(res1, P.Result) and res1.output_token_ids == [11, 12, 13, *range(14, 21)]
+    assert res1.logprobs == []  # as an unmoved request without logprobs: none, not zeros
+    a.send(P.Result("r2", "ok", [40, 41], [-0.5, -0.5], "stop", a.replica_id))
+    res2 = recv(client)
+    assert isinstance(res2, P.Result) and res2.request_id == "r2" and res2.output_token_ids == [40, 41]
+    assert isinstance(a.recv(), P.Shutdown)
+    for f in (a, b):
+        f.close()
+    client.close(0)
+
+
 # ---- the router's bookkeeping, called directly -----------------------------------------------------
 def test_no_replica_clock_starts_when_both_the_group_and_the_request_wait(tmp_path: Path) -> None:
     cfg = compose_config(["router.no_replica_timeout_s=10"])

@@ -386,3 +386,39 @@ def test_a_move_whose_replica_dies_gives_back_the_tail_room(tmp_path: Path) -> N
     finally:
         router.close()
         ctx.term()
+
+
+def test_a_request_that_cannot_go_on_elsewhere_never_moves(tmp_path: Path, files: FileWriter) -> None:
+    from toolkit.protocol import Structured
+
+    f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=10")
+    a = f.tp[0]
+    plain = request("p", "p", seq=2)
+    # A continuation would restart the grammar after half a JSON value, or carry one of n samples.
+    schema = request("s", "s", seq=0)
+    schema.msg = Generate("s", job="j", session_id="s", step=0, prompt_token_ids=[1, 2, 3],
+                          sampling=Sampling(max_tokens=5000, structured=Structured(choice=["yes", "no"])))
+    two = request("n", "n", seq=1)
+    two.msg = Generate("n", job="j", session_id="n", step=0, prompt_token_ids=[1, 2, 3],
+                       sampling=Sampling(max_tokens=5000, n=2))
+    for req in (schema, two, plain):
+        f.run(req, a, 0.0)
+    f.heartbeat(a, 1.0, 300)  # 100 tokens each, the two older ones first in line
+    assert [req.request_id for req, _ in f.tail.to_move(1.0)] == ["p"]
+
+
+def test_a_move_whose_abort_came_after_the_last_token_ends_ok_as_a_finished_turn(tmp_path: Path) -> None:
+    from toolkit import protocol as P
+
+    router, ctx, tp, tl = router_with_a_move(tmp_path)
+    try:
+        # The engine had produced the whole budget when the Abort reached it: nothing is left to continue.
+        part = P.Result("long", "cancelled", [5] * 500, [-0.1] * 500, "abort", "tp0", "throughput")
+        router._on_result(b"tp0", part, P._encoder.encode(part))
+        res = P.decode_as(P.Result, router.results["long"])
+        assert (res.status, res.finish_reason, len(res.output_token_ids), len(res.logprobs)) == ("ok", "length", 500, 500)
+        assert "long" not in router.live and router.queue.size == 0 and not router.tail.inbound
+        assert router.tail.records["j"].lengths == [5, 500]  # the long turn counts for the step's quantile
+    finally:
+        router.close()
+        ctx.term()

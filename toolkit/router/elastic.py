@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from toolkit import protocol as P
+from toolkit.router.migration import can_continue
 from toolkit.router.pool import BULK
 from toolkit.router.queue import FairQueue, Request
 from toolkit.sockets import send_msg
@@ -77,7 +78,8 @@ class ElasticMixin:
             for req in list(r.inflight.values()):
                 assert isinstance(req, Request)
                 # One its client aborted, or one already moving (a tail flip): its Result settles it.
-                if not req.client_aborted and not req.migrating:
+                # One that cannot go on elsewhere (structured output, n > 1) finishes here.
+                if not req.client_aborted and not req.migrating and can_continue(req.msg):
                     self._start_migration(req, r, "drain", req.msg.group)
                     moving += 1
         logger.info("draining replica %s: %d request(s) in flight, %d moving", r.replica_id, r.load, moving)

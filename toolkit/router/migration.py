@@ -24,9 +24,18 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from toolkit.router.policy import Replica
+    from toolkit.router.tail.routing import TailRouting
     from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
+
+
+def can_continue(m: P.Generate) -> bool:
+    """Whether ``m`` can stop and go on elsewhere from its tokens so far. Not with structured output:
+    the engine would start its grammar afresh after the partial output (a second JSON value after
+    half of one); nor with ``n`` > 1: a continuation carries one sample's tokens. Such a request
+    finishes where it runs."""
+    return m.sampling.structured is None and m.sampling.n == 1
 
 
 class MigrationMixin:
@@ -39,6 +48,7 @@ class MigrationMixin:
     timeline: Timeline
     stats: Counter[str]
     _complete: Callable[..., None]
+    tail: TailRouting
 
     def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
         """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
@@ -50,12 +60,13 @@ class MigrationMixin:
     def _continue(self, req: Request, res: P.Result, why: str) -> None:
         out = res.output_token_ids
         req.prefix_tokens.extend(out)
-        req.prefix_logprobs.extend(res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out))
+        req.prefix_logprobs.extend(self._leg_logprobs(req, res))
         if out:  # a leg without tokens generated nothing with its weights
             req.prefix_versions = P.join_versions(req.prefix_versions, res.weight_versions or [res.weight_version])
         m = req.msg
         remaining = m.sampling.max_tokens - len(out)
-        if remaining <= 0:
+        if remaining <= 0:  # the Abort crossed the budget's last token: the request is done
+            self.tail.finished(req, len(req.prefix_tokens))
             self._complete(req, self._merged(req, msgspec.structs.replace(res, output_token_ids=[], logprobs=[],
                                                                           status="ok", finish_reason="length")))
             return
@@ -77,7 +88,7 @@ class MigrationMixin:
 
     def _merged(self, req: Request, res: P.Result) -> bytes:
         """One Result for a request that moved: the tokens, logprobs and weight versions of every leg, in order."""
-        lps = res.logprobs if len(res.logprobs) == len(res.output_token_ids) else [0.0] * len(res.output_token_ids)
+        lps = self._leg_logprobs(req, res)
         last = (res.weight_versions or [res.weight_version]) if res.output_token_ids else []
         merged = msgspec.structs.replace(
             res, output_token_ids=req.prefix_tokens + res.output_token_ids,
@@ -87,3 +98,12 @@ class MigrationMixin:
             weight_versions=P.join_versions(req.prefix_versions, last) or res.weight_versions,
         )
         return P._encoder.encode(merged)
+
+    @staticmethod
+    def _leg_logprobs(req: Request, res: P.Result) -> list[float]:
+        """A leg's logprobs, one a token (0.0 where an engine sent none), or none if the client asked
+        for none."""
+        if not req.msg.sampling.logprobs:
+            return []
+        out = res.output_token_ids
+        return res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from toolkit.config import TailConfig
 from toolkit.errors import ConfigError, FieldError
 from toolkit.protocol import StepProgress
+from toolkit.router.migration import can_continue
 from toolkit.router.pool import BULK
 from toolkit.router.tail import TAIL_POLICIES
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord, TailPolicy
@@ -167,7 +168,7 @@ class TailRouting:
                 job_limit = limits.get(m.job)
                 if job_limit is None or job_limit[0] != m.step:
                     continue
-                if req.migrating or m.group is not None or req.deaths or req.client_aborted:
+                if req.migrating or m.group is not None or req.deaths or req.client_aborted or not can_continue(m):
                     continue
                 tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                 priority = job_limit[1].priority(tokens, hinted(m))
