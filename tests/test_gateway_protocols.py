@@ -119,6 +119,7 @@ CHAT_BAD: list[tuple[Any, str]] = [
     ({"messages": USER, "max_tokens": True}, "max_tokens"),
     ({"messages": USER, "max_tokens": 10, "max_completion_tokens": 20}, "max_completion_tokens"),
     ({"messages": USER, "seed": 1.5}, "seed"),
+    ({"messages": USER, "seed": 1 << 64}, "seed"),  # past the wire's 64 bits: a 400, not a 500
     ({"messages": USER, "logprobs": "yes"}, "logprobs"),
     ({"messages": USER, "stream": "yes"}, "stream"),
     ({"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),

@@ -77,6 +77,35 @@ def test_a_call_that_ignores_its_cancellation_is_left_behind(monkeypatch) -> Non
     asyncio.run(main())
 
 
+def test_an_exit_or_a_self_cancellation_in_the_users_call_fails_its_session_alone() -> None:
+    """sys.exit() (argparse's too) or a CancelledError the user's code raises would otherwise leave the
+    rank's event loop and end the rank, every other session with it."""
+
+    async def exits() -> None:
+        raise SystemExit(2)
+
+    def exits_in_a_thread() -> None:
+        raise SystemExit("usage: agent.py ...")
+
+    async def cancels_itself() -> None:
+        sub = asyncio.ensure_future(asyncio.sleep(60))
+        sub.cancel()
+        await sub  # raises CancelledError into the user's own call
+
+    async def main() -> list[tuple[object, str]]:
+        calls = [exits(), asyncio.to_thread(exits_in_a_thread), cancels_itself()]
+        out = [await guard.guarded("agent", "s", call, 10) for call in calls]
+        out.append(await guard.guarded("agent", "s", asyncio.sleep(0, "fine"), 10))  # the loop goes on
+        return out
+
+    assert asyncio.run(main()) == [
+        (None, "agent raised SystemExit(2)"),
+        (None, "agent raised SystemExit('usage: agent.py ...')"),
+        (None, "agent cancelled itself (raised asyncio.CancelledError)"),
+        ("fine", ""),
+    ]
+
+
 def test_the_failure_budget_names_the_lowest_failed_sessions_whatever_order_they_ended_in() -> None:
     from toolkit.rollout.columns import pack
     from toolkit.rollout.guard import FailureBudgetExceeded, check_failure_budget

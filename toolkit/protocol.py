@@ -72,6 +72,9 @@ class Heartbeat(Message):
 MAX_EXPECTED_TOKENS = (1 << 31) - 1
 """The largest length hint (``Generate.expected_tokens``) a client may send; a router caps it at the
 turn's budget anyway."""
+SEED_RANGE = (-(1 << 63), (1 << 63) - 16)
+"""``Sampling.seed``s the wire and an engine's generator take (64 bits), with room for the gateway's
+choices 2..16 at seed + 1..15."""
 
 
 class Generate(Message):

@@ -26,10 +26,24 @@ class SessionTimeout(Exception):
     """A session's environment or agent ran past ``workload.env_timeout_s``."""
 
 
+class CallEscaped(Exception):
+    """The user's call raised what is not an Exception (``sys.exit()``, argparse's exit) or cancelled
+    itself: its session fails like any other error, rather than the exit or the cancellation
+    leaving the rank's event loop."""
+
+
+async def _contained(awaitable: Any) -> Any:
+    # Inside the task: asyncio lets a SystemExit out of the event loop at once, past every caller.
+    try:
+        return await awaitable
+    except SystemExit as exc:
+        raise CallEscaped(f"raised SystemExit({exc.code!r})") from None
+
+
 async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
     """``awaitable``'s result, cancelling it after ``timeout_s`` (SessionTimeout). Unlike wait_for,
     a TimeoutError the user's own code raises stays that error, not a session timeout."""
-    task = asyncio.ensure_future(awaitable)
+    task = asyncio.ensure_future(_contained(awaitable))
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
     except asyncio.CancelledError:
@@ -46,6 +60,8 @@ async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
         elif not task.cancelled():
             task.exception()  # retrieved: not logged as never retrieved
         raise SessionTimeout
+    if task.cancelled():  # nobody here cancelled it: the user's code raised CancelledError itself
+        raise CallEscaped("cancelled itself (raised asyncio.CancelledError)")
     return task.result()
 
 
@@ -67,6 +83,9 @@ async def guarded(what: str, sid: str, awaitable: Any, timeout: float | None,
         return await bounded(awaitable, timeout), ""
     except SessionTimeout:
         return None, f"{what} timed out after workload.env_timeout_s = {timeout}s"
+    except CallEscaped as exc:
+        logger.warning("session %s: %s %s", sid, what, exc)
+        return None, f"{what} {exc}"
     except fatal:
         raise
     except Exception as exc:

@@ -4,7 +4,7 @@ Supported: ``messages`` (system/developer -> system, user, assistant with ``tool
 function, tool with ``tool_call_id``; content as a string or a list of text parts, joined with
 newlines; ``name`` fields ignored), ``tools`` (type function), ``tool_choice``, ``response_format``
 (text / json_object / json_schema), ``max_tokens`` / ``max_completion_tokens``, ``temperature``
-([0, 2]), ``top_p`` ((0, 1]), ``n`` (1..16, also when streaming), ``seed``, ``logprobs`` (the
+([0, 2]), ``top_p`` ((0, 1]), ``n`` (1..16, also when streaming), ``seed`` (64 bits), ``logprobs`` (the
 sampled token's only: ``top_logprobs`` must be 0), ``stream`` and ``stream_options.include_usage``.
 Accepted and ignored: ``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ``service_tier``,
 ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, ``modalities: ["text"]``.
@@ -35,6 +35,7 @@ from toolkit.gateway.protocols.base import (
     token_logprobs,
 )
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, Message
+from toolkit.protocol import SEED_RANGE
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "response_format", "max_tokens", "max_completion_tokens",
          "temperature", "top_p", "n", "seed", "logprobs", "stream", "stream_options", "user", "metadata",
@@ -139,7 +140,7 @@ class ChatCompletions(Protocol):
             response_format=_response_format(f),
             max_tokens=max_completion if max_completion is not None else max_tokens,
             temperature=f.number("temperature", 0, 2), top_p=f.number("top_p", 0, 1, lo_open=True),
-            n=f.integer("n", 1, 16) or 1, seed=f.integer("seed"), logprobs=bool(f.flag("logprobs")),
+            n=f.integer("n", 1, 16) or 1, seed=f.integer("seed", *SEED_RANGE), logprobs=bool(f.flag("logprobs")),
             stream=bool(f.flag("stream")), model=f.text("model") or "", include_usage=include_usage)
         check_tools(req.tools, req.tool_choice, "tools", "tool_choice")
         return req
