@@ -15,7 +15,7 @@ import pytest
 from toolkit.bench.gateway import RecordingClient
 from toolkit.config import group_engine
 from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
-from toolkit.gateway.server import Gateway, gateway_settings
+from toolkit.gateway.server import SESSION_CALLS, Gateway, gateway_settings
 from toolkit.rollout.stepreport import RequestLog
 
 openai = pytest.importorskip("openai")
@@ -183,8 +183,19 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
             st, err = await post("/chat/completions", {**good, "pad": "y" * 70000})
             assert st == 413  # the body is over gateway.max_body_mb
             gw.s.max_concurrent_requests = 1
-            both = await asyncio.gather(post("/chat/completions", good), post("/chat/completions", good))
-            assert sorted(s for s, _ in both) == [200, 429]
+            other, _ = gw.open_session(0, 1, "rollout/0/1", RequestLog())
+
+            async def post_other(body: Any) -> tuple[int, Any]:
+                async with http.post(gw.base_url(other) + "/chat/completions", json=body, headers=auth) as r:
+                    return r.status, await r.json()
+
+            both = await asyncio.gather(post("/chat/completions", good), post_other(good))
+            assert sorted(s for s, _ in both) == [200, 429]  # two sessions, one place
+            # One session's calls take one place between them: they wait on each other, not on others.
+            gw.s.max_concurrent_requests = 2
+            many = await asyncio.gather(*(post("/chat/completions", good) for _ in range(SESSION_CALLS + 1)),
+                                        post_other(good))
+            assert sorted(s for s, _ in many[:-1]) == [200] * SESSION_CALLS + [429] and many[-1][0] == 200
             gw.s.max_concurrent_requests = 8
             st, ok = await post("/chat/completions", good)
             assert st == 200 and ok["choices"][0]["message"]["role"] == "assistant"

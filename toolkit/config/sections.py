@@ -159,7 +159,8 @@ class GatewayConfig:
     port: int = 0
     """0 = a free port per rank; N = port N + rank (ranks that share a node need one each)."""
     max_concurrent_requests: int = 1024
-    """Requests a rank's gateway serves at once; more are answered 429 (the SDKs retry with backoff)."""
+    """Sessions whose calls a rank's gateway serves at once (a session's calls, which run one at a time,
+    count once); more are answered 429 (the SDKs retry with backoff)."""
     max_body_mb: float = 32.0
     """Largest request body; larger ones are answered 413."""
     tool_parser: str = "hermes"

@@ -9,7 +9,8 @@ ids themselves (``toolkit/gateway/session.py``).
 
 Errors come back in the protocol's own error body: 400 malformed, 401 without the run's token (when
 the router uses CURVE), 404 unknown or ended session, 413 body or conversation too long, 429 over the
-rank's ``gateway.max_concurrent_requests``, 503/504 when the engines could not answer. Nothing a
+rank's ``gateway.max_concurrent_requests`` (a session's calls count once) or a session's
+``SESSION_CALLS``, 503/504 when the engines could not answer. Nothing a
 client sends can raise out of a handler into the rank.
 """
 
@@ -45,6 +46,9 @@ from toolkit.security import gateway_token
 logger = logging.getLogger(__name__)
 
 _ENGINE_STATUS = {"client_error": 400, "timeout": 504}
+SESSION_CALLS = 16
+"""Calls one session may have running or waiting at once; more are answered 429. Its calls run one
+at a time (a turn continues the last), so more only wait; ``n`` choices ride on one call."""
 
 
 @dataclass
@@ -78,6 +82,8 @@ class Entry:
     attempts: int = 0
     inflight: set[str] = field(default_factory=set)
     closed: bool = False
+    calls: int = 0
+    """Its calls running or waiting for the session (they run one at a time)."""
 
 
 def gateway_settings(cfg: Config, run_dir: RunDir, rank: int, max_model_len: int) -> Settings:
@@ -216,15 +222,24 @@ class Gateway:
     def _handler(self, proto: Protocol) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
             entry = self._entry(request)
-            if self.inflight >= self.s.max_concurrent_requests:
+            # A session's calls run one at a time, so they take one of the rank's places between them:
+            # a session that fires many at once (or sends a body slowly) waits on itself, not on others.
+            if entry.calls >= SESSION_CALLS:
+                raise GatewayError(429, f"this session has {entry.calls} calls running or waiting (they run one "
+                                        f"at a time, at most {SESSION_CALLS}); retry later")
+            if not entry.calls and self.inflight >= self.s.max_concurrent_requests:
                 raise GatewayError(429, f"this rank's gateway is serving gateway.max_concurrent_requests = "
-                                        f"{self.s.max_concurrent_requests} requests; retry later")
-            self.inflight += 1
+                                        f"{self.s.max_concurrent_requests} sessions' calls; retry later")
+            if not entry.calls:
+                self.inflight += 1
+            entry.calls += 1
             try:
                 req = proto.request(await self._body(request))
                 result = await self.turn(entry, req)
             finally:
-                self.inflight -= 1
+                entry.calls -= 1
+                if not entry.calls:
+                    self.inflight -= 1
             # What the turn spent in the router and engines: the rest of a call's time is the gateway's.
             return await answer(request, proto, req, result,
                                 {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"})
