@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -104,6 +105,30 @@ def test_an_exit_or_a_self_cancellation_in_the_users_call_fails_its_session_alon
         (None, "agent cancelled itself (raised asyncio.CancelledError)"),
         ("fine", ""),
     ]
+
+
+def test_sync_agents_that_hang_hold_only_their_own_threads() -> None:
+    """More hung synchronous agents than the loop's shared pool has threads: later calls, and the
+    rank's own work in that pool, still run; the rank's loop still ends."""
+    release = threading.Event()
+    hung = 40  # the shared pool has min(32, cores + 4) threads
+
+    def hangs() -> str:
+        release.wait(60)
+        return "late"
+
+    async def main() -> tuple[list[tuple[object, str]], object, object]:
+        timed_out = [await guard.guarded("agent", f"s{i}", guard.in_own_thread(hangs), 0.01) for i in range(hung)]
+        after = await guard.guarded("agent", "t", guard.in_own_thread(lambda: "answered"), 10)
+        pool = await asyncio.wait_for(asyncio.to_thread(lambda: "pool free"), 10)
+        return timed_out, after, pool
+
+    try:
+        timed_out, after, pool = asyncio.run(main())
+    finally:
+        release.set()
+    assert {e for _, e in timed_out} == {"agent timed out after workload.env_timeout_s = 0.01s"}
+    assert after == ("answered", "") and pool == "pool free"
 
 
 def test_the_failure_budget_names_the_lowest_failed_sessions_whatever_order_they_ended_in() -> None:

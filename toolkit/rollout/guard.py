@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,36 @@ async def _contained(awaitable: Any) -> Any:
         return await awaitable
     except SystemExit as exc:
         raise CallEscaped(f"raised SystemExit({exc.code!r})") from None
+
+
+async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (the user's synchronous agent) in a daemon thread of its own. A call abandoned at
+    its timeout keeps running there: in the loop's shared pool (``asyncio.to_thread``) a few such
+    calls would take every thread the rank's later sessions and weight loads need, and the rank
+    would wait for them at exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():  # abandoned: nobody waits for it any more
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def run() -> None:
+        try:
+            value, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting session, which judges it
+            value, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop has closed: the rank is past this session
+            pass
+
+    threading.Thread(target=run, name=f"agent-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await fut
 
 
 async def bounded(awaitable: Any, timeout_s: float | None) -> Any:

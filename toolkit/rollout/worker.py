@@ -38,7 +38,7 @@ from toolkit.rollout.columns import (
 )
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
-from toolkit.rollout.guard import check_failure_budget, guarded, maybe_await
+from toolkit.rollout.guard import check_failure_budget, guarded, in_own_thread, maybe_await
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
@@ -321,7 +321,7 @@ class RankRunner:
         url = self.gateway.base_url(key)
         # A synchronous agent (the sync SDKs) runs in a thread: in the loop it would block the gateway
         # it talks to. At a timeout it is abandoned (its calls then get 404).
-        got = await (self.agent(url, task) if self.agent_is_async else asyncio.to_thread(self.agent, url, task))
+        got = await (self.agent(url, task) if self.agent_is_async else in_own_thread(self.agent, url, task))
         return None if got is None else float(got)  # a reward that is not a number fails the session
 
 
