@@ -227,10 +227,10 @@ class Gateway:
             if entry.calls >= SESSION_CALLS:
                 raise GatewayError(429, f"this session has {entry.calls} calls running or waiting (they run one "
                                         f"at a time, at most {SESSION_CALLS}); retry later")
-            if not entry.calls and self.inflight >= self.s.max_concurrent_requests:
-                raise GatewayError(429, f"this rank's gateway is serving gateway.max_concurrent_requests = "
-                                        f"{self.s.max_concurrent_requests} sessions' calls; retry later")
             if not entry.calls:
+                if self.inflight >= self.s.max_concurrent_requests:
+                    raise GatewayError(429, f"this rank's gateway is serving gateway.max_concurrent_requests = "
+                                            f"{self.s.max_concurrent_requests} sessions' calls; retry later")
                 self.inflight += 1
             entry.calls += 1
             try:

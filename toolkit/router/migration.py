@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from toolkit.router.policy import Replica
-    from toolkit.router.tail.routing import TailRouting
     from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,6 @@ class MigrationMixin:
     timeline: Timeline
     stats: Counter[str]
     _complete: Callable[..., None]
-    tail: TailRouting
 
     def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
         """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
@@ -64,12 +62,7 @@ class MigrationMixin:
         if out:  # a leg without tokens generated nothing with its weights
             req.prefix_versions = P.join_versions(req.prefix_versions, res.weight_versions or [res.weight_version])
         m = req.msg
-        remaining = m.sampling.max_tokens - len(out)
-        if remaining <= 0:  # the Abort crossed the budget's last token: the request is done
-            self.tail.finished(req, len(req.prefix_tokens))
-            self._complete(req, self._merged(req, msgspec.structs.replace(res, output_token_ids=[], logprobs=[],
-                                                                          status="ok", finish_reason="length")))
-            return
+        remaining = m.sampling.max_tokens - len(out)  # > 0: the router continues only what has budget left
         cont = msgspec.structs.replace(
             m, prompt_token_ids=m.prompt_token_ids + out, group=req.migrate_group,
             sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),

@@ -16,6 +16,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from toolkit import protocol as P
@@ -349,8 +350,12 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             return
         why, req.migrating = req.migrating, ""
         if why and res.status == "cancelled" and not req.client_aborted:
-            self._continue(req, res, why)
-            return
+            if len(res.output_token_ids) < req.msg.sampling.max_tokens:
+                self._continue(req, res, why)
+                return
+            # The Abort came after the budget's last token: nothing to continue, the request is done.
+            res = msgspec.structs.replace(res, status="ok", finish_reason="length")
+            payload = _enc.encode(res)
         if res.status == "ok":
             self.tail.finished(req, len(req.prefix_tokens) + len(res.output_token_ids))
         if req.prefix_tokens:
