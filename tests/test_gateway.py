@@ -16,6 +16,7 @@ from toolkit.bench.gateway import RecordingClient
 from toolkit.config import group_engine
 from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
 from toolkit.gateway.server import SESSION_CALLS, Gateway, gateway_settings
+from toolkit.gateway.types import ChatRequest, GatewayError
 from toolkit.rollout.stepreport import RequestLog
 
 openai = pytest.importorskip("openai")
@@ -203,3 +204,25 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
                 assert r.status == 200 and (await r.json())["data"][0]["id"] == "sim-8b"
 
     asyncio.run(serve(cfg, rd, body, token="sekrit", max_body_bytes=64 << 10))
+
+
+def test_a_session_closed_as_its_call_starts_leaves_nothing_running(make_run) -> None:  # type: ignore[no-untyped-def]
+    # Long turns at real time: a call the close failed to abort would run for minutes.
+    cfg, rd, stack = make_run([*AGENT, "engine.time_scale=1.0", "engine.output_len_median=100000",
+                               "engine.max_model_len=200000"])
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, _ = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        entry = gw.sessions[key]
+        call = asyncio.create_task(gw.turn(entry, ChatRequest([{"role": "user", "content": "hi"}],
+                                                              max_tokens=100000)))
+        await asyncio.sleep(0)  # the call has built its request and queued the task that sends it
+        await gw.close_session(key)  # ... and the close's Abort leaves before that Generate
+        with pytest.raises(GatewayError) as err:
+            await asyncio.wait_for(call, 10)
+        assert err.value.status == 404
+        status = await client.status()
+        assert status.inflight == 0 and status.queued == 0
+
+    asyncio.run(serve(cfg, rd, body))

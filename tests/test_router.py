@@ -182,6 +182,12 @@ def test_abort_reaches_the_engine_and_frees_the_slot(make_run) -> None:  # type:
             await c.abort(f"q{i}")
         outs = await asyncio.gather(*q[:64])
         assert {res.status for res, _ in outs} == {"cancelled"}
+        # An Abort sent before its own Generate (a session closed in the loop pass that queued the
+        # call) still cancels it when it comes, instead of leaving it to run to its budget.
+        early = asyncio.create_task(c.generate(g("early", [1, 2, 3], max_tokens=100000)))
+        await c.abort("early")
+        res, _ = await asyncio.wait_for(early, 10)
+        assert res.status == "cancelled" and "before it arrived" in res.error
 
     asyncio.run(with_client(rd, body))
 

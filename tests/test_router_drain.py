@@ -374,7 +374,7 @@ def test_no_replica_clock_starts_when_both_the_group_and_the_request_wait(tmp_pa
         router.live[rid].t_submit = t
 
     def status_of(rid: str) -> str | None:
-        cached = router.results.get(rid)
+        cached = router.answered.result(rid)
         return P.decode_as(P.Result, cached).status if cached is not None else None
 
     submit("old", "tail", 900.0)  # waited long, before the tail group was seen empty

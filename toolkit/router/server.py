@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -22,6 +22,7 @@ import zmq
 from toolkit import protocol as P
 from toolkit.config import Config
 from toolkit.metrics import Endpoint
+from toolkit.router.answered import Answered
 from toolkit.router.elastic import ElasticMixin
 from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
 from toolkit.router.metrics import RouterMetrics
@@ -60,7 +61,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.backend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
         self.queue = FairQueue()
         self.live: dict[str, Request] = {}
-        self.results: OrderedDict[str, bytes] = OrderedDict()
+        self.answered = Answered(cfg.router.result_cache)
         self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail))
         self.replicas = self.pool.replicas  # every registered replica, by socket identity
         # What the router persists (weights, flip sentinels, timelines, stats), written off its loop.
@@ -192,7 +193,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
 
     def submit(self, client: bytes, msg: P.Generate, payload: bytes) -> None:
         rid = msg.request_id
-        cached = self.results.get(rid)
+        cached = self.answered.result(rid)
         if cached is not None:
             self.stats["duplicates"] += 1
             send_frames(self.frontend, client, _T_RESULT, cached)
@@ -207,6 +208,9 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         job = "*" if self.rcfg.queue == "fifo" else (msg.job or f"model:{msg.model}")
         self._seq += 1
         req = Request(msg, payload, client, job, self._seq, time.time())
+        if self.answered.aborted_early(rid):
+            self._fail(req, "cancelled", "aborted before it arrived")
+            return
         error = self._check(req)
         if error:
             self._fail(req, "client_error", error)
@@ -232,6 +236,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def abort(self, rid: str) -> None:
         req = self.live.get(rid)
         if req is None:
+            self.answered.abort_unknown(rid)
             return
         if req.replica is None:
             self.queue.discard(req)
@@ -370,9 +375,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
                         dispatches=req.dispatches, moves=req.moves)
         send_frames(self.frontend, req.client, _T_RESULT, payload, _enc.encode(route))
-        self.results[req.request_id] = payload
-        if len(self.results) > self.rcfg.result_cache:
-            self.results.popitem(last=False)
+        self.answered.keep(req.request_id, payload)
         self.stats["completed"] += 1
         if self.metrics is not None:
             self.metrics.completed(req, status, time.time())

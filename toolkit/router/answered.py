@@ -1,0 +1,36 @@
+"""What the router remembers of request ids that are no longer live, both bounded (``router.result_cache``):
+the Result it sent for each (a resubmitted id gets the same answer again) and Aborts that came before
+their own Generate (that Generate is then cancelled as it arrives)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class Answered:
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._results: OrderedDict[str, bytes] = OrderedDict()
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+
+    def result(self, rid: str) -> bytes | None:
+        """The encoded Result already sent for ``rid``, if still remembered."""
+        return self._results.get(rid)
+
+    def keep(self, rid: str, payload: bytes) -> None:
+        self._results[rid] = payload
+        if len(self._results) > self.cap:
+            self._results.popitem(last=False)
+
+    def abort_unknown(self, rid: str) -> None:
+        """An Abort for an id that is not live. A client's Abort can overtake its own Generate (the
+        task that was to send it had not run yet, e.g. a session closed in the loop pass that started
+        its call), so unless ``rid`` was already answered the Abort waits for it."""
+        if rid not in self._results:
+            self._early_aborts[rid] = None
+            if len(self._early_aborts) > self.cap:
+                self._early_aborts.popitem(last=False)
+
+    def aborted_early(self, rid: str) -> bool:
+        """Whether an Abort came before this Generate (asked once, as the Generate arrives)."""
+        return self._early_aborts.pop(rid, False) is None
