@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import time
 
+from toolkit.errors import RouterUnavailable
 from toolkit.rollout.envs import EnvStep, SingleTurnEnv
 from toolkit.rollout.prompts import Prompt
 
@@ -31,4 +33,19 @@ class ExitOnSession(CrashOnSession):
     def step(self, generated: list[int], finish_reason: str) -> EnvStep:
         if self.index == self.crash_index:
             os._exit(13)
+        return super().step(generated, finish_reason)
+
+
+class MisbehaveOnSessions(CrashOnSession):
+    """Sessions 1-4 each misbehave their own way; each must fail its own sample, and nothing else."""
+
+    def step(self, generated: list[int], finish_reason: str) -> EnvStep:
+        if self.index == 1:
+            time.sleep(3600)  # a synchronous hang: bounded by workload.env_timeout_s
+        if self.index == 2:
+            return EnvStep(observation=[1, 2**40])  # not an int32 id: the step's packing would overflow
+        if self.index == 3:
+            return EnvStep(observation=[1.5])  # a float: the router could not read the next request
+        if self.index == 4:
+            raise RouterUnavailable("a toolkit error the user's code let through")
         return super().step(generated, finish_reason)

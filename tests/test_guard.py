@@ -146,3 +146,97 @@ def test_the_failure_budget_names_the_lowest_failed_sessions_whatever_order_they
     with pytest.raises(FailureBudgetExceeded) as exc:
         check_failure_budget(0, pack(samples, ["g"]), 0.5)
     assert str(exc.value).endswith("first errors: session 1: boom 1 | session 5: boom 5 | session 7: boom 7")
+
+
+def test_sigterm_in_the_users_code_ends_the_rank_instead_of_failing_the_session(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The SIGTERM handler's exit must not be taken for the user's own sys.exit(): the process would
+    go on, ignoring every later SIGTERM (the handler fires once)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import asyncio, sys, time\n"
+        "from toolkit.lifecycle import exit_on_sigterm\n"
+        "from toolkit.rollout import guard\n"
+        "async def env_step():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(30)  # blocking inside an async environment: the signal lands in the user's code\n"
+        "async def main():\n"
+        "    print(await guard.guarded('environment', 's', env_step(), 60), flush=True)\n"
+        "    print('survived', flush=True)\n"
+        "exit_on_sigterm()\n"
+        "asyncio.run(main())\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM and "survived" not in out, out
+
+
+def test_a_sync_environment_that_hangs_is_bounded_and_never_holds_the_loop() -> None:
+    import time
+
+    ticks: list[int] = []
+
+    def step() -> None:
+        time.sleep(30)  # in its own daemon thread, abandoned at the timeout
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(1)
+            await asyncio.sleep(0.01)
+
+    async def main() -> tuple[object, str]:
+        t = asyncio.ensure_future(ticker())
+        try:
+            return await guard.guarded("environment", "s", guard.user_call(step), 0.3)
+        finally:
+            t.cancel()
+
+    assert asyncio.run(main()) == (None, "environment timed out after workload.env_timeout_s = 0.3s")
+    assert len(ticks) > 1  # the loop ran the other tasks while the call hung
+
+
+def test_a_toolkit_error_from_the_users_code_fails_its_session_not_the_rank() -> None:
+    from toolkit.errors import RouterUnavailable, ToolkitError
+
+    def step() -> None:
+        raise RouterUnavailable("the user's code let a toolkit error through")
+
+    async def also_async() -> None:
+        raise RouterUnavailable("from an async method")
+
+    async def main() -> list[tuple[object, str]]:
+        return [await guard.guarded("environment", "s", guard.user_call(fn), 10, (ToolkitError,))
+                for fn in (step, also_async)]
+
+    assert asyncio.run(main()) == [
+        (None, "environment raised RouterUnavailable: the user's code let a toolkit error through"),
+        (None, "environment raised RouterUnavailable: from an async method"),
+    ]
+
+    async def toolkits_own() -> None:  # not through user_call: the toolkit's own failure ends every rank
+        raise RouterUnavailable("router gone")
+
+    with pytest.raises(RouterUnavailable):
+        asyncio.run(guard.guarded("environment", "s", toolkits_own(), 10, (ToolkitError,)))
+
+
+def test_token_ids_from_the_users_code_are_ids_or_a_clear_error() -> None:
+    import numpy as np
+
+    assert guard.token_ids(np.array([3, 0, 7], dtype=np.int64), "obs") == [3, 0, 7]
+    for bad, says in (([1.5], "must be a list of int token ids"), (["hi"], "must be a list of int token ids"),
+                      ([1, -1], "holds token id -1, outside 0..2147483647"),
+                      ([2**40], f"holds token id {2**40}, outside 0..2147483647"), (None, "must be a list")):
+        with pytest.raises(guard.BadTokens, match=says):
+            guard.token_ids(bad, "obs")

@@ -161,6 +161,25 @@ def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(t
     assert_no_process_left(run)
 
 
+def test_an_environment_that_hangs_or_answers_garbage_fails_its_own_sample(tmp_path: Path) -> None:
+    env = ["workload.env._target_=tests.crashing_env.MisbehaveOnSessions",
+           "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"]
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", *env, "workload.env_timeout_s=5",
+                  "rollout.max_failed_fraction=0.2"], cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
+    assert [(r["status"], r["error"]) for r in rows[1:5]] == [
+        ("failed", "environment timed out after workload.env_timeout_s = 5.0s"),
+        ("failed", "environment raised BadTokens: step's observation holds token id 1099511627776, outside 0..2147483647"),
+        ("failed", "environment raised BadTokens: step's observation must be a list of int token ids: "
+                   "'float' object cannot be interpreted as an integer"),
+        ("failed", "environment raised RouterUnavailable: a toolkit error the user's code let through"),
+    ]
+    assert all(r["status"] == "completed" for r in rows if not 1 <= r["index"] <= 4)
+    assert_no_process_left(run)
+
+
 def test_a_predictor_that_answers_garbage_fails_its_sample_alone(tmp_path: Path) -> None:
     hint = ["+workload.length_hint={_target_:tests.garbage_hint.GarbageOnSession,garbage_index:3,engine:${engine}}"]
     run = tmp_path / "run"

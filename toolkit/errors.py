@@ -9,6 +9,11 @@ class ToolkitError(Exception):
     """Base class of every error the toolkit raises on purpose."""
 
 
+class Terminated(SystemExit):
+    """SIGTERM (teardown, ``scancel``, a lost lease) ending this process; whatever code it interrupts,
+    a user's environment or agent included, it is never taken for that code's own exit."""
+
+
 @dataclass(frozen=True)
 class FieldError:
     field: str

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolkit.errors import Terminated
+
 logger = logging.getLogger(__name__)
 
 
@@ -116,12 +118,13 @@ def stop_processes(refs: list[ProcessRef], grace_s: float = 5.0) -> list[Process
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so ``finally`` blocks close sockets and engines."""
+    """Turn SIGTERM into SystemExit (:class:`~toolkit.errors.Terminated`) so ``finally`` blocks close
+    sockets and engines."""
 
     def handler(signum: int, frame: object) -> None:
         # Once: a second SIGTERM must not interrupt the cleanup the first one started.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from toolkit.errors import ToolkitError
+from toolkit.errors import Terminated, ToolkitError
 from toolkit.rollout.columns import Columns, final_rows
 from toolkit.rollout.sample import SAMPLE_STATUSES
 
@@ -34,19 +35,48 @@ class CallEscaped(Exception):
     leaving the rank's event loop."""
 
 
+class UserCodeFailed(Exception):
+    """The user's environment code raised: its session fails whatever the error's class, a
+    ToolkitError it let through included (from the toolkit's own calls one ends every rank)."""
+
+
+class BadTokens(ValueError):
+    """The user's environment returned token ids that are not ids."""
+
+
+TOKEN_ID_LIMIT = 1 << 31
+"""Token ids are stored as int32 (``columns.LIST_COLUMNS``)."""
+
+
+def token_ids(values: Any, what: str) -> list[int]:
+    """``values`` as token ids, or :class:`BadTokens` naming what is wrong: a float, a string or an id
+    outside the int32 range would otherwise fail later, in the router (which could not even read the
+    request) or in the rank's packing of the step, past any one session."""
+    try:
+        ids = [operator.index(t) for t in values]
+    except TypeError as exc:
+        raise BadTokens(f"{what} must be a list of int token ids: {exc}") from None
+    bad = next((t for t in ids if not 0 <= t < TOKEN_ID_LIMIT), None)
+    if bad is not None:
+        raise BadTokens(f"{what} holds token id {bad}, outside 0..{TOKEN_ID_LIMIT - 1}")
+    return ids
+
+
 async def _contained(awaitable: Any) -> Any:
     # Inside the task: asyncio lets a SystemExit out of the event loop at once, past every caller.
     try:
         return await awaitable
+    except Terminated:
+        raise  # SIGTERM, whatever code it interrupted: the rank ends
     except SystemExit as exc:
         raise CallEscaped(f"raised SystemExit({exc.code!r})") from None
 
 
 async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` (the user's synchronous agent) in a daemon thread of its own. A call abandoned at
-    its timeout keeps running there: in the loop's shared pool (``asyncio.to_thread``) a few such
-    calls would take every thread the rank's later sessions and weight loads need, and the rank
-    would wait for them at exit."""
+    """``fn(*args)`` (the user's synchronous agent or environment method) in a daemon thread of its
+    own. A call abandoned at its timeout keeps running there: in the loop's shared pool
+    (``asyncio.to_thread``) a few such calls would take every thread the rank's later sessions and
+    weight loads need, and the rank would wait for them at exit."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
 
@@ -68,8 +98,21 @@ async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
         except RuntimeError:  # the loop has closed: the rank is past this session
             pass
 
-    threading.Thread(target=run, name=f"agent-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    threading.Thread(target=run, name=f"user-{getattr(fn, '__name__', 'call')}", daemon=True).start()
     return await fut
+
+
+async def user_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a method of the user's environment: awaited if async, else in a daemon thread of
+    its own, as a synchronous agent runs (on the loop's thread a call that hangs would hold every
+    session of the rank, and ``workload.env_timeout_s`` could never fire). Whatever it raises
+    becomes :class:`UserCodeFailed`."""
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await maybe_await(await in_own_thread(fn, *args))
+    except Exception as exc:
+        raise UserCodeFailed(f"raised {type(exc).__name__}: {exc}") from exc
 
 
 async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
@@ -115,7 +158,7 @@ async def guarded(what: str, sid: str, awaitable: Any, timeout: float | None,
         return await bounded(awaitable, timeout), ""
     except SessionTimeout:
         return None, f"{what} timed out after workload.env_timeout_s = {timeout}s"
-    except CallEscaped as exc:
+    except (CallEscaped, UserCodeFailed) as exc:
         logger.warning("session %s: %s %s", sid, what, exc)
         return None, f"{what} {exc}"
     except fatal:

@@ -38,7 +38,7 @@ from toolkit.rollout.columns import (
 )
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
-from toolkit.rollout.guard import check_failure_budget, guarded, in_own_thread, maybe_await
+from toolkit.rollout.guard import check_failure_budget, guarded, in_own_thread, token_ids, user_call
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
@@ -234,7 +234,10 @@ class RankRunner:
     async def _done(self, step: int, sid: str, samples: list[Sample], log: RequestLog) -> list[Sample]:
         if self.tokenizer is not None:
             for s in samples:
-                s.decode_response(self.tokenizer)
+                try:
+                    s.decode_response(self.tokenizer)
+                except Exception as exc:  # noqa: BLE001 - a user's tokenizer, or ids it does not know
+                    s.mark("failed", f"decoding the response raised {type(exc).__name__}: {exc}")
         log.sessions_done_at.append(time.time())
         if self.metrics is not None and samples:
             self.metrics.session_done(samples[-1].status)  # the step report's outcome: the last row
@@ -256,7 +259,7 @@ class RankRunner:
         cfg = self.cfg
         assert self.env_factory is not None
         env: Environment = self.env_factory()
-        context = list(await maybe_await(env.reset(self.prompts.get(step, sample.index))))
+        context = token_ids(await user_call(env.reset, self.prompts.get(step, sample.index)), "reset's prompt")
         sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
         sample.prompt_length = len(context)
         for turn in range(MAX_TURNS_HARD):
@@ -293,11 +296,11 @@ class RankRunner:
             except NonPrefixTurn as exc:
                 sample.mark("failed", str(exc))
                 return
-            outcome = await maybe_await(env.step(res.output_token_ids, res.finish_reason))
+            outcome = await user_call(env.step, res.output_token_ids, res.finish_reason)
             sample.reward += outcome.reward
             if outcome.done:
                 return
-            sample.extend_observation([int(t) for t in outcome.observation])
+            sample.extend_observation(token_ids(outcome.observation, "step's observation"))
             context = list(sample.tokens)
         sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
 
