@@ -199,6 +199,28 @@ def test_merge_keeps_the_worse_status_and_both_errors() -> None:
     assert merge(a, b).status == "failed" and merge(a, b).error == "boom; context reached max_model_len"
 
 
+def test_merge_keeps_the_branch_and_the_whole_recorded_conversation() -> None:
+    a = build(0, [1, 2], [([3], [4])])
+    a.branch, a.messages = 2, '[{"role": "user", "content": "hi"}]'
+    b = build(0, a.tokens, [([5], [])])
+    b.branch, b.messages = 2, '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]'
+    m = merge(a, b)
+    assert m.branch == 2 and m.messages == b.messages
+
+
+def test_logprobs_an_engine_did_not_send_are_nan_and_the_row_says_so() -> None:
+    s = Sample.start(0, "s0", [1, 2])
+    s.add_turn([1, 2], Result("r0", output_token_ids=[7, 8], logprobs=[-0.1, -0.2]))
+    s.add_turn(list(s.tokens), Result("r1", output_token_ids=[9, 10, 11], logprobs=[-0.3]))  # short
+    s.add_turn(list(s.tokens), Result("r2", output_token_ids=[12, 13], logprobs=[-0.4, float("nan")]))
+    s.check()
+    lps = s.rollout_logprobs[2:]
+    assert lps[:2] == [-0.1, -0.2] and all(np.isnan(lps[2:5])) and lps[5] == -0.4 and np.isnan(lps[6])
+    assert s.status == "completed" and s.error == (
+        "turn 1: 3 of 3 tokens have no logprob from the engine (NaN); "
+        "turn 2: 1 of 2 tokens have no logprob from the engine (NaN)")
+
+
 @given(split_sessions(), st.booleans())
 @settings(max_examples=30, deadline=None)
 def test_a_merged_sample_round_trips_through_parquet(tmp_path_factory, case, decoded) -> None:  # type: ignore[no-untyped-def]

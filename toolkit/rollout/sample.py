@@ -11,6 +11,7 @@ silently merged. :func:`merge` concatenates two samples of one session under the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,12 @@ class Sample:
         extra = prompt[n:]
         self.extend_observation(extra)
         out = result.output_token_ids
-        lps = result.logprobs if len(result.logprobs) == len(out) else [0.0] * len(out)
+        lps = list(result.logprobs) if len(result.logprobs) == len(out) else [math.nan] * len(out)
+        missing = sum(lp != lp for lp in lps)  # NaN: an engine (or a moved request's leg) sent none
+        if missing:
+            # Unknown, not a made-up probability (0.0 would be certainty): NaN, and the row says so.
+            note = f"turn {self.num_turns}: {missing} of {len(out)} tokens have no logprob from the engine (NaN)"
+            self.error = f"{self.error}; {note}" if self.error else note
         self.tokens.extend(out)
         self.loss_mask.extend([1] * len(out))
         self.rollout_logprobs.extend(lps)
@@ -133,7 +139,8 @@ def merge(a: Sample, b: Sample, tokenizer: Tokenizer | None = None) -> Sample:
     beyond them is an observation (loss mask 0). Otherwise :class:`NonPrefixTurn` is raised and
     nothing is merged. The response text is kept only when both samples were decoded: then the
     observation between them is decoded too (which needs ``tokenizer`` if there is one); otherwise the
-    result is undecoded (``response = ""``). Counters add up, sets unite, the worse status wins.
+    result is undecoded (``response = ""``). Counters add up, sets unite, the worse status wins; the
+    branch is ``a``'s and the recorded conversation (``messages``) ``b``'s, which goes on from ``a``'s.
     """
     if a.session_id != b.session_id or a.index != b.index:
         raise ValueError(f"merge needs two samples of one session, got {a.session_id!r} (index {a.index}) "
@@ -171,4 +178,6 @@ def merge(a: Sample, b: Sample, tokenizer: Tokenizer | None = None) -> Sample:
         response=response,
         response_decoded=decoded,
         error="; ".join(e for e in (a.error, b.error) if e),
+        branch=a.branch,
+        messages=b.messages or a.messages,  # b's conversation goes on from a's: the whole of it
     )

@@ -11,6 +11,7 @@ the tokens, logprobs and weight versions of every leg, in order, so no token is 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -94,9 +95,9 @@ class MigrationMixin:
 
     @staticmethod
     def _leg_logprobs(req: Request, res: P.Result) -> list[float]:
-        """A leg's logprobs, one a token (0.0 where an engine sent none), or none if the client asked
-        for none."""
+        """A leg's logprobs, one a token (NaN where an engine sent none: unknown, never a made-up
+        probability), or none if the client asked for none."""
         if not req.msg.sampling.logprobs:
             return []
         out = res.output_token_ids
-        return res.logprobs if len(res.logprobs) == len(out) else [0.0] * len(out)
+        return res.logprobs if len(res.logprobs) == len(out) else [math.nan] * len(out)
