@@ -101,6 +101,12 @@ def test_malformed_messages_are_dropped_and_router_keeps_serving(make_run) -> No
     async def body(c: RouterClient) -> None:
         res, _ = await c.generate(g("after", [1, 2, 3]))
         assert res.status == "ok"
+        # A Generate that does not decode (msgspec encodes floats where ints belong) but whose id can
+        # be read: that request fails at once, instead of waiting for an answer that never comes.
+        bad = g("floats", [1, 2, 3])
+        bad.prompt_token_ids = [1.5, 2.0]  # type: ignore[list-item]
+        res, _ = await asyncio.wait_for(c.generate(bad), 10)
+        assert res.status == "client_error" and res.error.startswith("bad Generate: Expected `int`"), res.error
 
     asyncio.run(with_client(rd, body))
 
@@ -299,3 +305,34 @@ def test_a_closed_client_says_so_and_closing_never_hides_the_error_being_handled
             await c.generate(Generate("r1", job="j", prompt_token_ids=[1, 2], sampling=Sampling(max_tokens=2)))
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_router_address_file_that_cannot_be_read_leaves_the_link_where_it_is(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """RouterLink.follow runs in the task that reads the socket: if it raised, nothing would read it."""
+    import zmq.asyncio
+
+    from toolkit.sockets import RouterLink
+
+    async def main() -> list[bool]:
+        ctx = zmq.asyncio.Context()
+        try:
+            unreadable = tmp_path / "router.json"
+            unreadable.mkdir()  # reading it raises OSError, as a stale handle on a shared file system does
+            link = RouterLink(ctx, unreadable, "frontend")
+            link.connect("tcp://127.0.0.1:5999")
+            moved = [await link.follow()]
+            wrong = tmp_path / "wrong.json"
+            for text in ("[1, 2]", '{"backend": "tcp://127.0.0.1:6000"}', '{"frontend": 7}', "{torn"):
+                wrong.write_text(text)
+                link.address_file = wrong
+                moved.append(await link.follow())
+            assert link.address == "tcp://127.0.0.1:5999"
+            wrong.write_text('{"frontend": "tcp://127.0.0.1:6001"}')
+            moved.append(await link.follow())
+            assert link.address == "tcp://127.0.0.1:6001"
+            link.close()
+            return moved
+        finally:
+            ctx.term()
+
+    assert asyncio.run(main()) == [False, False, False, False, False, True]

@@ -415,7 +415,7 @@ def test_a_move_whose_abort_came_after_the_last_token_ends_ok_as_a_finished_turn
         # The engine had produced the whole budget when the Abort reached it: nothing is left to continue.
         part = P.Result("long", "cancelled", [5] * 500, [-0.1] * 500, "abort", "tp0", "throughput")
         router._on_result(b"tp0", part, P._encoder.encode(part))
-        res = P.decode_as(P.Result, router.results["long"])
+        res = P.decode_as(P.Result, router.answered.result("long") or b"")
         assert (res.status, res.finish_reason, len(res.output_token_ids), len(res.logprobs)) == ("ok", "length", 500, 500)
         assert "long" not in router.live and router.queue.size == 0 and not router.tail.inbound
         assert router.tail.records["j"].lengths == [5, 500]  # the long turn counts for the step's quantile

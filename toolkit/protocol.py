@@ -311,3 +311,13 @@ def decode_as(cls: type[M], payload: bytes) -> M:
     msg = decode(TYPE_OF[cls], payload)
     assert isinstance(msg, cls)
     return msg
+
+
+def request_id_of(payload: bytes) -> str | None:
+    """The request id of a Generate that does not decode as one (a float among its token ids...), if
+    it can be read at all: the router answers that request with an error instead of dropping it."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    return raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None

@@ -124,13 +124,20 @@ class RouterLink:
         self.address = address
 
     async def follow(self) -> bool:
-        """Reconnect if the router has moved; True if it did."""
+        """Reconnect if the router has moved; True if it did. A file that cannot be read now (a shared
+        file system's hiccup) leaves the link as it is until the next look: the caller is the task
+        that reads the socket, and nothing would read it if this raised."""
         from toolkit.rundir import read_json
 
-        info = await asyncio.to_thread(read_json, self.address_file)
-        if not info or info[self.side] == self.address:
+        try:
+            info = await asyncio.to_thread(read_json, self.address_file)
+            address = info.get(self.side) if isinstance(info, dict) else None
+        except (OSError, ValueError) as exc:
+            logger.warning("could not read %s (%s); the link stays at %s", self.address_file, exc, self.address)
             return False
-        self.connect(info[self.side])
+        if not isinstance(address, str) or not address or address == self.address:
+            return False
+        self.connect(address)
         return True
 
     @property

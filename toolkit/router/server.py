@@ -165,6 +165,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             try:
                 msg = _dec_generate.decode(payload)
             except Exception as exc:  # msgspec raises DecodeError or ValidationError
+                rid = P.request_id_of(payload)
+                if rid is not None:  # that request fails, at once, instead of waiting for an answer
+                    bad = P.Result(request_id=rid, status="client_error", error=f"bad Generate: {exc}")
+                    send_frames(self.frontend, client, _T_RESULT, _enc.encode(bad))
                 raise P.ProtocolError(f"bad Generate: {exc}") from exc
             self.submit(client, msg, payload)
             return
