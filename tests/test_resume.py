@@ -84,6 +84,7 @@ def test_lease_watch_decisions() -> None:
     assert w.check(None, 114.0) == ""  # unreadable once: only the clock decides
     assert "not renewed" in w.check(LeaseRecord(epoch=2, seq=1), 115.5)
     assert "newer launch" in LeaseWatch(2, 10, 0.0).check(LeaseRecord(epoch=3), 1.0)
+    assert LeaseWatch(2, 10, 0.0).check(LeaseRecord(epoch=1), 1.0) == ""  # an older launch's late write
     assert "ended" in LeaseWatch(2, 10, 0.0).check(LeaseRecord(epoch=2, released=True), 1.0)
     late = LeaseWatch(2, 10, 0.0)  # a job that starts long after its launch died
     assert "stopped renewing" in late.check(LeaseRecord(epoch=2, seq=5, renewed_at=1000.0), 1.0, wall=1100.0)
@@ -298,6 +299,116 @@ def test_a_launch_whose_lease_was_taken_over_notices_and_leaves_it_alone(tmp_pat
         os.environ.pop(EPOCH_ENV, None)
     rec = LeaseRecord.read(rd)
     assert rec is not None and (rec.epoch, rec.pid, rec.released) == (9, 4242, False)  # untouched
+
+
+def test_two_launches_taking_a_run_at_once_never_share_an_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both read the same released lease (the barrier holds each right after its read): one takes the
+    next epoch, the other is refused, instead of both running as that epoch."""
+    import threading
+
+    from toolkit import lease as lease_mod
+
+    rd = RunDir(tmp_path)
+    first = Lease(rd, 60)
+    first.acquire()
+    first.release()
+    barrier = threading.Barrier(2, timeout=10)
+    real = lease_mod.holder_gone
+
+    def both_read_first(rec: LeaseRecord, lease_s: float, now: float | None = None) -> str:
+        barrier.wait()
+        return real(rec, lease_s, now)
+
+    monkeypatch.setattr(lease_mod, "holder_gone", both_read_first)
+    leases = [Lease(rd, 1.2), Lease(rd, 1.2)]  # renewed every 0.2 s
+    outcomes: list[object] = [None, None]
+
+    def take(k: int) -> None:
+        try:
+            outcomes[k] = leases[k].acquire()
+        except RunDirInUse as exc:
+            outcomes[k] = exc
+
+    threads = [threading.Thread(target=take, args=(k,)) for k in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert sorted(type(o).__name__ for o in outcomes) == ["RunDirInUse", "int"], outcomes
+        won = next(o for o in outcomes if isinstance(o, int))  # 2, or 3 if it saw the other's claim of 2
+        assert "another launch took it over at the same moment" in str(
+            next(o for o in outcomes if isinstance(o, RunDirInUse)))
+        assert won in (2, 3)
+        # The loser may have written its lease just after the winner did: the winner writes its own back.
+        wait_for(lambda: (LeaseRecord.read(rd) or LeaseRecord(0)).epoch == won, 10, "the winner's lease")
+    finally:
+        for lease in leases:
+            lease.release()
+        os.environ.pop(EPOCH_ENV, None)
+
+
+def test_a_stalled_old_launchs_late_write_never_takes_the_run_back(tmp_path: Path) -> None:
+    """The old holder's renewal write lands after a newer launch took over (a file system stall): the
+    newer launch keeps the run and writes its lease back; its components never read it as newer."""
+    rd = RunDir(tmp_path)
+    old = Lease(rd, lease_s=1.2)
+    old.acquire()
+    old._stop.set()  # the old launch stalls: no more renewals
+    assert old._thread is not None
+    old._thread.join(5)
+    new = Lease(rd, lease_s=1.2)
+    try:
+        wait_for(lambda: bool(holder_gone(LeaseRecord.read(rd) or LeaseRecord(0), 1.2)), 10, "the old lease to go stale")
+        assert new.acquire() == 2
+        watch = LeaseWatch(2, 1.2, time.monotonic())
+        old._write()  # the stalled write lands
+        late = LeaseRecord.read(rd)
+        assert late is not None and late.epoch == 1 and watch.check(late, time.monotonic()) == ""
+        wait_for(lambda: (LeaseRecord.read(rd) or LeaseRecord(0)).epoch == 2, 10, "the newer launch to write its lease back")
+        assert not new.lost
+    finally:
+        new.release()
+        os.environ.pop(EPOCH_ENV, None)
+
+
+@pytest.mark.timeout(400)
+def test_a_launch_suspended_past_its_lease_leaves_the_run_that_took_over_alone(tmp_path: Path) -> None:
+    """Launch A is suspended (Ctrl-Z) past its lease and B resumes the run. Continued, A finds its
+    lease lost and stops only what it started: not B's components by the run dir's pid files, and
+    it writes no report.json over B's."""
+    run = tmp_path / "run"
+    rd = RunDir(run)
+    args = [f"hydra.run.dir={run}", "engine.time_scale=0.5", "steps=60", "sessions_per_step=8", "cluster.lease_s=4"]
+
+    def reports() -> int:
+        return len(list(rd.steps.glob("step_*.json")))
+
+    a = start_launch(args)
+    b: subprocess.Popen[str] | None = None
+    try:
+        wait_for(lambda: reports() >= 1, 120, "launch A's first step")
+        a.send_signal(signal.SIGSTOP)
+        wait_for(lambda: bool(holder_gone(LeaseRecord.read(rd) or LeaseRecord(0), 4)), 30, "A's lease to go stale")
+        b = start_launch([*args, "resume=true"])
+        wait_for(lambda: (LeaseRecord.read(rd) or LeaseRecord(0)).epoch == 2, 60, "B to take the run")
+        done = reports()
+        wait_for(lambda: reports() >= done + 1, 120, "B to run a step")
+        a.send_signal(signal.SIGCONT)
+        out_a = finish(a, 120)
+        assert a.returncode == 1 and "lost the run's lease" in out_a, out_a
+        done = reports()
+        wait_for(lambda: reports() >= done + 1, 120, "B to run on after A's teardown")
+        b.send_signal(signal.SIGUSR1)  # B stops cleanly: its own components were never touched
+        out_b = finish(b, 120)
+        assert b.returncode == 75, out_b
+        report = json.loads(rd.report.read_text())
+        assert report["status"] == "interrupted" and "SIGUSR1" in report["error"], report["error"]
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                finish(p, 60)
 
 
 def test_a_component_of_a_dead_launch_does_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from toolkit.rundir import atomic_write, read_json
 
 
@@ -86,3 +88,20 @@ def test_file_writer_logs_a_failed_write_and_goes_on(tmp_path: Path, caplog) -> 
     assert w.error(bad) is None and read_json(bad) == {}
     assert read_json(tmp_path / "ok.json") == {"k": 1}
     assert any("writing" in r.getMessage() and "x.json" in r.getMessage() for r in caplog.records)
+
+
+def test_a_torn_run_config_is_refused_not_read_as_defaults(tmp_path: Path) -> None:
+    from toolkit.config import compose_config, load_run_config, save_run_config
+    from toolkit.errors import ToolkitError
+    from toolkit.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    cfg = compose_config(["steps=7"])
+    save_run_config(cfg, rd.config)
+    assert load_run_config(tmp_path).steps == 7
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # written whole, then renamed
+    text = rd.config.read_text()
+    for torn in ("", text[: len(text) // 3]):
+        rd.config.write_text(torn)
+        with pytest.raises(ToolkitError, match="is not a whole run config .* it lacks .*steps"):
+            load_run_config(tmp_path)

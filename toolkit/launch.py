@@ -123,14 +123,19 @@ def _requeue(cfg: Config, run_dir: RunDir, console: Console) -> None:
     if cfg.cluster.type != "allocation" or not job:
         console.print(f"[yellow]stopped; continue with resume=true hydra.run.dir={run_dir.root}[/yellow]")
         return
-    run_dir.append_event("requeue", slurm_job=job)
     console.print(f"[yellow]requeueing Slurm job {job}; it resumes at its next start[/yellow]")
-    # Everything is stopped and written: the SIGTERM that ends this incarnation of the job has
-    # nothing left to interrupt but the lease's release.
+    # The event first: the SIGTERM that ends this incarnation of the job can come as soon as scontrol
+    # has requeued it. Everything is stopped and written by then: that SIGTERM has nothing left to
+    # interrupt but the lease's release.
+    run_dir.append_event("requeue", slurm_job=job)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
+        # Trainers waiting on the run (toolkit.samples) must not wait for a job that will not come back.
+        run_dir.append_event("requeue_failed", slurm_job=job, error=out.stderr.strip())
         logger.error("scontrol requeue %s failed: %s", job, out.stderr.strip())
+        console.print(f"[red]scontrol requeue {job} failed: {out.stderr.strip()}; continue with resume=true "
+                      f"hydra.run.dir={run_dir.root}[/red]")
 
 
 def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:

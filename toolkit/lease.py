@@ -100,7 +100,8 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> int:
-        """Take the run dir's lease, or raise RunDirInUse if another live launch holds it."""
+        """Take the run dir's lease, or raise RunDirInUse if another live launch holds it or takes it
+        at the same moment (the higher epoch claimed wins; ``RunDir.lease_claims``)."""
         old = LeaseRecord.read(self.rd)
         if old is not None:
             why = holder_gone(old, self.lease_s)
@@ -110,16 +111,35 @@ class Lease:
                     f"{time.time() - old.renewed_at:.0f}s ago): stop it first, or wait cluster.lease_s = "
                     f"{self.lease_s:g}s after it died")
             logger.info("taking over the run from epoch %d (%s)", old.epoch, why)
+        epoch = max(old.epoch if old is not None else 0, self._highest_claim()) + 1
+        try:
+            self.rd.lease_claims.mkdir(exist_ok=True)
+            os.close(os.open(self.rd.lease_claim(epoch), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            raise self._outrun(epoch) from None
         me = ProcessRef.self()
         self.record = LeaseRecord(
-            epoch=(old.epoch + 1) if old is not None else 1, renewed_at=time.time(), host=socket.gethostname(),
+            epoch=epoch, renewed_at=time.time(), host=socket.gethostname(),
             pid=me.pid, start=me.start, slurm_job=os.environ.get("SLURM_JOB_ID", ""),
             restart=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
-        self._write()
+        if self._highest_claim() == epoch:
+            self._write()
+        if self._highest_claim() != epoch:  # a launch claimed a higher epoch before or as we wrote
+            self.lost = "another launch took the run at the same moment"
+            raise self._outrun(epoch)
         os.environ[EPOCH_ENV] = str(self.record.epoch)  # every component started from now on inherits it
         self._thread = threading.Thread(target=self._renew, name="lease-renewal", daemon=True)
         self._thread.start()
         return self.record.epoch
+
+    def _highest_claim(self) -> int:
+        names = [p.name for p in self.rd.lease_claims.glob("epoch-*")] if self.rd.lease_claims.is_dir() else []
+        return max((int(n[6:]) for n in names if n[6:].isdigit()), default=0)
+
+    def _outrun(self, epoch: int) -> RunDirInUse:
+        return RunDirInUse(f"run dir {self.rd.root}: another launch took it over at the same moment "
+                           f"(epoch {self._highest_claim()}; this launch had claimed {epoch}): "
+                           "only one launch may resume a run")
 
     def _write(self) -> None:
         assert self.record is not None
@@ -132,10 +152,19 @@ class Lease:
             # Never write over a newer launch's lease (after a stall longer than the lease, a resume
             # may have taken the run): that would end all of its components.
             now = LeaseRecord.read(self.rd)
-            if now is not None and (now.epoch, now.pid) != (self.record.epoch, self.record.pid):
+            top = self._highest_claim()
+            if now is not None and (now.epoch, now.pid) != (self.record.epoch, self.record.pid) \
+                    and now.epoch >= self.record.epoch:
                 self.lost = f"launch pid {now.pid} on {now.host} took the run over (epoch {now.epoch})"
+            elif top > self.record.epoch:
+                self.lost = f"a newer launch took the run over (epoch {top})"
+            if self.lost:
                 logger.error("lease lost: %s", self.lost)
                 return
+            if now is not None and now.epoch < self.record.epoch:
+                # An older launch's write that landed late (a stalled file system): ours goes back.
+                logger.warning("lease.json held epoch %d (pid %d); restoring epoch %d", now.epoch, now.pid,
+                               self.record.epoch)
             self.record.seq += 1
             self.record.renewed_at = time.time()
             try:
@@ -170,6 +199,8 @@ class LeaseWatch:
         on the first check only: a lease already stale by the wall clock ends a late starter at once."""
         if rec is None:
             pass  # unreadable for now (a shared file system's torn read): only the clock decides
+        elif rec.epoch < self.epoch:
+            pass  # an older launch's late write: its own launch writes the lease back; the clock decides
         elif rec.epoch != self.epoch:
             return f"a newer launch took the run over (epoch {rec.epoch}, this component is of epoch {self.epoch})"
         elif rec.released:

@@ -192,6 +192,7 @@ class Run:
             code = self.ranks.exit_code()
             if code is not None:
                 if code != 0:
+                    self._check_lease()  # they ended because a newer launch took the run: say that
                     raise ComponentFailed(f"rollout ranks exited with {code}; {self._ranks_failure()}")
                 if self.next_step < cfg.steps and read_json(self.run_dir.step_report(self.next_step)) is None:
                     if self.stop_reason:
@@ -222,8 +223,7 @@ class Run:
         """Act on SIGUSR1 (Slurm sends it ``cluster.signal_grace_s`` before the time limit): no further
         step begins; the step in flight ends if it can before the deadline, which leaves time to tear
         down; past it, it is abandoned. Also: a launch that lost its lease stops at once."""
-        if self.lease is not None and self.lease.lost:
-            raise ComponentFailed(f"this launch lost the run's lease: {self.lease.lost}")
+        self._check_lease()
         if STOP.signum and not self.stop_reason:
             grace = self.cfg.cluster.signal_grace_s
             margin = max(10.0, min(60.0, grace / 3))
@@ -245,6 +245,10 @@ class Run:
         if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
             raise Interrupted(f"{self.stop_reason}: step {self.next_step} did not end within the grace; "
                               "abandoned (it runs again from its beginning on resume)")
+
+    def _check_lease(self) -> None:
+        if self.superseded:
+            raise ComponentFailed(f"this launch lost the run's lease: {self.superseded}")
 
     def _ranks_failure(self) -> str:
         """What the failing rank said: its own log holds the error, written before it aborted (the
@@ -315,9 +319,18 @@ class Run:
             "router_restarts": self.router_restarts,
         }
 
+    @property
+    def superseded(self) -> str:
+        """Why another launch holds the run now ("" while this one does)."""
+        return self.lease.lost if self.lease is not None else ""
+
     def write_report(self, summary: dict[str, Any] | None, error: str | None = None,
                      status: str | None = None) -> None:
-        """``status``: ok, failed, or interrupted (a signal or a stop: ``resume=true`` continues it)."""
+        """``status``: ok, failed, or interrupted (a signal or a stop: ``resume=true`` continues it).
+        Not written by a launch another one superseded: ``report.json`` is the newer launch's."""
+        if self.superseded:
+            logger.error("not writing %s (%s): %s", self.run_dir.report, self.superseded, error)
+            return
         report = {
             "run_dir": str(self.run_dir.root),
             "status": status or ("ok" if error is None else "failed"),
@@ -340,7 +353,9 @@ class Run:
 
         # Each backend's own time to close (vLLM's shutdown waits on its workers), then stop by pid.
         grace = max(ENGINES.impl(group_engine(self.cfg, g).type).shutdown_s for g in self.cfg.groups)
-        survivors = self.cluster.stop_all(grace)
+        # A launch that lost its lease stops only what it started itself: the pid files are the newer
+        # launch's now.
+        survivors = self.cluster.stop_all(grace, sweep=not self.superseded)
         if survivors:
             logger.error("processes still alive after teardown: %s", [(r.pid, r.name) for r in survivors])
 

@@ -210,6 +210,15 @@ class RunDir:
         return self.root / "lease.json"
 
     @property
+    def lease_claims(self) -> Path:
+        """One empty file per epoch a launch claimed (created exclusively): two launches taking the run
+        at once never get the same epoch, and the highest claim is the run's holder."""
+        return self.root / "lease.d"
+
+    def lease_claim(self, epoch: int) -> Path:
+        return self.lease_claims / f"epoch-{epoch:06d}"
+
+    @property
     def events(self) -> Path:
         """The run's interruptions (resumes, requeues, replicas added, removed, preempted), one JSON
         object per line, written by launch alone."""

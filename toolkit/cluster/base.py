@@ -80,8 +80,9 @@ class Cluster(ABC):
     def start_ranks(self, n: int, first_step: int = 0) -> Component:
         """The ``n`` rollout ranks as one MPI world, beginning at ``first_step`` (a resumed run)."""
 
-    def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:
-        """Cancel every component, then stop by pid whatever is left; returns survivors (none)."""
+    def stop_all(self, grace_s: float = 5.0, sweep: bool = True) -> list[ProcessRef]:
+        """Cancel every component, then stop by pid whatever is left (with ``sweep``, every process in
+        the run dir's pid files too); returns survivors (none)."""
         import time
 
         for c in self.components:
@@ -94,7 +95,7 @@ class Cluster(ABC):
             if c.alive():
                 logger.warning("%s did not stop in %.0fs; killing it", c.name, grace_s)
                 c.kill()
-        refs = [r for c in self.components for r in c.refs()] + read_pidfiles(self.run_dir.pids)
+        refs = [r for c in self.components for r in c.refs()] + (read_pidfiles(self.run_dir.pids) if sweep else [])
         refs = [r for r in refs if r.pid != self.owner.pid]
         return stop_processes(refs, grace_s=2.0)
 

@@ -36,8 +36,8 @@ from toolkit.config.sections import (
     TailConfig,
     WorkloadConfig,
 )
-from toolkit.errors import ConfigError, FieldError
-from toolkit.rundir import RunDir
+from toolkit.errors import ConfigError, FieldError, ToolkitError
+from toolkit.rundir import RunDir, atomic_write
 
 __all__ = [
     "CONF_DIR", "OUTPUTS", "QUEUES", "UPDATE_MODES", "VLLM_OWN_ARGS", "ClusterConfig", "Config", "ConfigError",
@@ -229,9 +229,17 @@ def replica_resources(cfg: Config, group: str) -> ReplicaResources:
 
 
 def save_run_config(cfg: Config, path: Path) -> None:
-    path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    # Atomic: a resume killed while writing it must not leave a torn file, which would load as defaults.
+    atomic_write(path, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
 def load_run_config(run_dir: str | Path) -> Config:
     """Reload the validated config that ``launch`` wrote into the run directory."""
-    return from_dictconfig(OmegaConf.load(RunDir(Path(run_dir)).config))
+    path = RunDir(Path(run_dir)).config
+    raw = OmegaConf.load(path)
+    # launch writes every field: one missing means a torn or foreign file, which would load as defaults.
+    missing = sorted(f.name for f in dataclasses.fields(Config) if not isinstance(raw, DictConfig) or f.name not in raw)
+    if missing:
+        raise ToolkitError(f"{path} is not a whole run config (torn, or not written by launch): it lacks "
+                           f"{', '.join(missing)}")
+    return from_dictconfig(raw)
