@@ -157,3 +157,31 @@ def test_scaling_and_a_preempted_replica_lose_and_duplicate_no_session(slurm_run
     check_outputs(r, steps=40, sessions=32)  # every session exactly once, complete
     s = json.loads((r / "report.json").read_text())["summary"]
     assert (s["replicas_added"], s["replicas_removed"], s["replicas_preempted"], s["replica_restarts"]) == (1, 1, 1, 0), s
+
+
+def test_a_requeue_that_slurm_refuses_ends_the_trainers_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scontrol refuses to requeue (a job id it does not know): the run's events say so, and a
+    trainer's wait_step ends at once (RunEnded) instead of waiting for a job that will not come back."""
+    import signal
+
+    from rich.console import Console
+
+    from toolkit import launch as launch_mod
+    from toolkit.config import compose_config
+    from toolkit.rundir import RunDir, atomic_write
+    from toolkit.samples import RunEnded, wait_step
+
+    rd = RunDir(tmp_path)
+    rd.make()
+    atomic_write(rd.lease, json.dumps({"epoch": 1, "released": True}))
+    atomic_write(rd.report, json.dumps({"status": "interrupted", "error": "SIGUSR1 with 120s of grace"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "987654321")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        launch_mod._requeue(compose_config(["cluster=allocation"]), rd, Console(quiet=True))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    kinds = [e["kind"] for e in rd.read_events()]
+    assert kinds == ["requeue", "requeue_failed"], rd.read_events()
+    with pytest.raises(RunEnded, match="interrupted"):
+        wait_step(rd, 0, timeout_s=60)
