@@ -53,6 +53,13 @@ def test_all_errors_reported_at_once() -> None:
     assert "'random'" in text and "least_loaded" in text
 
 
+def test_a_concurrency_cap_below_the_ranks_is_refused() -> None:
+    # Every rank runs at least one session at a time: a cap of 2 over 4 ranks would let 4 run.
+    with pytest.raises(ConfigError, match=r"rollout.max_concurrent_rollouts = 2: an integer >= ranks \(4\)"):
+        validate(compose_config(["ranks=4", "rollout.max_concurrent_rollouts=2"]))
+    validate(compose_config(["ranks=4", "rollout.max_concurrent_rollouts=4"]))
+
+
 def test_no_replica_timeout_is_positive_or_null() -> None:
     assert compose_config([]).router.no_replica_timeout_s == 300.0
     validate(compose_config(["router.no_replica_timeout_s=null"]))  # wait forever

@@ -105,3 +105,16 @@ def test_a_torn_run_config_is_refused_not_read_as_defaults(tmp_path: Path) -> No
         rd.config.write_text(torn)
         with pytest.raises(ToolkitError, match="is not a whole run config .* it lacks .*steps"):
             load_run_config(tmp_path)
+
+
+def test_clear_steps_from_reads_step_numbers_of_any_width(tmp_path: Path) -> None:
+    from toolkit.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.steps.mkdir(parents=True)
+    names = ["step_19999.json", "step_20000.parquet", "step_20000", "step_99999.json", "step_100000.json",
+             "step_123456.parquet"]
+    for n in names:
+        (rd.steps / n).mkdir() if "." not in n else (rd.steps / n).write_text("{}")
+    removed = sorted(p.name for p in rd.clear_steps_from(20000))  # six digits are not 10000 and 12345
+    assert removed == sorted(names[1:]) and [p.name for p in rd.steps.iterdir()] == ["step_19999.json"]

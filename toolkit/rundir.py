@@ -297,7 +297,7 @@ class RunDir:
 
         removed = []
         for p in sorted(self.steps.glob("step_*")):
-            num = p.name[5:10]
+            num = p.name[5:].split(".")[0].split("_")[0]  # step_00012.json, step_00012/, step_123456.parquet
             if num.isdigit() and int(num) >= step:
                 if p.is_dir():
                     shutil.rmtree(p)

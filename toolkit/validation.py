@@ -159,7 +159,9 @@ def validate(cfg: Config) -> None:
     _validate_report(cfg, errors)
 
     mcr = cfg.rollout.max_concurrent_rollouts
-    need(mcr is None or mcr >= 1, "rollout.max_concurrent_rollouts", mcr, "an integer >= 1, or null")
+    # Each rank runs at least one session at a time: a cap below the ranks would not hold.
+    need(mcr is None or mcr >= max(1, cfg.ranks), "rollout.max_concurrent_rollouts", mcr,
+         f"an integer >= ranks ({cfg.ranks}), or null")
     need(cfg.rollout.output in OUTPUTS, "rollout.output", cfg.rollout.output, f"one of {list(OUTPUTS)}")
     need(not cfg.rollout.decode_responses or cfg.workload.tokenizer is not None, "rollout.decode_responses",
          cfg.rollout.decode_responses, "needs workload.tokenizer (a tokenizer.json path or a `_target_`), or false")
