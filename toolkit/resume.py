@@ -89,7 +89,7 @@ def prepare(rd: RunDir, epoch: int, cfg: Config) -> ResumePoint:
     removed = [str(p.relative_to(rd.root)) for p in rd.clear_steps_from(first)]
     rd.stop_request.unlink(missing_ok=True)
     rd.router_address.unlink(missing_ok=True)  # components must not follow the old router
-    for sentinel in rd.sentinels.glob("*.flip.json"):
+    for sentinel in rd.all_sentinels():
         sentinel.unlink()
     stored = load_run_config(rd.root)
     if any(stored.groups[g].replicas != cfg.groups[g].replicas for g in cfg.groups if g in stored.groups):
@@ -109,7 +109,7 @@ def cancel_leftovers(rd: RunDir, epoch: int) -> None:
     for p in rd.pids.glob("*.pid"):
         p.unlink(missing_ok=True)
     old_jobs = []
-    for p in sorted(rd.jobs_dir.glob("epoch-*.txt")):
+    for p in rd.all_jobs():
         if p != rd.jobs(epoch):
             old_jobs += [line.strip() for line in p.read_text().splitlines() if line.strip()]
     if old_jobs:

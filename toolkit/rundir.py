@@ -257,6 +257,10 @@ class RunDir:
         """Slurm job ids the launch of ``epoch`` submitted, one per line (a resume cancels leftovers)."""
         return self.jobs_dir / f"epoch-{epoch:04d}.txt"
 
+    def all_jobs(self) -> list[Path]:
+        """The Slurm job id files of every launch, oldest epoch first."""
+        return sorted(self.jobs_dir.glob("epoch-*.txt"))
+
     def step_parquet(self, step: int) -> Path:
         return self.steps / f"step_{step:05d}.parquet"
 
@@ -334,6 +338,10 @@ class RunDir:
     def sentinel(self, job: str) -> Path:
         """The tail-flip sentinel of a job: present once the job's current step has flipped."""
         return self.sentinels / f"{job}.flip.json"
+
+    def all_sentinels(self) -> list[Path]:
+        """Every job's tail-flip sentinel."""
+        return sorted(self.sentinels.glob("*.flip.json"))
 
     def holds_run(self) -> list[Path]:
         """What marks this directory as another run's (its config, address, steps...)."""

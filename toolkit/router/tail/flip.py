@@ -90,7 +90,7 @@ class CountFlip:
 
     def adopt_sentinels(self) -> None:
         """After a restart: take over flips another router instance already wrote."""
-        for path in self.run_dir.sentinels.glob("*.flip.json"):
+        for path in self.run_dir.all_sentinels():
             info = read_json(path)
             if info:
                 st = StepState(int(info["step"]), int(info.get("n_sessions", 0)))
