@@ -247,5 +247,12 @@ def write_parquet(table: pa.Table, path: Path) -> int:
             part = (table.slice(start, step) if order is None
                     else table.take(pa.array(order[start:start + step])))
             writer.write_table(part, row_group_size=step)
+    # On disk before the rename: the step's report (fsynced) is what says the step is done, and must
+    # never outlive a crash that the rows did not.
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     return path.stat().st_size
