@@ -17,3 +17,20 @@ def test_stdout_file_names_the_log_a_job_prints_to_and_nothing_else(tmp_path: Pa
     assert got.stderr.strip() == str(log)
     piped = subprocess.run([sys.executable, "-c", PRINT_STDOUT_FILE], capture_output=True, text=True, timeout=60)
     assert piped.stderr.strip() == "None"
+
+
+def test_a_pid_recorded_without_its_start_time_is_never_signalled() -> None:
+    """Its process was gone when it was recorded: the pid may be anyone's now (here, a live sleeper)."""
+    from toolkit.lifecycle import ProcessRef, stop_processes
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stop_processes([ProcessRef(sleeper.pid, None, "recorded too late")], grace_s=0.5)
+        assert sleeper.poll() is None
+        # Known twice, once with its start time: that one is the process, and it is stopped.
+        assert stop_processes([ProcessRef.of(sleeper.pid), ProcessRef(sleeper.pid, None)], grace_s=5) == []
+        assert sleeper.wait(10) is not None
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()

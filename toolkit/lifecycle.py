@@ -56,7 +56,9 @@ class ProcessRef:
         return now is not None and (self.start is None or now == self.start)
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        """Signal the process if it is still the one recorded; never a ref without a start time (its
+        process was gone when recorded: the pid may belong to anyone now)."""
+        if self.start is not None and self.alive():
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -99,8 +101,11 @@ def read_pidfiles(pid_dir: Path) -> list[ProcessRef]:
 
 def stop_processes(refs: list[ProcessRef], grace_s: float = 5.0) -> list[ProcessRef]:
     """SIGTERM, then SIGKILL after ``grace_s``; returns those still alive at the end (should be none)."""
-    unique = {r.pid: r for r in refs}  # a process can be known twice (its launcher and its pid file)
-    live = [r for r in unique.values() if r.alive()]
+    unique: dict[int, ProcessRef] = {}
+    for r in refs:  # a process can be known twice (its launcher and its pid file): keep a start time
+        if unique.get(r.pid) is None or unique[r.pid].start is None:
+            unique[r.pid] = r
+    live = [r for r in unique.values() if r.start is not None and r.alive()]  # see ProcessRef.signal
     for r in live:
         r.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
