@@ -424,3 +424,21 @@ def test_a_component_of_a_dead_launch_does_not_start(tmp_path: Path, monkeypatch
     atomic_write(rd.lease, json.dumps(LeaseRecord(epoch=3, seq=7, renewed_at=time.time()).__dict__))
     with pytest.raises(SystemExit):
         watch_lease(rd, 60)
+    # The whole preamble: such a component leaves no pid file for the newer launch to count or stop.
+    import logging
+
+    from toolkit.config import save_run_config
+    from toolkit.entry import enter_component
+
+    save_run_config(compose_config([]), rd.config)
+    handlers, sigterm = list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            enter_component(tmp_path, "rank-0")
+    finally:  # the preamble set this test process up as a component
+        signal.signal(signal.SIGTERM, sigterm)
+        for h in logging.getLogger().handlers:
+            if h not in handlers:
+                logging.getLogger().removeHandler(h)
+                h.close()
+    assert not list(rd.pids.glob("*.pid"))

@@ -13,13 +13,16 @@ from toolkit.rundir import RunDir
 def enter_component(run_dir: str | Path, name: str, owner: ProcessRef | None = None,
                     log_name: str | None = None) -> tuple[RunDir, Config]:
     """Log to ``logs/<log_name or name>.log``, turn SIGTERM into SystemExit (so ``finally`` blocks
-    close sockets and engines), write the pid file, exit with the launch process (``owner``, when it
-    runs on this machine) or with its lease (everywhere), and load the run's config."""
+    close sockets and engines), load the run's config, exit with its lease (everywhere: at once if the
+    lease is already another launch's) or with the launch process (``owner``, when it runs on this
+    machine), and write the pid file."""
     rd = RunDir(Path(run_dir))
     setup_logging(rd.logs / f"{log_name or name}.log")
     exit_on_sigterm()
+    cfg = load_run_config(rd.root)
+    # Before the pid file: a component of a superseded launch that starts late leaves none behind for
+    # the newer launch to count (ranks through MPI_Init) or to stop.
+    watch_lease(rd, cfg.cluster.lease_s)
     write_pidfile(rd.pids, name)
     watch_owner(owner)
-    cfg = load_run_config(rd.root)
-    watch_lease(rd, cfg.cluster.lease_s)
     return rd, cfg
