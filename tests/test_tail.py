@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -288,3 +289,24 @@ def test_each_tail_validation_error_is_reported_at_setup() -> None:
     with pytest.raises(ConfigCompositionException, match="router=null") as composed:
         compose_config(["tail.threshold=0.9", "router=null"])
     assert "not Optional" in str(composed.value.__cause__)
+
+
+def test_the_step_report_waits_for_a_flip_the_last_session_made(tmp_path: Path) -> None:
+    """tail.threshold=1: the step's last SessionDone flips it as the ranks finish; rank 0's report
+    reads the sentinel afresh and waits for the router's write instead of missing the flip."""
+    import threading
+
+    from toolkit.rollout.coordination import TailWatch
+    from toolkit.rundir import RunDir, atomic_write
+
+    rd = RunDir(tmp_path)
+    watch = TailWatch(rd, "j", "tail", enabled=True)
+    assert watch.info() is None  # read (and cached) before the flip
+    flip = {"job": "j", "step": 3, "time": 1.0, "count": 8, "n_sessions": 8, "group": "tail"}
+    writer = threading.Timer(0.3, lambda: atomic_write(rd.sentinel("j"), json.dumps(flip)))
+    writer.start()
+    try:
+        assert watch.flip_of(3, wait_s=30) == flip
+    finally:
+        writer.cancel()
+    assert watch.flip_of(4, wait_s=0.1) is None  # another step's sentinel is not this step's flip

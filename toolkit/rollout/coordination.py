@@ -31,6 +31,20 @@ class TailWatch:
             self._info = read_json(self.path)
         return self._info
 
+    def flip_of(self, step: int, wait_s: float) -> dict[str, Any] | None:
+        """``step``'s flip as its sentinel records it, read afresh and waited for up to ``wait_s``: the
+        step's last SessionDone may have flipped it (``tail.threshold=1``) a moment before the router's
+        file writer wrote the sentinel."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            info = read_json(self.path) if self.enabled else None
+            self._info, self._checked = info, time.monotonic()
+            if info is not None and info.get("step") == step:
+                return info
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def group_for(self, step: int) -> str | None:
         info = self.info()
         return self.group if info is not None and info.get("step") == step else None

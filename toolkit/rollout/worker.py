@@ -217,9 +217,8 @@ class RankRunner:
             table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
             write_parquet(table, self.run_dir.step_parquet(step))
         wall = time.time() - t0
-        flip = self.tail.info() if cfg.tail.threshold is not None else None
-        if flip is not None and flip.get("step") != step:
-            flip = None
+        # Every session of the step has sent its SessionDone: a threshold flipped it, at most a moment ago.
+        flip = self.tail.flip_of(step, wait_s=2.0) if cfg.tail.threshold is not None else None
         report = step_report(step, wall, t0, cols, requests, self.group_names, cfg, flip, speeds)
         # Launch's record of what interrupted this step: the resume that restarted it, replicas
         # added, removed or preempted while it ran.
