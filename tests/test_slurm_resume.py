@@ -185,3 +185,29 @@ def test_a_requeue_that_slurm_refuses_ends_the_trainers_wait(tmp_path: Path, mon
     assert kinds == ["requeue", "requeue_failed"], rd.read_events()
     with pytest.raises(RunEnded, match="interrupted"):
         wait_step(rd, 0, timeout_s=60)
+
+
+def test_a_run_whose_job_slurm_requeued_is_waited_for_until_the_job_is_gone(tmp_path: Path, slurm_run) -> None:  # type: ignore[no-untyped-def]
+    """The launch of a preempted (requeued) job was stopped by Slurm's SIGTERM, so its report says
+    interrupted with no requeue event of its own: while Slurm still queues the job, a trainer waits."""
+    from toolkit import samples
+    from toolkit.cluster.slurmctl import scancel, wait_gone
+    from toolkit.rundir import RunDir, atomic_write
+    from toolkit.samples import RunEnded, StepTimeout, wait_step
+
+    _, name = slurm_run
+    jid = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", "--begin=now+3600", f"--output={tmp_path}/%j.out",
+                          "--wrap", "true"], capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    try:
+        rd = RunDir(tmp_path / "run")
+        rd.make()
+        atomic_write(rd.lease, json.dumps({"epoch": 1, "released": True, "slurm_job": jid}))
+        atomic_write(rd.report, json.dumps({"status": "interrupted", "error": "stopped by SIGTERM during step 0"}))
+        with pytest.raises(StepTimeout):
+            wait_step(rd, 0, timeout_s=1)
+    finally:
+        scancel([jid])
+        wait_gone([jid], timeout_s=60)
+    samples._QUEUED.clear()  # the wait polls squeue every 10 s; the test need not wait for it
+    with pytest.raises(RunEnded, match="interrupted"):
+        wait_step(rd, 0, timeout_s=60)

@@ -108,9 +108,34 @@ def _run_ended(rd: RunDir) -> dict[str, Any] | None:
     if isinstance(lease, dict) and not lease.get("released", False):
         return None  # a launch holds the run: the report is from before a resume, or about to be released
     events = rd.read_events()
-    if report.get("status") == "interrupted" and events and events[-1].get("kind") == "requeue":
-        return None  # an sbatch job requeued itself: it resumes at its next start
+    if report.get("status") == "interrupted":
+        if events and events[-1].get("kind") == "requeue":
+            return None  # an sbatch job requeued itself: it resumes at its next start
+        job = lease.get("slurm_job") if isinstance(lease, dict) else ""
+        if job and _slurm_job_queued(str(job)):
+            return None  # its SIGTERM was Slurm's preemption (or scontrol requeue): it resumes by itself
     return report
+
+
+_QUEUED: dict[str, tuple[float, bool]] = {}
+_QUEUED_POLL_S = 10.0
+"""squeue at most this often per job: a trainer may wait hours for a requeued job to start."""
+
+
+def _slurm_job_queued(job: str) -> bool:
+    """Whether Slurm still lists ``job`` as live (pending again after a requeue), where squeue runs."""
+    import shutil
+
+    at, queued = _QUEUED.get(job, (-_QUEUED_POLL_S, False))
+    if time.monotonic() - at < _QUEUED_POLL_S:
+        return queued
+    if shutil.which("squeue") is None:
+        return False
+    from toolkit.cluster.slurmctl import queued_states
+
+    queued = job in queued_states({job})
+    _QUEUED[job] = (time.monotonic(), queued)
+    return queued
 
 
 def wait_step(run_dir: str | Path | RunDir, step: int, timeout_s: float, poll_s: float = 0.2,
