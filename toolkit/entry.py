@@ -17,12 +17,13 @@ def enter_component(run_dir: str | Path, name: str, owner: ProcessRef | None = N
     lease is already another launch's) or with the launch process (``owner``, when it runs on this
     machine), and write the pid file."""
     rd = RunDir(Path(run_dir))
-    setup_logging(rd.logs / f"{log_name or name}.log")
+    setup_logging(rd.log(log_name or name))
     exit_on_sigterm()
     cfg = load_run_config(rd.root)
     # Before the pid file: a component of a superseded launch that starts late leaves none behind for
     # the newer launch to count (ranks through MPI_Init) or to stop.
     watch_lease(rd, cfg.cluster.lease_s)
-    write_pidfile(rd.pids, name)
+    me = ProcessRef.self(name)
+    write_pidfile(rd.pidfile(name, me.pid), me)
     watch_owner(owner)
     return rd, cfg

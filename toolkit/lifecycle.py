@@ -82,11 +82,13 @@ def popen_logged(cmd: list[str], log: Path, **popen_kw: Any) -> subprocess.Popen
         out.close()
 
 
-def write_pidfile(pid_dir: Path, name: str) -> ProcessRef:
-    ref = ProcessRef.self(name)
-    pid_dir.mkdir(parents=True, exist_ok=True)
-    (pid_dir / f"{name}.{ref.pid}.pid").write_text(ref.encode())
-    return ref
+def write_pidfile(path: Path, ref: ProcessRef) -> None:
+    """Record ``ref`` at ``path`` (``RunDir.pidfile``); a ref without a start time is never recorded
+    (its process had already gone, and :meth:`ProcessRef.signal` would not act on it anyway)."""
+    if ref.start is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(ref.encode())
 
 
 def read_pidfiles(pid_dir: Path) -> list[ProcessRef]:

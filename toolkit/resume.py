@@ -106,8 +106,7 @@ def cancel_leftovers(rd: RunDir, epoch: int) -> None:
     left = stop_processes(read_pidfiles(rd.pids), grace_s=5.0)
     if left:
         logger.warning("processes of the previous launch still alive: %s", [(r.pid, r.name) for r in left])
-    for p in rd.pids.glob("*.pid"):
-        p.unlink(missing_ok=True)
+    rd.forget_pids()
     old_jobs = []
     for p in rd.all_jobs():
         if p != rd.jobs(epoch):

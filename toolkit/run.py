@@ -117,7 +117,7 @@ class Run:
             self._check_stop(starting=True)
             self._check_router()
             for (g, i), comp in self.replicas.members.items():
-                self._check_alive(comp, self.run_dir.logs / f"replica-{g}-{i}.log")
+                self._check_alive(comp, self.run_dir.log(f"replica-{g}-{i}"))
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
             if status is not None:
                 have = ready_counts(status, want)
@@ -136,7 +136,7 @@ class Run:
 
     def _check_router(self) -> None:
         assert self.router is not None
-        self._check_alive(self.router, self.run_dir.logs / "router.log")
+        self._check_alive(self.router, self.run_dir.log("router"))
 
     def _check_alive(self, comp: Component, log: Path) -> None:
         if not comp.alive():
@@ -213,7 +213,7 @@ class Run:
         assert self.ranks is not None
         if self.ranks.pending():
             return False
-        up = {p.name.split(".")[0] for p in self.run_dir.pids.glob("rank-*.pid")}
+        up = self.run_dir.pidfile_names("rank-")
         if len(up) >= self.cfg.ranks:
             return False
         code = self.ranks.exit_code()
@@ -253,13 +253,13 @@ class Run:
     def _ranks_failure(self) -> str:
         """What the failing rank said: its own log holds the error, written before it aborted (the
         launcher's forwarded output can lag behind the exit, or end before the message)."""
-        for log in sorted(self.run_dir.logs.glob("rank-*.log")):
+        for log in self.run_dir.rank_logs():
             lines = log.read_text(errors="replace").splitlines()
             start = next((i for i in range(len(lines) - 1, -1, -1)
                           if " ERROR " in lines[i] and f"{log.stem.replace('-', ' ')} failed" in lines[i]), None)
             if start is not None:
                 return f"{log}:\n" + "\n".join(lines[start:start + 25])
-        out = self.run_dir.logs / "ranks.out"
+        out = self.run_dir.ranks_out
         return f"last lines of {out}:\n{_tail(out)}"
 
     def _keep_router(self) -> None:
@@ -267,7 +267,7 @@ class Run:
         if self.router.alive():
             return
         if not self.cfg.cluster.restart_router:
-            self._check_alive(self.router, self.run_dir.logs / "router.log")
+            self._check_alive(self.router, self.run_dir.log("router"))
         logger.warning("router exited (%s); starting a new one", self.router.state())
         self.console.print(f"[yellow]router exited ({self.router.state()}); restarting it[/yellow]")
         self.router_restarts += 1

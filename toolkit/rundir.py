@@ -173,9 +173,34 @@ class RunDir:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    def log(self, name: str) -> Path:
+        """A component's own log (``router``, ``replica-<group>-<i>``, ``rank-<r>``...)."""
+        return self.logs / f"{name}.log"
+
+    def rank_logs(self) -> list[Path]:
+        return sorted(self.logs.glob("rank-*.log"))
+
+    @property
+    def ranks_out(self) -> Path:
+        """The MPI launcher's forwarded output of every rank."""
+        return self.logs / "ranks.out"
+
     @property
     def pids(self) -> Path:
         return self.root / "pids"
+
+    def pidfile(self, name: str, pid: int) -> Path:
+        """A process the run started, as ``lifecycle.ProcessRef`` JSON: teardown and a resume stop it
+        by pid (and start time), whatever started it."""
+        return self.pids / f"{name}.{pid}.pid"
+
+    def pidfile_names(self, prefix: str) -> set[str]:
+        """Names of the recorded processes whose name starts with ``prefix``."""
+        return {p.name.split(".")[0] for p in self.pids.glob(f"{prefix}*.pid")}
+
+    def forget_pids(self) -> None:
+        for p in self.pids.glob("*.pid"):
+            p.unlink(missing_ok=True)
 
     @property
     def steps(self) -> Path:

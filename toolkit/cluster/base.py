@@ -6,7 +6,7 @@ import logging
 from abc import ABC, abstractmethod
 
 from toolkit.config import Config
-from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes
+from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes, write_pidfile
 from toolkit.registry import Backend, Registry
 from toolkit.rundir import RunDir
 
@@ -57,9 +57,8 @@ class Cluster(ABC):
     def track(self, comp: Component) -> Component:
         """Own ``comp``: it is stopped by ``stop_all``, and its pids are recorded in the run dir."""
         self.components.append(comp)
-        self.run_dir.pids.mkdir(parents=True, exist_ok=True)
         for ref in comp.refs():
-            (self.run_dir.pids / f"{comp.name}.launcher.{ref.pid}.pid").write_text(ref.encode())
+            write_pidfile(self.run_dir.pidfile(f"{comp.name}.launcher", ref.pid), ref)
         return comp
 
     @abstractmethod

@@ -144,5 +144,5 @@ class LocalCluster(Cluster):
         cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",
                "toolkit.rollout.worker", str(self.run_dir.root), "--first-step", str(first_step),
                "--owner", f"{self.owner.pid}:{self.owner.start}"]
-        proc = popen_logged(cmd, self.run_dir.logs / "ranks.out", start_new_session=True)
+        proc = popen_logged(cmd, self.run_dir.ranks_out, start_new_session=True)
         return self.track(ProcessGroupComponent("ranks", proc))

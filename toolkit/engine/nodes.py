@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.lifecycle import ProcessRef
+from toolkit.lifecycle import ProcessRef, write_pidfile
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +106,7 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
 
     def record(pids: list[int]) -> None:
         for pid in pids:
-            ref = ProcessRef.of(pid, f"{name}-worker")
-            if ref.start is not None:
-                (rd.pids / f"{name}-worker.{pid}.pid").write_text(ref.encode())
+            write_pidfile(rd.pidfile(f"{name}-worker", pid), ProcessRef.of(pid, f"{name}-worker"))
 
     marker = rd.replica_stopped(replica_name)
     started = time.time()

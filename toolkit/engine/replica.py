@@ -43,7 +43,7 @@ from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.engine.metrics import ReplicaMetrics
 from toolkit.entry import enter_component
-from toolkit.lifecycle import ProcessRef, stdout_file
+from toolkit.lifecycle import ProcessRef, stdout_file, write_pidfile
 from toolkit.metrics import Endpoint
 from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import client_curve
@@ -335,9 +335,7 @@ class ReplicaServer:
         """Pid files for the engine's own processes, so teardown stops them by pid even if this
         process is killed (vLLM's engine core outlives a SIGKILLed parent)."""
         for pid in self.engine.pids():
-            ref = ProcessRef.of(pid, f"{self.name}-engine")
-            if ref.start is not None:
-                (self.run_dir.pids / f"{self.name}-engine.{pid}.pid").write_text(ref.encode())
+            write_pidfile(self.run_dir.pidfile(f"{self.name}-engine", pid), ProcessRef.of(pid, f"{self.name}-engine"))
 
 
 def engine_config(cfg: Config, group: str) -> Any:
