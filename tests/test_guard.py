@@ -240,3 +240,15 @@ def test_token_ids_from_the_users_code_are_ids_or_a_clear_error() -> None:
                       ([2**40], f"holds token id {2**40}, outside 0..2147483647"), (None, "must be a list")):
         with pytest.raises(guard.BadTokens, match=says):
             guard.token_ids(bad, "obs")
+
+
+def test_a_timeout_says_how_much_of_the_session_went_to_the_engines() -> None:
+    waits = guard.Waits()
+
+    async def session() -> None:
+        waits.begin()  # a turn's request, never answered
+        await asyncio.sleep(60)
+
+    _, error = asyncio.run(guard.guarded("environment", "s", session(), 0.2, waits=waits))
+    assert error.startswith("environment timed out after workload.env_timeout_s = 0.2s (") and \
+        error.endswith("s of it waiting for the engines)"), error

@@ -9,6 +9,7 @@ import inspect
 import logging
 import operator
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -149,15 +150,36 @@ async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+class Waits:
+    """A session's time waiting for the engines (the bound counts it with the user's own)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.since: float | None = None
+
+    def begin(self) -> None:
+        self.since = time.monotonic()
+
+    def end(self) -> None:
+        if self.since is not None:
+            self.total_s += time.monotonic() - self.since
+            self.since = None
+
+    def seconds(self) -> float:
+        return self.total_s + (time.monotonic() - self.since if self.since is not None else 0.0)
+
+
 async def guarded(what: str, sid: str, awaitable: Any, timeout: float | None,
-                  fatal: tuple[type[BaseException], ...] = ()) -> tuple[Any, str]:
+                  fatal: tuple[type[BaseException], ...] = (), waits: Waits | None = None) -> tuple[Any, str]:
     """The user's environment or agent for one session, bounded by ``workload.env_timeout_s``:
     (its result, "") or (None, why it failed); its failure is the session's alone. ``fatal``
-    errors pass through: they end every rank."""
+    errors pass through: they end every rank. ``waits``: the session's time in the engines, which
+    a timeout's error tells apart from the user's own."""
     try:
         return await bounded(awaitable, timeout), ""
     except SessionTimeout:
-        return None, f"{what} timed out after workload.env_timeout_s = {timeout}s"
+        spent = f" ({waits.seconds():.1f}s of it waiting for the engines)" if waits is not None else ""
+        return None, f"{what} timed out after workload.env_timeout_s = {timeout}s{spent}"
     except (CallEscaped, UserCodeFailed) as exc:
         logger.warning("session %s: %s %s", sid, what, exc)
         return None, f"{what} {exc}"

@@ -38,7 +38,7 @@ from toolkit.rollout.columns import (
 )
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
-from toolkit.rollout.guard import check_failure_budget, guarded, in_own_thread, token_ids, user_call
+from toolkit.rollout.guard import Waits, check_failure_budget, guarded, in_own_thread, token_ids, user_call
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
@@ -248,13 +248,14 @@ class RankRunner:
         async with sem:
             sample = Sample.start(index, sid, [])
             # The toolkit's own failures (the router gone...) are not the environment's.
-            _, error = await guarded("environment", sid, self._turns(step, sid, sample, log), self.cfg.workload.env_timeout_s,
-                                     (ToolkitError,))
+            waits = Waits()
+            _, error = await guarded("environment", sid, self._turns(step, sid, sample, log, waits),
+                                     self.cfg.workload.env_timeout_s, (ToolkitError,), waits)
             if error:
                 sample.mark("failed", error)
         return await self._done(step, sid, [sample], log)
 
-    async def _turns(self, step: int, sid: str, sample: Sample, log: RequestLog) -> None:
+    async def _turns(self, step: int, sid: str, sample: Sample, log: RequestLog, waits: Waits) -> None:
         cfg = self.cfg
         assert self.env_factory is not None
         env: Environment = self.env_factory()
@@ -281,11 +282,14 @@ class RankRunner:
                     sample.mark("failed", str(exc))
                     return
             sent = time.time()
+            waits.begin()
             try:
                 res, route = await self.client.generate(msg)
             except asyncio.CancelledError:  # the session timed out: its request leaves the engines too
                 await self.client.abort(msg.request_id)
                 raise
+            finally:
+                waits.end()
             log.add(res, route, len(context), sent, time.time(), sample.index)
             if res.status != "ok":
                 sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
