@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -150,7 +151,7 @@ def test_abort_returns_partial_output_and_client_errors_are_immediate() -> None:
     run(main())
 
 
-def test_in_place_update_switches_versions_at_a_step_boundary_and_aborts_nothing() -> None:
+def test_in_place_update_switches_versions_at_a_step_boundary_and_aborts_nothing(tmp_path: Path) -> None:
     async def main() -> None:
         eng = SimEngine(SimEngineConfig(time_scale=0.05, output_len_median=1e6, max_model_len=100000))
         await eng.start()
@@ -162,7 +163,7 @@ def test_in_place_update_switches_versions_at_a_step_boundary_and_aborts_nothing
         while not all(rid in eng.by_id and eng.by_id[rid].produced > 0 for rid in ids):
             await asyncio.sleep(0.001)
         steps = eng.steps
-        await eng.update_weights_in_place("/ckpt", 5)
+        await eng.update_weights_in_place(str(tmp_path), 5)
         # At the next step boundary: at most the step under way ran on the old weights meanwhile.
         assert eng.weight_version == 5 and eng.steps - steps <= 1
         assert not eng.cache.blocks and all(not t.done() for t in long)
@@ -172,7 +173,7 @@ def test_in_place_update_switches_versions_at_a_step_boundary_and_aborts_nothing
             assert res.status == "ok" and res.finish_reason == "length" and len(res.output_token_ids) == 2000
             assert res.weight_versions == [0, 5] and res.weight_version == 5
         # An idle engine switches at once.
-        await eng.update_weights_in_place("/ckpt2", 6)
+        await eng.update_weights_in_place(str(tmp_path), 6)
         assert (await eng.generate(gen("idle", [1, 2], 3))).weight_versions == [6]
         await eng.close()
 

@@ -39,7 +39,7 @@ async def with_client(rd, fn):  # type: ignore[no-untyped-def]
 
 def test_reload_reaches_every_replica_and_versions_every_result(make_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # drain: the request in the engine finishes on the old weights (pause: tests/test_update_mode.py).
-    cfg, rd, stack = make_run([*FAST, "rollout.update_mode=drain"])
+    cfg, rd, stack = make_run([*FAST, "rollout.update_mode=drain", "router.probe_timeout_s=0.5"])
     stack.start(timeout_s=30)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -77,6 +77,19 @@ def test_reload_reaches_every_replica_and_versions_every_result(make_run, tmp_pa
         assert any(res.replica_id.startswith("throughput-2@") for res, _ in outs)
 
     asyncio.run(with_client(rd, late))
+
+    # One that cannot load them (the trainer's cleanup took the checkpoint) stays out of service, not
+    # serving the model's own weights, and is asked again until it can.
+    def status():  # type: ignore[no-untyped-def]
+        return router_status(stack.frontend, 1.0).groups["throughput"]  # type: ignore[union-attr]
+
+    ckpt.rmdir()
+    stack.start_replica("throughput", 3)
+    wait_for(lambda: status().stale_weights == 1, 30, "the fourth replica's failed load")
+    assert status().registered == 4 and status().ready == 3
+    ckpt.mkdir()
+    wait_for(lambda: status().ready == 4, 30, "the fourth replica, once the checkpoint is back")
+    assert status().stale_weights == 0
 
 
 @pytest.mark.mpi
@@ -198,3 +211,45 @@ def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_pa
         ack = recv(client)
         assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
         assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_loading_weights_is_not_taken_for_a_stalled_one(tmp_path: Path) -> None:
+    """A load pauses generation with requests in the engine (update_mode=pause): no token for a while
+    is the load, not a hang; once it is acknowledged the stall clock runs again."""
+    import time
+
+    from tests.test_router_drain import FakeReplica, RouterThread, recv, status
+    from toolkit.config import compose_config
+    from toolkit.validation import validate
+
+    cfg = compose_config(["groups=single", "router.heartbeat_s=0.2", "router.missed_heartbeats=100",
+                          "router.stall_timeout_s=0.5"])
+    validate(cfg)
+    rt = RouterThread(cfg, tmp_path / "run")
+    try:
+        replica = FakeReplica(rt, "throughput-0")
+        replica.become_ready()
+        client = rt.socket()
+        client.send_multipart(P.encode(gen("r1")))
+        assert isinstance(replica.recv(), P.Generate)
+        client.send_multipart(P.encode(P.UpdateWeights(str(tmp_path), 1)))
+        assert isinstance(replica.recv(), P.UpdateWeights)
+        beat = P.Heartbeat(replica.replica_id, running=1)  # no token generated: the engine is paused
+        for _ in range(20):  # many stall timeouts
+            replica.send(beat)
+            time.sleep(0.1)
+        assert status(rt).ready == 1
+        replica.send(P.WeightsUpdated(1, replica.replica_id))
+        answer = recv(client)
+        assert isinstance(answer, P.WeightsUpdated) and answer.replicas == 1 and not answer.error
+
+        def dropped() -> bool:
+            replica.send(beat)
+            return status(rt).registered == 0
+
+        wait_for(dropped, 20, "the replica, loaded and still generating nothing, to be dropped as stalled")
+        client.close(0)
+        replica.close()
+    finally:
+        rt.close()

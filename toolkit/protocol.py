@@ -185,6 +185,8 @@ class GroupStatus(Message):
     """The sum of its ready replicas' highest decode rates seen (what the group can do when full)."""
     peak_request_tokens_per_s: float = 0.0
     """The highest per-request rate seen on one of its ready replicas (about a request alone there)."""
+    stale_weights: int = 0
+    """Registered replicas kept out of service because they could not load the run's current weights."""
 
 
 class StepProgress(Message):

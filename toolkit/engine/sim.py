@@ -190,6 +190,12 @@ def _plan_structured(cfg: SimEngineConfig, structured: Structured, tokenizer: To
     return tokens[:budget], logprobs[:budget], finish
 
 
+def _checkpoint_exists(path: str) -> None:
+    # On the loop, unlike vLLM's check: a thread hop would let steps pass before an in-place switch.
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory {path}")
+
+
 class SimEngine(Engine):
     def __init__(self, cfg: SimEngineConfig) -> None:
         self.cfg = cfg
@@ -275,7 +281,9 @@ class SimEngine(Engine):
 
     async def load_weights(self, path: str, version: int) -> None:
         """The simulator has no weights: a reload only bumps the version and empties the prefix cache
-        (cached KV of the old weights is useless), as a real engine's reload does."""
+        (cached KV of the old weights is useless), as a real engine's reload does. A checkpoint
+        directory that is not there fails, as it does in vLLM."""
+        _checkpoint_exists(path)
         self.cache.blocks.clear()
         self.weight_version = version
 
@@ -285,6 +293,7 @@ class SimEngine(Engine):
         lists both for a request that straddles it). The prefix cache is emptied and the running
         sequences' contexts are prefilled again in the next step (the old weights' KV is discarded, as
         the vllm backend does). Requests in flight go on; none is aborted."""
+        _checkpoint_exists(path)
         if self._task is None or self._task.done():
             await self.load_weights(path, version)
             return

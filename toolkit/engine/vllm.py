@@ -327,8 +327,14 @@ class VllmEngine(Engine):
     async def load_weights(self, path: str, version: int) -> None:
         if not await asyncio.to_thread(os.path.isdir, path):
             raise FileNotFoundError(f"no checkpoint directory {path}")
-        await self._reload(path)
-        await self.llm.update_weight_version(str(version))
+        try:
+            await self._reload(path)
+            await self.llm.update_weight_version(str(version))
+        except BaseException as exc:
+            # Half loaded, as in update_weights_in_place: the engine counts as dead and the replica
+            # restarts it on the last good weights, rather than serving these under the old version.
+            self.broken = f"update to {path} failed: {type(exc).__name__}: {exc}"
+            raise
         self.weights_path = path
         self.weight_version = version
 

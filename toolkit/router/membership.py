@@ -46,6 +46,8 @@ class MembershipMixin:
     refuse_retired: Callable[[bytes, str], bool]
     shutdown_if_idle: Callable[[Replica], None]
     _push_weights: Callable[[Replica], None]
+    loading_weights: Callable[[Replica], bool]
+    retry_weights: Callable[[Replica, float], bool]
     _fail: Callable[[Request, str, str], None]
 
     def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
@@ -141,10 +143,12 @@ class MembershipMixin:
         for r in list(self.replicas.values()):
             if now - r.last_seen > silent_after:
                 self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
-            elif r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s:
+            elif (r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s
+                  and not self.loading_weights(r)):
                 # Heartbeats alone prove nothing: an engine can beat while generation hangs.
                 self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
-            elif not r.ready and not r.draining and now - r.probe_sent_at > self.rcfg.probe_timeout_s:
+            elif (not r.ready and not r.draining and now - r.probe_sent_at > self.rcfg.probe_timeout_s
+                  and not self.retry_weights(r, now)):
                 logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
                                self.rcfg.probe_timeout_s)
                 self._probe(r)

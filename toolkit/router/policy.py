@@ -48,6 +48,11 @@ class Replica:
     draining: bool = False
     """Drained (``Drain``): out of dispatch, its in-flight requests finish or move; then ``Shutdown``."""
     shutdown_sent: bool = False
+    weights_error: str = ""
+    """Why it could not load the run's current weights: it stays out of service, asked again each
+    ``router.probe_timeout_s``."""
+    awaiting_weights: bool = False
+    """Its probe passed before it acknowledged the run's current weights: ready once it has."""
     speed: SpeedMeter = field(default_factory=SpeedMeter)
     """Its decode rate and the rate one running request gets, learned from heartbeats."""
 

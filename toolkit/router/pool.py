@@ -163,6 +163,7 @@ class ReplicaPool:
                 request_tokens_per_s=max((r.speed.request_tokens_per_s for r in serving), default=0.0),
                 peak_tokens_per_s=sum(r.speed.peak_tokens_per_s for r in serving),
                 peak_request_tokens_per_s=max((r.speed.peak_request_tokens_per_s for r in serving), default=0.0),
+                stale_weights=sum(bool(r.weights_error) for r in members),
             )
         return out
 

@@ -342,7 +342,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         if res.request_id.startswith(PROBE_PREFIX):
             if r is not None and not r.ready and not r.draining:
                 if res.status == "ok" and res.output_token_ids:
-                    self.pool.set_ready(r)
+                    if self.holds_current_weights(r):
+                        self.pool.set_ready(r)
+                    else:  # serves once it has the run's weights (WeightsMixin.weights_updated)
+                        r.awaiting_weights = True
                 else:
                     logger.warning("probe of %s failed: %s %s", r.replica_id, res.status, res.error)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from toolkit import protocol as P
@@ -29,6 +30,7 @@ class WeightsMixin:
     weights: P.UpdateWeights | None
     weight_acks: dict[bytes, tuple[int, str]]
     weight_waiters: dict[tuple[str, int], set[bytes]]
+    pool: Any
 
     def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
         """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
@@ -66,6 +68,15 @@ class WeightsMixin:
         if self.weights is not None:
             send_msg(self.backend, r.identity, self.weights)
 
+    def holds_current_weights(self, r: Replica) -> bool:
+        """Whether ``r`` acknowledged the latest weights the router handed out (or there are none): a
+        replica enters service only then, so no request runs on weights the run has left behind."""
+        return self.weights is None or self.weight_acks.get(r.identity) == (self.weights.version, "")
+
+    def loading_weights(self, r: Replica) -> bool:
+        """``r`` was handed the latest weights and has not answered yet (its engine may be paused)."""
+        return self.weights is not None and self.weight_acks.get(r.identity, (None, ""))[0] != self.weights.version
+
     def weights_updated(self, ident: bytes, msg: P.WeightsUpdated) -> None:
         r = self.replicas.get(ident)
         if r is None:
@@ -75,7 +86,24 @@ class WeightsMixin:
         else:
             logger.info("replica %s has weights version %d", r.replica_id, msg.version)
         self.weight_acks[ident] = (msg.version, msg.error)
+        r.progress_at = time.monotonic()  # a load pauses generation: the stall clock starts after it
+        current = self.weights is not None and msg.version == self.weights.version
+        r.weights_error = msg.error if current and not r.ready else ""
+        if r.awaiting_weights and self.holds_current_weights(r):
+            r.awaiting_weights = False
+            self.pool.set_ready(r)
         self._answer_weights()
+
+    def retry_weights(self, r: Replica, now: float) -> bool:
+        """The sweep's part for a replica kept out of service by a failed load: hand it the weights
+        again (a file system's hiccup passes; a checkpoint gone for good keeps it out, said each time)."""
+        if not r.weights_error:
+            return False
+        logger.warning("replica %s stays out of service: it could not load weights version %d (%s); asking again",
+                       r.replica_id, self.weights.version if self.weights else -1, r.weights_error)
+        r.probe_sent_at = now
+        self._push_weights(r)
+        return True
 
     def _answer_weights(self) -> None:
         """Answer the clients whose update every ready replica has acknowledged (or one failed), once
