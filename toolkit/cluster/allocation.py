@@ -195,7 +195,8 @@ class AllocationCluster(Cluster):
                                                      "--first-step", str(first_step)],
                           "ranks.out", extra=[f"--mpi={self.c.mpi}"])
 
-    def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:
+    def stop_all(self, grace_s: float = 5.0, sweep: bool = True) -> list[ProcessRef]:
+        """Its own job steps only (``sweep`` has nothing more to reach: no pid file sweep here)."""
         for c in self.components:
             if c.alive():
                 c.cancel()

@@ -253,8 +253,9 @@ class SlurmCluster(Cluster):
                             extra={"ntasks": n}, requeue=False)
         return self._track_job("ranks", self._submit(ex, ranks_task, str(self.run_dir.root), first_step))
 
-    def stop_all(self, grace_s: float = 5.0) -> list[ProcessRef]:
-        """scancel every job of the run, then wait until squeue no longer lists any of them."""
+    def stop_all(self, grace_s: float = 5.0, sweep: bool = True) -> list[ProcessRef]:
+        """scancel every job this launch submitted, then wait until squeue no longer lists any of them
+        (``sweep`` has nothing more to reach: no pid file sweep here)."""
         ids = [c.job_id for c in self.components if isinstance(c, SlurmJobComponent)]
         scancel(ids)
         # Slurm sends SIGTERM, then SIGKILL after its KillWait; allow for both plus a slow controller.
