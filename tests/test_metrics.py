@@ -190,3 +190,20 @@ def test_the_routers_lock_free_histogram_exposes_what_prometheus_clients_would()
     mine = CollectorRegistry()
     mine.register(One())  # type: ignore[arg-type]
     assert samples(generate_latest(mine).decode()) == samples(generate_latest(reference).decode())
+
+
+def test_a_component_off_the_routers_node_serves_its_metrics_on_its_own(tmp_path: Path) -> None:
+    """router.host names the router's node: a replica or rank elsewhere binding it would fail (EADDRNOTAVAIL)."""
+    from prometheus_client import CollectorRegistry
+
+    from toolkit.metrics import Endpoint
+    from toolkit.rundir import RunDir
+    from toolkit.sockets import node_address, own_bind_host
+
+    assert own_bind_host("127.0.0.1", "local") == "127.0.0.1" and own_bind_host(None, "local") == "127.0.0.1"
+    host = own_bind_host("192.0.2.7", "slurm")  # TEST-NET-1: no interface of this machine has it
+    ep = Endpoint(CollectorRegistry(), host, RunDir(tmp_path), "rank-1", {})
+    try:
+        assert ep.target == f"{node_address()}:{ep.port}"
+    finally:
+        ep.close()

@@ -14,12 +14,12 @@ import contextlib
 import json
 import logging
 import os
-import socket
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.sockets import node_address
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Endpoint:
                  labels: dict[str, str]) -> None:
         self._server, self._thread = start_http_server(0, addr=host, registry=registry)
         self.port = int(self._server.server_port)
-        shown = socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
+        shown = node_address() if host in ("0.0.0.0", "::", "*") else host
         self.target = f"{shown}:{self.port}"
         self.path = run_dir.metrics / f"{name}.json"
         atomic_write(self.path, json.dumps({"target": self.target, "pid": os.getpid(),

@@ -76,6 +76,15 @@ def bind_host(host: str | None, cluster_type: str) -> str:
     return "127.0.0.1" if cluster_type == "local" else "0.0.0.0"
 
 
+def own_bind_host(host: str | None, cluster_type: str) -> str:
+    """Where a component other than the router listens (its ``/metrics``): ``router.host`` names the
+    router's node, so it binds here only when it is loopback (everything on one machine); any other
+    address binds every interface, which is this node's on whichever node the component landed."""
+    if host is not None and host not in ("127.0.0.1", "localhost", "::1"):
+        return "0.0.0.0"
+    return bind_host(host, cluster_type)
+
+
 def node_address() -> str:
     """This node's name as other nodes reach it: the hostname if it resolves, else the address of
     the interface that routes outwards."""

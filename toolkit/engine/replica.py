@@ -47,7 +47,7 @@ from toolkit.lifecycle import ProcessRef, stdout_file, write_pidfile
 from toolkit.metrics import Endpoint
 from toolkit.rundir import RunDir, atomic_write
 from toolkit.security import client_curve
-from toolkit.sockets import RouterLink, bind_host
+from toolkit.sockets import RouterLink, own_bind_host
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ReplicaServer:
         self._record_engine_pids()
         endpoint = None
         if self.metrics is not None:
-            endpoint = Endpoint(self.metrics.registry, bind_host(self.cfg.router.host, self.cfg.cluster.type),
+            endpoint = Endpoint(self.metrics.registry, own_bind_host(self.cfg.router.host, self.cfg.cluster.type),
                                 self.run_dir, self.name, {"job": self.cfg.job, "group": self.group,
                                                           "replica": self.replica_id})
         self.link.connect(addr["backend"])

@@ -48,7 +48,7 @@ from toolkit.rollout.stepreport import RequestLog, step_report, write_step_repor
 from toolkit.rollout.stepweights import StepWeights
 from toolkit.rollout.tokenizer import load_tokenizer
 from toolkit.rundir import RunDir, atomic_write
-from toolkit.sockets import bind_host
+from toolkit.sockets import own_bind_host
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class RankRunner:
         await self.client.connect(self.cfg.cluster.ready_timeout_s)
         endpoint = None
         if self.metrics is not None:
-            endpoint = Endpoint(self.metrics.registry, bind_host(self.cfg.router.host, self.cfg.cluster.type),
+            endpoint = Endpoint(self.metrics.registry, own_bind_host(self.cfg.router.host, self.cfg.cluster.type),
                                 self.run_dir, f"rank-{self.rank}", {"job": self.cfg.job, "rank": str(self.rank)})
         try:
             if self.agent is not None:
