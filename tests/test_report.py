@@ -69,3 +69,33 @@ def test_the_summary_is_a_table_and_json_is_for_machines(tmp_path: Path) -> None
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == REPORT
+
+
+def test_the_step_reports_tokens_are_the_engines_not_the_rows(tmp_path: Path) -> None:
+    """A gateway session's n=2 turn makes two rows that share the first turn: the engines made 120
+    tokens, the rows hold 220."""
+    from toolkit.config import compose_config
+    from toolkit.protocol import Result
+    from toolkit.rollout.columns import ColumnBuilder
+    from toolkit.rollout.sample import Sample
+    from toolkit.rollout.stepreport import RequestLog, step_report
+
+    cfg = compose_config([])
+    groups = list(cfg.groups)
+    log = RequestLog()
+    first = Result("s/1", output_token_ids=[5] * 100, logprobs=[-0.1] * 100, group="throughput")
+    log.add(first, None, 10, 0.0, 1.0, 0)
+    builder = ColumnBuilder(groups)
+    for k in range(2):
+        choice = Result(f"s/2/{k}", output_token_ids=[6 + k] * 10, logprobs=[-0.1] * 10, group="throughput")
+        log.add(choice, None, 110, 1.0, 2.0, 0)
+        s = Sample.start(0, "s", [1] * 10)
+        s.add_turn(list(s.tokens), first)
+        s.add_turn(list(s.tokens), choice)
+        s.branch = k
+        builder.add(s)
+    log.sessions_done_at.append(2.0)
+    cols = builder.columns()
+    assert int(cols["generated_tokens"].sum()) == 220
+    report = step_report(0, 2.0, 0.0, cols, log.columns(groups), groups, cfg, None)
+    assert report["generated_tokens"] == 120 and report["tokens_per_s"] == 60.0

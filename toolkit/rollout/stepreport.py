@@ -89,7 +89,9 @@ def completion(done_at: np.ndarray, t0: float) -> dict[str, float | None]:
 def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns, group_names: list[str],
                 cfg: Config, flip: dict[str, Any] | None,
                 speeds: dict[str, GroupStatus] | None = None) -> dict[str, Any]:
-    gen = int(cols["generated_tokens"].sum())
+    # What the engines generated for the step's requests: summing the samples' counts would count a
+    # gateway session's shared turns once per branch (n > 1, a rewritten history).
+    gen = int(req["output_tokens"].sum())
     by_group: dict[str, Any] = {}
     for i, g in enumerate(group_names):
         sel = req["group"] == i
