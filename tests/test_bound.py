@@ -8,7 +8,7 @@ import pytest
 
 from toolkit.config import compose_config, group_engine
 from toolkit.engine.sim import step_seconds
-from toolkit.protocol import Result
+from toolkit.protocol import GroupStatus, Result
 from toolkit.rollout.bound import step_bound
 from toolkit.rollout.stepreport import RequestLog
 
@@ -65,6 +65,9 @@ def test_many_short_sessions_on_one_replica_are_bound_by_throughput() -> None:
     two = step_bound(compose_config(["groups=single", "groups.throughput.replicas=2", "engine.time_scale=1.0",
                                      "engine.max_num_seqs=8"]), req, wall_s=5.0)
     assert two is not None and two["bound"]["throughput_s"] == pytest.approx(b["bound_s"] / 2)
+    # So do two serving at the step's end when the config says one (toolkit.scale added one).
+    scaled = step_bound(cfg, req, wall_s=5.0, measured={"throughput": GroupStatus(registered=2, ready=2)})
+    assert scaled is not None and scaled["bound"]["throughput_s"] == pytest.approx(b["bound_s"] / 2)
 
 
 def test_requests_that_never_ran_cost_nothing() -> None:

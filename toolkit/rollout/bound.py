@@ -76,14 +76,16 @@ def has_time_model(cfg: Config) -> bool:
 
 def step_bound(cfg: Config, req: Columns, wall_s: float,
                measured: dict[str, GroupStatus] | None = None) -> dict[str, Any] | None:
-    """The step's bound from its requests: from the sim's time model if every group runs the sim,
-    else from ``measured`` (the router's per-group status at the step's end), else None."""
+    """The step's bound from its requests: from the sim's time model if every group runs the sim (with
+    as many replicas per group as ``measured`` says serve at the step's end: ``toolkit.scale`` may
+    have changed the configured counts), else from ``measured``'s learned speeds, else None."""
     ran = req["output_tokens"] > 0  # requests that never ran (client errors, timeouts in the queue) cost nothing
     if not ran.any():
         return None
     req = {k: v[ran] for k, v in req.items() if k != "session_done_at"}
     if has_time_model(cfg):
-        return _modelled(cfg, {g: group_engine(cfg, g) for g in cfg.groups}, req, wall_s)
+        counts = {g: measured[g].ready if measured and g in measured else cfg.groups[g].replicas for g in cfg.groups}
+        return _modelled({g: group_engine(cfg, g) for g in cfg.groups}, counts, req, wall_s)
     if measured:
         return _measured(req, req["output_tokens"].astype(np.float64), measured, wall_s)
     return None
@@ -133,9 +135,9 @@ def _new_tokens(req: Columns, call: np.ndarray) -> np.ndarray:
     return new
 
 
-def _modelled(cfg: Config, engines: dict[str, Any], req: Columns, wall_s: float) -> dict[str, Any] | None:
-    groups = {g: _Costs(c) for g, c in engines.items() if cfg.groups[g].replicas > 0}  # scaled to zero: none
-    replicas = sum(cfg.groups[g].replicas for g in groups)
+def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wall_s: float) -> dict[str, Any] | None:
+    groups = {g: _Costs(c) for g, c in engines.items() if counts[g] > 0}  # scaled to zero: none
+    replicas = sum(counts[g] for g in groups)
     if not groups:
         return None
     out = req["output_tokens"].astype(np.float64)

@@ -27,7 +27,6 @@ from toolkit.errors import RouterUnavailable, ToolkitError
 from toolkit.lifecycle import ProcessRef, quiet_gc
 from toolkit.metrics import Endpoint
 from toolkit.protocol import Generate, GroupStatus, Sampling
-from toolkit.rollout.bound import has_time_model
 from toolkit.rollout.columns import (
     STAT_COLUMNS,
     ColumnBuilder,
@@ -179,9 +178,9 @@ class RankRunner:
             table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
             shard = write_shard(self.run_dir, step, self.rank, table)
             cols = {name: cols[name] for name in STAT_COLUMNS}
-        # Rank 0's sessions are done: the speeds for the step's bound, while the other ranks finish
+        # Rank 0's sessions are done: the groups for the step's bound, while the other ranks finish
         # theirs (not counted in the step's wall time beyond what they take anyway).
-        speeds = await self._measured_speeds() if self.rank == 0 else None
+        speeds = await self._group_status() if self.rank == 0 else None
         # Everyone is at the gather before it starts: blocking collectives spin a core while they
         # wait, and the cores belong to the engines and the router until the last session ends.
         await async_barrier(self.comm)
@@ -193,11 +192,9 @@ class RankRunner:
             assert gathered is not None and requests is not None
             self._write_step(step, t0, gathered, requests, shards, speeds)
 
-    async def _measured_speeds(self) -> dict[str, GroupStatus] | None:
-        """Rank 0, for the step's bound with engines that have no time model (not the sim): the speeds
-        the router learned from heartbeats. None if all groups run the sim or the router is silent."""
-        if has_time_model(self.cfg):
-            return None
+    async def _group_status(self) -> dict[str, GroupStatus] | None:
+        """Rank 0, for the step's bound: the router's groups at the step's end (the replicas serving;
+        for engines with no time model, the speeds it learned from heartbeats). None if it is silent."""
         try:
             return (await self.client.status(timeout_s=5.0)).groups
         except RouterUnavailable as exc:
