@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.conftest import compose_config, with_client
+from tests.conftest import compose_config, wait_for, with_client
 from toolkit import protocol as P
 from toolkit.client import RouterClient, router_status, send_drain
 from toolkit.config import Config
@@ -425,3 +425,30 @@ def test_no_replica_reaches_the_step_report_by_name() -> None:
     log.add(P.Result("s"), None, 3, 0.0, 1.0, 0)
     codes = log.columns(["throughput", "tail"])["status"].tolist()
     assert [P.STATUSES[c] for c in codes] == ["no_replica", "ok"]
+
+
+@pytest.mark.timeout(60)
+def test_a_groups_token_count_never_jumps_when_a_replica_registers_again(rt: RouterThread) -> None:
+    """Counted from heartbeat increments: a replica that registers again reports its engine's lifetime
+    total in its first heartbeat, which is a baseline, not new tokens."""
+    a = FakeReplica(rt, "throughput-0")
+    a.become_ready()
+
+    def beat(n: int) -> None:
+        a.send(P.Heartbeat(a.replica_id, generated_tokens=n))
+
+    def seen() -> int:
+        return status(rt).generated_tokens
+
+    beat(1000)  # the engine's total so far: the baseline
+    beat(1500)
+    wait_for(lambda: seen() == 500, 10, "500 tokens")
+    a.send(a.register)  # registers again (as with a restarted router)
+    a.become_ready()
+    beat(2000)
+    beat(2100)
+    wait_for(lambda: seen() == 600, 10, "100 more")
+    beat(40)  # its engine restarted: counts from 0 again
+    beat(90)
+    wait_for(lambda: seen() == 650, 10, "50 more")
+    a.close()

@@ -174,7 +174,8 @@ class GroupStatus(Message):
     ready: int = 0
     inflight: int = 0
     generated_tokens: int = 0
-    """Tokens its registered replicas' engines report generated (as of their last heartbeat)."""
+    """Tokens its replicas generated since this router started, summed from their heartbeats' increments
+    (monotonic: a replica that registers again, or whose engine restarts, is not counted twice)."""
     draining: int = 0
     """Registered replicas being drained (``Drain``): they take no new request; not counted in ``ready``."""
     tokens_per_s: float = 0.0

@@ -61,6 +61,9 @@ class MembershipMixin:
         r.prefix_hits, r.prefix_queries = msg.prefix_hits, msg.prefix_queries
         r.weight_version = msg.weight_version
         r.speed.update(r.last_seen, msg.generated_tokens, msg.running)
+        if r.heartbeats:  # the first heartbeat after (re-)registering sets the baseline, counted before
+            self.pool.tokens_seen[r.group] += max(0, msg.generated_tokens - r.generated)  # < 0: engine restarted
+        r.heartbeats += 1
         if msg.generated_tokens != r.generated:
             r.generated = msg.generated_tokens
             r.progress_at = r.last_seen

@@ -158,9 +158,12 @@ class RouterMetrics(Collector):
             "speed": ("toolkit_router_replica_tokens_per_second", "Decode rate learned from heartbeats",
                       GaugeMetricFamily, lambda x: x.speed.tokens_per_s),
         }
+        # Only replicas heard from: one that registers again (a router restart, a drop) would show its
+        # engine's counters as 0 until its first heartbeat, and Prometheus would read a reset.
+        heard = [rep for rep in replicas if rep.heartbeats]
         for name, help_text, kind, value in per_replica.values():
             fam = kind(name, help_text, labels=["replica", "group"])
-            for rep in replicas:
+            for rep in heard:
                 fam.add_metric([rep.replica_id, rep.group], value(rep))
             yield fam
         events = CounterMetricFamily("toolkit_router_events", "Router events: flips, migrations by reason, "

@@ -48,6 +48,8 @@ class Replica:
     draining: bool = False
     """Drained (``Drain``): out of dispatch, its in-flight requests finish or move; then ``Shutdown``."""
     shutdown_sent: bool = False
+    heartbeats: int = 0
+    """Heartbeats received since it registered: its engine's counters are known only after the first."""
     weights_error: str = ""
     """Why it could not load the run's current weights: it stays out of service, asked again each
     ``router.probe_timeout_s``."""

@@ -43,6 +43,8 @@ class ReplicaPool:
         """Slots of the serving replicas per group; changes only when one joins or leaves."""
         self.limits: dict[str | None, tuple[int, int]] = {}
         """Smallest (max_model_len, vocab_size) over each group's serving replicas."""
+        self.tokens_seen: Counter[str] = Counter()
+        """Tokens each group generated since this router started (heartbeat increments)."""
         self.free_sets: dict[str | None, dict[Replica, None]] = {None: {}}
         """Serving replicas with a free slot (insertion-ordered sets)."""
         if reserved is not None:
@@ -157,7 +159,7 @@ class ReplicaPool:
                 registered=len(members),
                 ready=len(serving),
                 inflight=sum(r.load for r in members),
-                generated_tokens=sum(r.generated for r in members),
+                generated_tokens=self.tokens_seen[name],
                 draining=sum(r.draining for r in members),
                 tokens_per_s=sum(r.speed.tokens_per_s for r in serving),
                 request_tokens_per_s=max((r.speed.request_tokens_per_s for r in serving), default=0.0),
