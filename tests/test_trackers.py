@@ -59,6 +59,22 @@ def test_a_tracker_that_fails_is_dropped_and_the_others_go_on(tmp_path: Path) ->
     assert steady.closed and not flaky.closed
 
 
+def test_a_tracker_that_hangs_in_close_is_left_behind(tmp_path: Path) -> None:
+    """wandb.finish can hang on an upload: the launch's exit (and a requeue in Slurm's grace) goes on."""
+    import threading
+
+    release = threading.Event()
+    hung, other = Flaky(), Flaky()
+    hung.close = lambda: release.wait(60)  # type: ignore[method-assign]
+    trackers = Trackers([], RunDir(tmp_path), {}, {})
+    trackers.trackers = {"hung": hung, "other": other}
+    try:
+        trackers.close(timeout_s=0.2)
+        assert other.closed and trackers.trackers == {}
+    finally:
+        release.set()
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_wandb_offline_and_tensorboard_hold_every_step_report(tmp_path: Path) -> None:

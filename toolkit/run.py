@@ -290,7 +290,10 @@ class Run:
         self.replicas.tick(self.address["frontend"], self.curve, status)
         self.progress.update(status, self.replicas.restarts)
         if status is not None and self.cfg.report.metrics:
-            write_targets(self.run_dir)  # endpoints come and go with restarted components
+            try:
+                write_targets(self.run_dir)  # endpoints come and go with restarted components
+            except OSError as exc:  # a shared file system's hiccup: the next second tries again
+                logger.warning("could not write %s: %s", self.run_dir.prometheus_targets, exc)
 
     def summary(self) -> dict[str, Any]:
         reps = self.step_reports
@@ -346,9 +349,6 @@ class Run:
     # ---- teardown --------------------------------------------------------------------------
     def teardown(self) -> None:
         self.progress.close()
-        if self.trackers is not None:
-            self.trackers.close()
-            self.trackers = None
         from toolkit.engine.base import ENGINES
 
         # Each backend's own time to close (vLLM's shutdown waits on its workers), then stop by pid.
@@ -358,6 +358,10 @@ class Run:
         survivors = self.cluster.stop_all(grace, sweep=not self.superseded)
         if survivors:
             logger.error("processes still alive after teardown: %s", [(r.pid, r.name) for r in survivors])
+        # After the components: a tracker's upload (wandb.finish) may take its time; the GPUs are free.
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 def progress_line(rep: dict[str, Any], steps: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -54,6 +55,9 @@ def _make(name: str, run_dir: RunDir, config: dict[str, Any], options: dict[str,
     return tracker
 
 
+CLOSE_TIMEOUT_S = 60.0
+
+
 class Trackers:
     """The run's trackers; a tracker that fails to log is reported once and dropped, never the run."""
 
@@ -75,10 +79,21 @@ class Trackers:
                 logger.error("tracker %s failed to log step %s (%r); it logs nothing more", name, report["step"], exc)
                 self.trackers.pop(name)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Each tracker's close, bounded by ``timeout_s`` (a stalled upload must not hold the launch's
+        exit, nor a requeue in the grace Slurm gave it): one still closing then is left to its thread."""
         for name, tracker in self.trackers.items():
-            try:
-                tracker.close()
-            except Exception as exc:
-                logger.error("tracker %s failed to close: %r", name, exc)
+            done = threading.Event()
+
+            def close(tracker: Tracker = tracker, name: str = name, done: threading.Event = done) -> None:
+                try:
+                    tracker.close()
+                except Exception as exc:
+                    logger.error("tracker %s failed to close: %r", name, exc)
+                finally:
+                    done.set()
+
+            threading.Thread(target=close, name=f"close-{name}", daemon=True).start()
+            if not done.wait(timeout_s):
+                logger.error("tracker %s did not close within %.0fs; leaving it", name, timeout_s)
         self.trackers = {}
