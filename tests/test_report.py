@@ -99,3 +99,20 @@ def test_the_step_reports_tokens_are_the_engines_not_the_rows(tmp_path: Path) ->
     assert int(cols["generated_tokens"].sum()) == 220
     report = step_report(0, 2.0, 0.0, cols, log.columns(groups), groups, cfg, None)
     assert report["generated_tokens"] == 120 and report["tokens_per_s"] == 60.0
+
+
+def test_the_timeline_draws_the_last_steps_of_a_long_run(tmp_path: Path) -> None:
+    from toolkit.report import TIMELINE_STEPS, draw_timeline
+    from toolkit.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.timelines.mkdir(parents=True)
+    for k in range(40):
+        rd.timeline("rollout", k).write_text(json.dumps(
+            {"job": "rollout", "step": k, "t0": 1000.0 + k, "events": [[0.1, "tail", 1], [0.5, "tail", 0]]}))
+    png = draw_timeline(tmp_path)
+    assert png is not None
+    from matplotlib import image
+
+    height = image.imread(png).shape[0]  # pixels: a panel per drawn step
+    assert height == round((2.4 * TIMELINE_STEPS + 0.6) * 110)

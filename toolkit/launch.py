@@ -111,7 +111,10 @@ def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int, lease
     r.write_report(summary)
     from toolkit.report import draw_timeline
 
-    draw_timeline(run_dir.root)
+    try:
+        draw_timeline(run_dir.root)
+    except Exception as exc:  # a figure: the run and its files are whole without it
+        logger.warning("could not draw %s: %r", run_dir.timeline_png, exc)
     print_summary(console, summary, run_dir)
     return summary
 

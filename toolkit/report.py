@@ -28,9 +28,14 @@ def load_timelines(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: (d["job"], d["step"]))
 
 
-def draw_timeline(run_dir: Path, path: Path | None = None) -> Path | None:
-    """Draw ``timeline.png``; None when the router recorded no step."""
-    steps = load_timelines(run_dir)
+TIMELINE_STEPS = 12
+"""Steps ``timeline.png`` draws (the last ones): one panel each, so a long run's figure stays a figure."""
+
+
+def draw_timeline(run_dir: Path, path: Path | None = None, last: int = TIMELINE_STEPS) -> Path | None:
+    """Draw ``timeline.png`` of the last ``last`` steps; None when the router recorded no step."""
+    latest = sorted(load_timelines(run_dir), key=lambda d: d.get("t0", 0.0))[-last:]
+    steps = sorted(latest, key=lambda d: (d["job"], d["step"]))
     if not steps:
         return None
     import matplotlib
