@@ -116,3 +116,25 @@ def test_the_timeline_draws_the_last_steps_of_a_long_run(tmp_path: Path) -> None
 
     height = image.imread(png).shape[0]  # pixels: a panel per drawn step
     assert height == round((2.4 * TIMELINE_STEPS + 0.6) * 110)
+
+
+def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path) -> None:
+    from toolkit.report import current_report
+    from toolkit.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    rd.steps.mkdir(parents=True)
+    assert current_report(rd) is None
+    for k in range(2):
+        rd.step_report(k).write_text(json.dumps(step(k)))
+    rd.lease.write_text(json.dumps({"epoch": 1, "released": False}))
+    live = current_report(rd)
+    assert live is not None and live["status"] == "running" and [s["step"] for s in live["steps"]] == [0, 1]
+    out = subprocess.run([sys.executable, "-m", "toolkit.report", str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "step" in out.stdout, out.stderr
+    # The launch ended and wrote its report: that one, whole.
+    rd.report.write_text(json.dumps({**REPORT, "status": "ok", "steps": [step(0), step(1)]}))
+    rd.lease.write_text(json.dumps({"epoch": 1, "released": True}))
+    done = current_report(rd)
+    assert done is not None and done["status"] == "ok" and done["summary"] == REPORT["summary"]

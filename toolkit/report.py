@@ -201,15 +201,34 @@ def summary_table(summary: dict[str, Any]) -> Table:
     return table
 
 
+def current_report(rd: RunDir) -> dict[str, Any] | None:
+    """``report.json`` with every step report on disk: a run still going (or killed, or resumed and
+    going again) has steps its last report.json does not hold yet, or none at all."""
+    from toolkit.samples import steps
+
+    report = read_json(rd.report)
+    on_disk = [r for r in (read_json(rd.step_report(k)) for k in steps(rd)) if r]
+    if report is None and not on_disk:
+        return None
+    lease = read_json(rd.lease)
+    held = isinstance(lease, dict) and not lease.get("released", False)
+    report = dict(report or {"run_dir": str(rd.root), "status": "stopped without a report", "summary": None})
+    if held or {r.get("step") for r in on_disk} - {r.get("step") for r in report.get("steps") or []}:
+        report["status"] = "running" if held else report["status"]
+        report["steps"] = on_disk
+        report["summary"] = None  # report.json's, if any, is of an earlier launch
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.report", description=__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--json", action="store_true", help="print report.json (steps and summary) and stop")
     args = parser.parse_args(argv)
     console = Console()
-    report = read_json(RunDir(args.run_dir).report)
+    report = current_report(RunDir(args.run_dir))
     if report is None:
-        console.print(f"[red]error:[/red] no report.json in {args.run_dir}")
+        console.print(f"[red]error:[/red] neither report.json nor a step report in {args.run_dir}")
         return 2
     if args.json:
         print(json.dumps(report, indent=1))
