@@ -162,9 +162,18 @@ class RankRunner:
             for sample in await run(step, index, sem, log):
                 builder.add(sample)
 
+        sessions = asyncio.gather(*(packed(i) for i in mine))
         try:
-            await asyncio.gather(*(packed(i) for i in mine))
+            if follow is not None:
+                # A load that fails mid-step ends the run: at once, not once every session has ended.
+                await asyncio.wait({sessions, follow}, return_when=asyncio.FIRST_COMPLETED)
+                if follow.done() and not follow.cancelled() and follow.exception() is not None:
+                    sessions.cancel()
+                    await asyncio.gather(sessions, return_exceptions=True)
+                    await follow  # raises the load's error
+            await sessions
         except BaseException:
+            sessions.cancel()
             if follow is not None:
                 follow.cancel()  # the step failed: its error is the one to report, not a load's
             raise
