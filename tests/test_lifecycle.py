@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,11 @@ def test_a_pid_recorded_without_its_start_time_is_never_signalled() -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         stop_processes([ProcessRef(sleeper.pid, None, "recorded too late")], grace_s=0.5)
+        assert sleeper.poll() is None
+        # Recorded on another machine (a Slurm compute node): that pid is not this machine's.
+        remote = ProcessRef.decode(dataclasses.replace(ProcessRef.of(sleeper.pid), host="node-17").encode())
+        assert remote.host == "node-17" and not remote.alive()
+        stop_processes([remote], grace_s=0.5)
         assert sleeper.poll() is None
         # Known twice, once with its start time: that one is the process, and it is stopped.
         assert stop_processes([ProcessRef.of(sleeper.pid), ProcessRef(sleeper.pid, None)], grace_s=5) == []

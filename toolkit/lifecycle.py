@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,16 +43,26 @@ class ProcessRef:
     pid: int
     start: int | None
     name: str = ""
+    host: str = ""
+    """The machine it runs on ("": this one, as recorded before hosts were): a pid means nothing on
+    another (a resume's launch reading pid files a Slurm compute node wrote)."""
 
     @classmethod
     def of(cls, pid: int, name: str = "") -> ProcessRef:
-        return cls(pid, start_time(pid), name)
+        return cls(pid, start_time(pid), name, socket.gethostname())
 
     @classmethod
     def self(cls, name: str = "") -> ProcessRef:
         return cls.of(os.getpid(), name)
 
+    @property
+    def here(self) -> bool:
+        return not self.host or self.host == socket.gethostname()
+
     def alive(self) -> bool:
+        """Whether it still runs (False for a process of another machine: not this one's to judge)."""
+        if not self.here:
+            return False
         now = start_time(self.pid)
         return now is not None and (self.start is None or now == self.start)
 
@@ -65,12 +76,12 @@ class ProcessRef:
                 pass
 
     def encode(self) -> str:
-        return json.dumps({"pid": self.pid, "start": self.start, "name": self.name})
+        return json.dumps({"pid": self.pid, "start": self.start, "name": self.name, "host": self.host})
 
     @classmethod
     def decode(cls, text: str) -> ProcessRef:
         d = json.loads(text)
-        return cls(int(d["pid"]), d.get("start"), d.get("name", ""))
+        return cls(int(d["pid"]), d.get("start"), d.get("name", ""), d.get("host", ""))
 
 
 def popen_logged(cmd: list[str], log: Path, **popen_kw: Any) -> subprocess.Popen[bytes]:
