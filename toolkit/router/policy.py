@@ -50,9 +50,11 @@ class Replica:
     shutdown_sent: bool = False
     heartbeats: int = 0
     """Heartbeats received since it registered: its engine's counters are known only after the first."""
+    loaded: int | None = None
+    """The weight version it last acknowledged loading (None: none yet; it serves the model's own)."""
     weights_error: str = ""
-    """Why it could not load the run's current weights: it stays out of service, asked again each
-    ``router.probe_timeout_s``."""
+    """Why its last load failed, while it is out of service: it stays out until it holds the run's
+    weights, asked again each ``router.probe_timeout_s``."""
     awaiting_weights: bool = False
     """Its probe passed before it acknowledged the run's current weights: ready once it has."""
     speed: SpeedMeter = field(default_factory=SpeedMeter)

@@ -74,6 +74,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         # Weights: the latest UpdateWeights (sent to every replica that registers), each replica's
         # acknowledged (version, error), and the clients waiting for a version by (path, version).
         self.weights: P.UpdateWeights | None = self._adopt_weights()
+        # The latest weights a replica acknowledged loading: the ones a replica must hold to serve.
+        self.good: P.UpdateWeights | None = None
         self.weight_acks: dict[bytes, tuple[int, str]] = {}
         self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
         # Scale-down: ids of replicas told to shut down; since when each target group had none serving.
@@ -343,6 +345,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             if r is not None and not r.ready and not r.draining:
                 if res.status == "ok" and res.output_token_ids:
                     if self.holds_current_weights(r):
+                        r.weights_error = ""
                         self.pool.set_ready(r)
                     else:  # serves once it has the run's weights (WeightsMixin.weights_updated)
                         r.awaiting_weights = True

@@ -28,6 +28,7 @@ class WeightsMixin:
     run_dir: Any
     files: Any
     weights: P.UpdateWeights | None
+    good: P.UpdateWeights | None
     weight_acks: dict[bytes, tuple[int, str]]
     weight_waiters: dict[tuple[str, int], set[bytes]]
     pool: Any
@@ -69,9 +70,10 @@ class WeightsMixin:
             send_msg(self.backend, r.identity, self.weights)
 
     def holds_current_weights(self, r: Replica) -> bool:
-        """Whether ``r`` acknowledged the latest weights the router handed out (or there are none): a
-        replica enters service only then, so no request runs on weights the run has left behind."""
-        return self.weights is None or self.weight_acks.get(r.identity) == (self.weights.version, "")
+        """Whether ``r`` may serve: it loaded the run's weights, the latest a replica has loaded (or no
+        replica has loaded any). One whose load failed where others' succeeded would serve older
+        weights than the rest; if a load failed everywhere, the replicas serve on their last good ones."""
+        return self.good is None or r.loaded == self.good.version
 
     def loading_weights(self, r: Replica) -> bool:
         """``r`` was handed the latest weights and has not answered yet (its engine may be paused)."""
@@ -85,24 +87,28 @@ class WeightsMixin:
             logger.error("replica %s failed to load weights version %d: %s", r.replica_id, msg.version, msg.error)
         else:
             logger.info("replica %s has weights version %d", r.replica_id, msg.version)
+            r.loaded = msg.version
+            if self.weights is not None and msg.version == self.weights.version:
+                self.good = self.weights
         self.weight_acks[ident] = (msg.version, msg.error)
         r.progress_at = time.monotonic()  # a load pauses generation: the stall clock starts after it
-        current = self.weights is not None and msg.version == self.weights.version
-        r.weights_error = msg.error if current and not r.ready else ""
+        r.weights_error = msg.error if not r.ready else ""
         if r.awaiting_weights and self.holds_current_weights(r):
             r.awaiting_weights = False
+            r.weights_error = ""
             self.pool.set_ready(r)
         self._answer_weights()
 
     def retry_weights(self, r: Replica, now: float) -> bool:
-        """The sweep's part for a replica kept out of service by a failed load: hand it the weights
-        again (a file system's hiccup passes; a checkpoint gone for good keeps it out, said each time)."""
-        if not r.weights_error:
+        """The sweep's part for a replica kept out of service by a failed load: hand it the run's
+        weights again (a file system's hiccup passes; a checkpoint gone for good keeps it out, said each
+        time)."""
+        if not (r.awaiting_weights and r.weights_error and self.good is not None):
             return False
         logger.warning("replica %s stays out of service: it could not load weights version %d (%s); asking again",
-                       r.replica_id, self.weights.version if self.weights else -1, r.weights_error)
+                       r.replica_id, self.good.version, r.weights_error)
         r.probe_sent_at = now
-        self._push_weights(r)
+        send_msg(self.backend, r.identity, self.good)
         return True
 
     def _answer_weights(self) -> None:
