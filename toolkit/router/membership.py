@@ -47,6 +47,7 @@ class MembershipMixin:
     shutdown_if_idle: Callable[[Replica], None]
     _push_weights: Callable[[Replica], None]
     loading_weights: Callable[[Replica], bool]
+    holds_current_weights: Callable[[Replica], bool]
     retry_weights: Callable[[Replica, float], bool]
     _fail: Callable[[Request, str, str], None]
 
@@ -91,6 +92,18 @@ class MembershipMixin:
         logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
         self._push_weights(r)
         self._probe(r)
+
+    def probe_answered(self, r: Replica, res: P.Result) -> None:
+        """A replica that serves its probe is ready, once it holds the run's weights too."""
+        if r.ready or r.draining:
+            return
+        if res.status != "ok" or not res.output_token_ids:
+            logger.warning("probe of %s failed: %s %s", r.replica_id, res.status, res.error)
+        elif self.holds_current_weights(r):
+            r.weights_error = ""
+            self.pool.set_ready(r)
+        else:  # ready once it acknowledges them (WeightsMixin.weights_updated)
+            r.awaiting_weights = True
 
     def _probe(self, r: Replica) -> None:
         """Readiness is a real generation, not a health flag: send one token's worth of work."""

@@ -342,15 +342,8 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def _on_result(self, ident: bytes, res: P.Result, payload: bytes) -> None:
         r = self.replicas.get(ident)
         if res.request_id.startswith(PROBE_PREFIX):
-            if r is not None and not r.ready and not r.draining:
-                if res.status == "ok" and res.output_token_ids:
-                    if self.holds_current_weights(r):
-                        r.weights_error = ""
-                        self.pool.set_ready(r)
-                    else:  # serves once it has the run's weights (WeightsMixin.weights_updated)
-                        r.awaiting_weights = True
-                else:
-                    logger.warning("probe of %s failed: %s %s", r.replica_id, res.status, res.error)
+            if r is not None:
+                self.probe_answered(r, res)
             return
         req = self.live.get(res.request_id)
         if req is None or r is None or req.replica != r.replica_id:
