@@ -126,27 +126,34 @@ def test_a_restarted_router_adopts_the_latest_weights(make_run, tmp_path: Path) 
 
 
 @contextlib.contextmanager
-def one_replica(tmp_path: Path, monkeypatch, disk: Callable[[Path, bytes | str], None]):  # type: ignore[no-untyped-def]
-    """A router (in this process) whose ``atomic_write`` is ``disk``, one ready fake replica and a raw
-    client socket."""
-    import toolkit.rundir as rundir
+def fake_router(tmp_path: Path, overrides: tuple[str, ...] = ("router.heartbeat_s=5",)):  # type: ignore[no-untyped-def]
+    """A router in this process, one ready fake replica and a raw client socket."""
     from tests.test_router_drain import FakeReplica, RouterThread
     from toolkit.config import compose_config
     from toolkit.validation import validate
 
-    monkeypatch.setattr(rundir, "atomic_write", disk)
-    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
+    cfg = compose_config(["groups=single", *overrides])
     validate(cfg)
     rt = RouterThread(cfg, tmp_path / "run")
     try:
         replica = FakeReplica(rt, "throughput-0")
         replica.become_ready()
         client = rt.socket()
-        yield replica, client
+        yield rt, replica, client
         client.close(0)
         replica.close()
     finally:
         rt.close()
+
+
+@contextlib.contextmanager
+def one_replica(tmp_path: Path, monkeypatch, disk: Callable[[Path, bytes | str], None]):  # type: ignore[no-untyped-def]
+    """:func:`fake_router` whose ``atomic_write`` is ``disk``."""
+    import toolkit.rundir as rundir
+
+    monkeypatch.setattr(rundir, "atomic_write", disk)
+    with fake_router(tmp_path) as (_, replica, client):
+        yield replica, client
 
 
 def update_loaded_everywhere(replica, client, version: int) -> None:  # type: ignore[no-untyped-def]
@@ -219,18 +226,10 @@ def test_a_replica_loading_weights_is_not_taken_for_a_stalled_one(tmp_path: Path
     is the load, not a hang; once it is acknowledged the stall clock runs again."""
     import time
 
-    from tests.test_router_drain import FakeReplica, RouterThread, recv, status
-    from toolkit.config import compose_config
-    from toolkit.validation import validate
+    from tests.test_router_drain import recv, status
 
-    cfg = compose_config(["groups=single", "router.heartbeat_s=0.2", "router.missed_heartbeats=100",
-                          "router.stall_timeout_s=0.5"])
-    validate(cfg)
-    rt = RouterThread(cfg, tmp_path / "run")
-    try:
-        replica = FakeReplica(rt, "throughput-0")
-        replica.become_ready()
-        client = rt.socket()
+    with fake_router(tmp_path, ("router.heartbeat_s=0.2", "router.missed_heartbeats=100",
+                                "router.stall_timeout_s=0.5")) as (rt, replica, client):
         client.send_multipart(P.encode(gen("r1")))
         assert isinstance(replica.recv(), P.Generate)
         client.send_multipart(P.encode(P.UpdateWeights(str(tmp_path), 1)))
@@ -249,7 +248,3 @@ def test_a_replica_loading_weights_is_not_taken_for_a_stalled_one(tmp_path: Path
             return status(rt).registered == 0
 
         wait_for(dropped, 20, "the replica, loaded and still generating nothing, to be dropped as stalled")
-        client.close(0)
-        replica.close()
-    finally:
-        rt.close()
