@@ -80,7 +80,8 @@ class TailConfig:
 @dataclass
 class RolloutConfig:
     max_concurrent_rollouts: int | None = None
-    """Cap on a step's sessions in flight across all ranks; null = all at once."""
+    """Cap on a step's sessions in flight across all ranks (at least ``ranks``: each runs one at a time
+    at least); null = all at once."""
     output: str = "gather"
     """``gather``: rank 0 gathers every sample (Gatherv) and writes ``steps/step_XXXXX.parquet``;
     ``shards``: each rank writes ``steps/step_XXXXX/shard_RRRRR.parquet``, rank 0 only a manifest."""
