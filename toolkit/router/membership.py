@@ -100,10 +100,14 @@ class MembershipMixin:
         if res.status != "ok" or not res.output_token_ids:
             logger.warning("probe of %s failed: %s %s", r.replica_id, res.status, res.error)
         elif self.holds_current_weights(r):
-            r.weights_error = ""
-            self.pool.set_ready(r)
+            self.enter_service(r)
         else:  # ready once it acknowledges them (WeightsMixin.weights_updated)
             r.awaiting_weights = True
+
+    def enter_service(self, r: Replica) -> None:
+        r.awaiting_weights = False
+        r.weights_error = ""
+        self.pool.set_ready(r)
 
     def _probe(self, r: Replica) -> None:
         """Readiness is a real generation, not a health flag: send one token's worth of work."""

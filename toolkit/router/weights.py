@@ -32,6 +32,7 @@ class WeightsMixin:
     weight_acks: dict[bytes, tuple[int, str]]
     weight_waiters: dict[tuple[str, int], set[bytes]]
     pool: Any
+    enter_service: Any
 
     def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
         """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
@@ -94,9 +95,7 @@ class WeightsMixin:
         r.progress_at = time.monotonic()  # a load pauses generation: the stall clock starts after it
         r.weights_error = msg.error if not r.ready else ""
         if r.awaiting_weights and self.holds_current_weights(r):
-            r.awaiting_weights = False
-            r.weights_error = ""
-            self.pool.set_ready(r)
+            self.enter_service(r)
         self._answer_weights()
 
     def retry_weights(self, r: Replica, now: float) -> bool:
