@@ -23,6 +23,7 @@ def status(done: int, generated: int, flip_at: float = 0.0) -> P.Status:
         queued=5,
         steps={"rollout": P.StepProgress(step=1, sessions=32, done=done, started_at=t0, flip_count=31 if flip_at else 0,
                                          flip_at=t0 + flip_at if flip_at else 0.0, moves=7)},
+        loading=["throughput-0@n1:5000", "throughput-1@n2:5000"],
     )
 
 
@@ -33,7 +34,7 @@ def test_the_line_says_where_the_step_is() -> None:
     text, st = p.line(status(16, 13_000, flip_at=1.5), 2, 11.0)  # type: ignore[misc]
     assert st.done == 16
     for part in ("step 2/5", "16/32 sessions", "12k tok/s", "queued 5", "in flight tail 16, throughput 40",
-                 "7 moves", "flip 31/32 at 1.50s", "2 replica restarts", "ETA 2.00s"):
+                 "7 moves", "flip 31/32 at 1.50s", "2 replicas loading weights", "2 replica restarts", "ETA 2.00s"):
         assert part in text, (part, text)
 
 

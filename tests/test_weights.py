@@ -248,3 +248,29 @@ def test_a_replica_loading_weights_is_not_taken_for_a_stalled_one(tmp_path: Path
             return status(rt).registered == 0
 
         wait_for(dropped, 20, "the replica, loaded and still generating nothing, to be dropped as stalled")
+
+
+@pytest.mark.timeout(60)
+def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path: Path) -> None:
+    """A replica that never acknowledges (a hung file system under its checkpoint) ends the update after
+    ``rollout.load_timeout_s`` with an error that names it; status lists it while it loads."""
+    from toolkit.client import WeightsUpdateFailed
+    from toolkit.rundir import RunDir
+
+    with fake_router(tmp_path) as (rt, replica, client):
+
+        async def body(c: RouterClient) -> None:
+            with pytest.raises(WeightsUpdateFailed, match=r"within 1s; still loading: throughput-0@"):
+                await c.update_weights(str(tmp_path), 4, timeout_s=1.0, resend_s=0.2)
+
+        asyncio.run(with_client(RunDir(tmp_path / "run"), body))
+        assert isinstance(replica.recv(), P.UpdateWeights)  # it got the update, and stays silent
+
+        def loading() -> list[str]:
+            st = router_status(rt.frontend, 5.0, ctx=rt.ctx)
+            assert st is not None
+            return st.loading
+
+        assert loading() == [replica.replica_id]
+        replica.send(P.WeightsUpdated(4, replica.replica_id))
+        wait_for(lambda: loading() == [], 10, "the replica's acknowledgement")

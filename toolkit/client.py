@@ -130,7 +130,8 @@ class RouterClient:
         its requests running, or after they finish: ``rollout.update_mode``); returns the router's
         answer once all have (``replicas`` = how many).
         Replicas that register later get it before they are ready. Resends (a restarted router learns
-        the weights from the resend); raises WeightsUpdateFailed if a replica could not load it."""
+        the weights from the resend); raises WeightsUpdateFailed if a replica could not load it, or not
+        within ``timeout_s`` (``rollout.load_timeout_s``), naming the replicas still loading it."""
         fut: asyncio.Future[P.WeightsUpdated] = asyncio.get_running_loop().create_future()
         self.weight_acks[version] = fut
         msg = P.UpdateWeights(path, version)
@@ -143,13 +144,22 @@ class RouterClient:
                     break
                 except asyncio.TimeoutError:
                     if time.monotonic() > deadline:
-                        raise RouterUnavailable(f"weights {path} (version {version}) not loaded by every "
-                                                f"replica after {timeout_s:.0f}s") from None
+                        raise WeightsUpdateFailed(await self._not_loaded(path, version, timeout_s)) from None
         finally:
             self.weight_acks.pop(version, None)
         if ack.error:
             raise WeightsUpdateFailed(f"weights {path} (version {version}): {ack.error}")
         return ack
+
+    async def _not_loaded(self, path: str, version: int, timeout_s: float) -> str:
+        """Why an update timed out, naming the replicas still loading it (a hung file system, a stuck
+        engine) so the operator knows which node to look at."""
+        why = f"weights {path} (version {version}) not loaded by every replica within {timeout_s:g}s"
+        try:
+            status = await self.status(timeout_s=5.0)
+        except RouterUnavailable:
+            return f"{why}, and the router does not answer"
+        return f"{why}; still loading: {', '.join(status.loading) or 'none (the router has not answered)'}"
 
     async def session_done(self, job: str, step: int, session_id: str) -> None:
         msg = P.SessionDone(job, step, session_id)

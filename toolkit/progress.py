@@ -49,6 +49,8 @@ class Progress:
             parts.append(f"{st.moves} moves")
         if st.flip_at:
             parts.append(f"flip {st.flip_count}/{st.sessions} at {secs(st.flip_at - st.started_at)}")
+        if status.loading:
+            parts.append(f"{len(status.loading)} replicas loading weights")
         if restarts:
             parts.append(f"{restarts} replica restarts")
         if st.done and st.done < st.sessions and elapsed > 0:

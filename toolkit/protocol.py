@@ -214,6 +214,8 @@ class Status(Message):
     completed: int = 0
     steps: dict[str, StepProgress] = {}
     """Per job: its current step."""
+    loading: list[str] = []
+    """Replicas (their ids) handed the latest weights that have not acknowledged them yet."""
 
 
 class Completion(Message):

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 RUN_SETTINGS = (
     "steps", "resume", "cluster.*", "ranks", "groups.*.replicas", "groups.*.max_inflight", "router.*",
     "rollout.max_concurrent_rollouts", "rollout.max_failed_fraction", "rollout.request_timeout_s",
-    "rollout.weights_timeout_s", "rollout.weights_poll_s", "rollout.update_mode",
+    "rollout.weights_timeout_s", "rollout.load_timeout_s", "rollout.weights_poll_s", "rollout.update_mode",
     "workload.env_timeout_s", "gateway.host", "gateway.port", "gateway.max_concurrent_requests",
     "gateway.max_body_mb", "engine.time_scale", "report.*",
 )

@@ -175,6 +175,7 @@ def validate(cfg: Config) -> None:
     need(k is None or bool(cfg.rollout.weights_dir), "rollout.max_staleness", k,
          "needs rollout.weights_dir (where the trainer publishes the weights to wait for), or null")
     need(cfg.rollout.weights_timeout_s > 0, "rollout.weights_timeout_s", cfg.rollout.weights_timeout_s, "> 0")
+    need(cfg.rollout.load_timeout_s > 0, "rollout.load_timeout_s", cfg.rollout.load_timeout_s, "> 0")
     need(cfg.rollout.weights_poll_s > 0, "rollout.weights_poll_s", cfg.rollout.weights_poll_s, "> 0")
     ets = cfg.workload.env_timeout_s
     need(ets is None or ets > 0, "workload.env_timeout_s", ets, "> 0, or null")

@@ -111,6 +111,9 @@ class RolloutConfig:
     weights_timeout_s: float = 3600.0
     """How long a step waits for the weights ``max_staleness`` asks for; past it the run fails, naming
     the missing version and ``weights_dir``."""
+    load_timeout_s: float = 1800.0
+    """How long every replica may take to load a checkpoint; past it the run fails, naming the replicas
+    still loading it (a hung file system, a stuck engine)."""
     weights_poll_s: float = 0.2
     """How often rank 0 looks in ``weights_dir`` for a new checkpoint: while a step waits for one, and
     while a step runs (a checkpoint up to the running step is loaded as soon as it is published)."""

@@ -98,7 +98,7 @@ class StepWeights:
     async def _load(self, step: int, ckpt: tuple[Path, int]) -> float:
         """Every replica loads ``ckpt``; returns how long that took."""
         t0 = time.monotonic()
-        await self.client.update_weights(str(ckpt[0]), ckpt[1])
+        await self.client.update_weights(str(ckpt[0]), ckpt[1], timeout_s=self.cfg.load_timeout_s)
         load_s = time.monotonic() - t0
         self.held = (str(ckpt[0]), ckpt[1])
         logger.info("step %d: weights version %d loaded from %s in %.2fs", step, ckpt[1], ckpt[0], load_s)

@@ -256,7 +256,9 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def status(self) -> P.Status:
         return P.Status(groups=self.pool.group_status(self.known_groups), queued=self.queue.size,
                         inflight=sum(r.load for r in self.replicas.values()),
-                        completed=self.stats["completed"], steps=self.tail.progress(self.timeline))
+                        completed=self.stats["completed"], steps=self.tail.progress(self.timeline),
+                        loading=sorted(r.replica_id for r in self.replicas.values()
+                                       if not r.draining and self.loading_weights(r)))
 
     # ---- dispatch --------------------------------------------------------------------------
     def target_group(self, req: Request) -> str | None:
