@@ -70,7 +70,7 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
     targets = {t["labels"]["component"]: t for t in json.loads((run / "prometheus_targets.json").read_text())}
     assert "router" in targets and set(targets) <= {"router", "replica-throughput-0", "replica-throughput-1",
                                                     "replica-tail-0", "rank-0", "rank-1"}
-    assert targets["router"]["labels"] == {"run": "run", "component": "router", "job": "rollout"}
+    assert targets["router"]["labels"] == {"run": str(run.absolute()), "component": "router"}
     assert all(t["targets"][0].startswith("127.0.0.1:") for t in targets.values())
     assert (run / "config.yaml").exists() and (run / ".hydra" / "config.yaml").exists()
     logs = {p.name for p in (run / "logs").iterdir()}

@@ -35,11 +35,33 @@ def value(metrics: dict, name: str, **labels: str) -> float:
     return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
+def test_two_sweeps_runs_of_the_same_name_stay_apart_in_prometheus(tmp_path: Path) -> None:
+    """Multirun dirs are ``0``, ``1``... in every sweep: the ``run`` label is the whole path, and no
+    target carries ``job`` (Prometheus' scrape job; it would rename the series' own ``job``)."""
+    from prometheus_client import CollectorRegistry
+
+    from toolkit.metrics import Endpoint, write_targets
+    from toolkit.rundir import RunDir
+
+    runs = [RunDir(tmp_path / sweep / "0") for sweep in ("sweep-a", "sweep-b")]
+    labels = []
+    for rd in runs:
+        rd.make()
+        endpoint = Endpoint(CollectorRegistry(), "127.0.0.1", rd, "rank-0", {"rank": "0"})
+        try:
+            [target] = write_targets(rd)
+            labels.append(target["labels"])
+        finally:
+            endpoint.close()
+    assert [lab["run"] for lab in labels] == [str(rd.root.absolute()) for rd in runs]
+    assert labels[0]["run"] != labels[1]["run"] and all("job" not in lab for lab in labels)
+
+
 def test_the_router_metrics_count_what_its_clients_got(make_run) -> None:  # type: ignore[no-untyped-def]
     cfg, rd, stack = make_run(["engine.time_scale=0.05", "router.heartbeat_s=0.2"])
     stack.start()
     endpoint = json.loads((rd.metrics / "router.json").read_text())
-    assert endpoint["labels"] == {"component": "router", "job": "rollout"}
+    assert endpoint["labels"] == {"component": "router"}
     target = endpoint["target"]
     assert target.startswith("127.0.0.1:")  # locally: loopback only
 
@@ -123,7 +145,7 @@ def test_every_component_of_a_launch_serves_counts_equal_to_the_step_report(tmp_
         output = finish(proc, 180)
     assert proc.returncode == 0, output
 
-    assert all(lab["run"] == run.name and lab["job"] == "rollout" for lab, _ in scraped.values())
+    assert all(lab["run"] == str(run.absolute()) and "job" not in lab for lab, _ in scraped.values())
     ranks = [m for name, (_, m) in scraped.items() if name.startswith("rank-")]
     replicas = {name: m for name, (_, m) in scraped.items() if name.startswith("replica-")}
     router = scraped["router"][1]

@@ -50,11 +50,14 @@ class Endpoint:
 
 
 def write_targets(run_dir: RunDir) -> list[dict[str, Any]]:
-    """``prometheus_targets.json`` from every endpoint file (file_sd: a list of {targets, labels})."""
+    """``prometheus_targets.json`` from every endpoint file (file_sd: a list of {targets, labels}).
+    ``run`` is the run dir's absolute path: a basename would be ``0``, ``1``... in every multirun sweep.
+    No target is labelled ``job``: that label is Prometheus' scrape job, and a target's would rename the
+    router's and replicas' own ``job`` (the rollout job of each series) to ``exported_job``."""
     groups = []
     for path in sorted(run_dir.metrics.glob("*.json")) if run_dir.metrics.exists() else []:
         info = read_json(path)
         if info:
-            groups.append({"targets": [info["target"]], "labels": {"run": run_dir.root.name, **info["labels"]}})
+            groups.append({"targets": [info["target"]], "labels": {"run": str(run_dir.root.absolute()), **info["labels"]}})
     atomic_write(run_dir.prometheus_targets, json.dumps(groups, indent=1))
     return groups

@@ -103,8 +103,7 @@ class ReplicaServer:
         endpoint = None
         if self.metrics is not None:
             endpoint = Endpoint(self.metrics.registry, own_bind_host(self.cfg.router.host, self.cfg.cluster.type),
-                                self.run_dir, self.name, {"job": self.cfg.job, "group": self.group,
-                                                          "replica": self.replica_id})
+                                self.run_dir, self.name, {"group": self.group, "replica": self.replica_id})
         self.link.connect(addr["backend"])
         logger.info("replica %s connected to %s", self.replica_id, self.link.address)
         await self._register()

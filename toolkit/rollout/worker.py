@@ -93,7 +93,7 @@ class RankRunner:
         endpoint = None
         if self.metrics is not None:
             endpoint = Endpoint(self.metrics.registry, own_bind_host(self.cfg.router.host, self.cfg.cluster.type),
-                                self.run_dir, f"rank-{self.rank}", {"job": self.cfg.job, "rank": str(self.rank)})
+                                self.run_dir, f"rank-{self.rank}", {"rank": str(self.rank)})
         try:
             if self.agent is not None:
                 await self._start_gateway()

@@ -99,7 +99,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.tail.adopt_sentinels()
         info = {"frontend": self.frontend_addr, "backend": self.backend_addr, "pid": str(os.getpid())}
         if self.metrics is not None:
-            self.endpoint = Endpoint(self.metrics.registry, host, self.run_dir, "router", {"job": self.cfg.job})
+            self.endpoint = Endpoint(self.metrics.registry, host, self.run_dir, "router", {})
         atomic_write(self.run_dir.router_address, json.dumps(info))
         logger.info("router listening: frontend %s backend %s", self.frontend_addr, self.backend_addr)
         return info
