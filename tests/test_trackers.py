@@ -59,6 +59,26 @@ def test_a_tracker_that_fails_is_dropped_and_the_others_go_on(tmp_path: Path) ->
     assert steady.closed and not flaky.closed
 
 
+def test_a_resumed_run_logs_the_steps_its_previous_launch_missed_and_no_other(tmp_path: Path) -> None:
+    """The previous launch logged steps 0-1 and ended after step 2's report, before it looked at it:
+    the resumed launch's trackers get step 2 (once), then its own steps."""
+    reports = [{"step": s, "wall_s": float(s)} for s in range(3)]
+    first = Flaky()
+    first.log = lambda step, metrics: first.logged.append(step)  # type: ignore[method-assign]
+    trackers = Trackers([], RunDir(tmp_path), {}, {})
+    trackers.trackers = {"tb": first}
+    for rep in reports[:2]:
+        trackers.log(rep)
+    again = Flaky()
+    again.log = lambda step, metrics: again.logged.append(step)  # type: ignore[method-assign]
+    resumed = Trackers([], RunDir(tmp_path), {}, {})
+    resumed.trackers = {"tb": again}
+    resumed.catch_up(reports)
+    resumed.log({"step": 3, "wall_s": 3.0})
+    assert first.logged == [0, 1] and again.logged == [2, 3]
+    assert json.loads(RunDir(tmp_path).trackers_logged.read_text()) == {"tb": 3}
+
+
 def test_a_tracker_that_hangs_in_close_is_left_behind(tmp_path: Path) -> None:
     """wandb.finish can hang on an upload: the launch's exit (and a requeue in Slurm's grace) goes on."""
     import threading

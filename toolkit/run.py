@@ -160,6 +160,7 @@ class Run:
             config = OmegaConf.to_container(OmegaConf.load(self.run_dir.config))
             self.trackers = Trackers(list(cfg.report.trackers), self.run_dir, config,  # type: ignore[arg-type]
                                      {"wandb_project": cfg.report.wandb_project, "wandb_mode": cfg.report.wandb_mode})
+            self.trackers.catch_up(self.step_reports)
         self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
         ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
         retried = False

@@ -230,6 +230,11 @@ class RunDir:
         return self.root / "trackers"
 
     @property
+    def trackers_logged(self) -> Path:
+        """The last step each tracker logged (a resumed run logs the steps its previous launch missed)."""
+        return self.trackers / "logged.json"
+
+    @property
     def lease(self) -> Path:
         """The launch's lease (``toolkit/lease.py``): components exit when it is no longer renewed."""
         return self.root / "lease.json"

@@ -10,13 +10,14 @@ module and an entry in :data:`TRACKERS`.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
-from toolkit.rundir import RunDir
+from toolkit.rundir import RunDir, atomic_write, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,14 @@ CLOSE_TIMEOUT_S = 60.0
 
 
 class Trackers:
-    """The run's trackers; a tracker that fails to log is reported once and dropped, never the run."""
+    """The run's trackers; a tracker that fails to log is reported once and dropped, never the run.
+    Each one's last logged step is kept in the run dir, so a resumed run logs exactly the steps its
+    previous launch did not (it may have ended between a step's report and its next look at them)."""
 
     def __init__(self, names: list[str], run_dir: RunDir, config: dict[str, Any], options: dict[str, Any]) -> None:
+        self.run_dir = run_dir
         self.trackers: dict[str, Tracker] = {}
+        self.logged: dict[str, int] = read_json(run_dir.trackers_logged) or {}
         try:
             for name in names:
                 self.trackers[name] = _make(name, run_dir, config, options)
@@ -70,14 +75,36 @@ class Trackers:
             self.close()
             raise
 
+    def catch_up(self, reports: list[dict[str, Any]]) -> None:
+        """A resumed run: log the earlier launches' steps that no tracker got (in step order)."""
+        for report in sorted(reports, key=lambda r: int(r["step"])):
+            self.log(report)
+
     def log(self, report: dict[str, Any]) -> None:
+        step = int(report["step"])
         metrics = flatten({k: v for k, v in report.items() if k != "step"})
+        logged = False
         for name, tracker in list(self.trackers.items()):
+            if step <= self.logged.get(name, -1):
+                continue  # an earlier launch of this run logged it
             try:
-                tracker.log(int(report["step"]), metrics)
+                tracker.log(step, metrics)
             except Exception as exc:  # a tracker's own failure (disk, service) must not end the rollout
-                logger.error("tracker %s failed to log step %s (%r); it logs nothing more", name, report["step"], exc)
+                logger.error("tracker %s failed to log step %s (%r); it logs nothing more", name, step, exc)
                 self.trackers.pop(name)
+                continue
+            self.logged[name] = step
+            logged = True
+        if logged:
+            self._record()
+
+    def _record(self) -> None:
+        path = self.run_dir.trackers_logged
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps(self.logged))
+        except OSError as exc:  # a resume may then log a step twice, which trackers tolerate
+            logger.warning("could not write %s: %s", path, exc)
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Each tracker's close, bounded by ``timeout_s`` (a stalled upload must not hold the launch's
