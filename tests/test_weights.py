@@ -274,3 +274,49 @@ def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path:
         assert loading() == [replica.replica_id]
         replica.send(P.WeightsUpdated(4, replica.replica_id))
         wait_for(lambda: loading() == [], 10, "the replica's acknowledgement")
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Path) -> None:
+    """The previous router forwarded version 5 and died before recording it (weights.json says 4): a
+    replica that registers holding 5 makes 5 the run's weights, so a replica registered on 4 loads 5
+    (not 4, then 5 on the trainer's resend) and a later one gets 5 at once; a client's update then
+    rules as always."""
+    from tests.test_router_drain import FakeReplica, RouterThread, recv
+    from toolkit.config import compose_config
+    from toolkit.rundir import RunDir
+    from toolkit.validation import validate
+
+    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
+    validate(cfg)
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    rd.router_weights.write_text(json.dumps({"path": "/ckpt/4", "version": 4}))
+    rt = RouterThread(cfg, rd.root)
+    try:
+        on_old = FakeReplica(rt, "throughput-0")
+        assert recv(on_old.sock) == P.UpdateWeights("/ckpt/4", 4)  # what the file says
+        holder = FakeReplica.__new__(FakeReplica)
+        holder.replica_id, holder.sock = "throughput-1@testhost:1", rt.socket("throughput-1@testhost:1")
+        holder.send(P.Register(holder.replica_id, "throughput", max_inflight=4,
+                               weights_path="/ckpt/5", weights_version=5))
+        got = [recv(on_old.sock) for _ in range(2)]  # its probe, and version 5
+        assert P.UpdateWeights("/ckpt/5", 5) in got
+        first = recv(holder.sock)
+        assert isinstance(first, P.Generate) and first.job == "__probe__"  # no reload: it holds them
+        wait_for(lambda: json.loads(rd.router_weights.read_text())["version"] == 5, 10, "weights.json at 5")
+        late = FakeReplica(rt, "throughput-2")
+        assert recv(late.sock) == P.UpdateWeights("/ckpt/5", 5)
+        # A client's update is the run's, whatever a replica registering later holds.
+        client = rt.socket()
+        client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))  # a rollback
+        assert P.UpdateWeights("/ckpt/3", 3) in [recv(late.sock) for _ in range(2)]
+        again = FakeReplica.__new__(FakeReplica)
+        again.replica_id, again.sock = "throughput-3@testhost:1", rt.socket("throughput-3@testhost:1")
+        again.send(P.Register(again.replica_id, "throughput", max_inflight=4, weights_path="/ckpt/5",
+                              weights_version=5))
+        assert recv(again.sock) == P.UpdateWeights("/ckpt/3", 3)
+        for s in (on_old.sock, holder.sock, late.sock, again.sock, client):
+            s.close(0)
+    finally:
+        rt.close()

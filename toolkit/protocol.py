@@ -55,6 +55,9 @@ class Register(Message):
     max_inflight: int = 64
     max_model_len: int = 8192
     vocab_size: int = 32000
+    weights_path: str = ""
+    """The checkpoint it holds, loaded through an ``UpdateWeights`` ("": the model's own weights)."""
+    weights_version: int = 0
 
 
 class Heartbeat(Message):

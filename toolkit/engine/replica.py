@@ -94,6 +94,9 @@ class ReplicaServer:
             replica_id=self.replica_id, group=self.group, labels=labels, model=self.info.model,
             max_inflight=self.gcfg.max_inflight, max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
+            # A restarted router learns from these which weights are the run's newest (WeightsMixin.held).
+            weights_path=self._weights[0] if self._weights else "",
+            weights_version=self._weights[1] if self._weights else 0,
         ))
 
     async def run(self) -> None:

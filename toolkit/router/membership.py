@@ -46,6 +46,7 @@ class MembershipMixin:
     refuse_retired: Callable[[bytes, str], bool]
     shutdown_if_idle: Callable[[Replica], None]
     _push_weights: Callable[[Replica], None]
+    held: Callable[[Replica, P.Register], None]
     loading_weights: Callable[[Replica], bool]
     holds_current_weights: Callable[[Replica], bool]
     retry_weights: Callable[[Replica, float], bool]
@@ -90,7 +91,9 @@ class MembershipMixin:
             self.shutdown_if_idle(r)
             return
         logger.info("replica %s registered (group %s, max_inflight %d)", r.replica_id, r.group, r.max_inflight)
-        self._push_weights(r)
+        self.held(r, msg)
+        if self.loading_weights(r):
+            self._push_weights(r)
         self._probe(r)
 
     def probe_answered(self, r: Replica, res: P.Result) -> None:

@@ -33,12 +33,14 @@ class WeightsMixin:
     weight_waiters: dict[tuple[str, int], set[bytes]]
     pool: Any
     enter_service: Any
+    weights_from_client: bool
 
     def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
         """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
         Clients resend until answered: a resend re-forwards to the replicas that have not acknowledged
         and re-counts (a replica dropped meanwhile is no longer waited for)."""
         key = (msg.path, msg.version)
+        self.weights_from_client = True
         if self.weights is None or (self.weights.path, self.weights.version) != key:
             logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
                         len(self.replicas))
@@ -64,6 +66,28 @@ class WeightsMixin:
         to replicas that register with it, as the old one would have)."""
         info = read_json(self.run_dir.router_weights)
         return P.UpdateWeights(info["path"], int(info["version"])) if info else None
+
+    def held(self, r: Replica, msg: P.Register) -> None:
+        """A registering replica says which checkpoint it holds. One newer than what this router found
+        in ``weights.json``, before any client's update reached it, is the run's latest: the previous
+        router forwarded it and died before recording it. It becomes the run's weights, so the other
+        replicas load it, rather than the older recorded version first and this one on the trainer's
+        resend (each a full reload, and a window of rows on older weights)."""
+        if not msg.weights_path:
+            return
+        held = P.UpdateWeights(msg.weights_path, msg.weights_version)
+        r.loaded = held.version
+        self.weight_acks[r.identity] = (held.version, "")
+        if not self.weights_from_client and (self.weights is None or held.version > self.weights.version):
+            logger.info("replica %s holds weights version %d (%s), newer than the recorded ones: the run's now",
+                        r.replica_id, held.version, held.path)
+            self._record_weights(held)
+            self.weights = held
+            for other in self.replicas.values():
+                if other is not r and not other.draining and self.weight_acks.get(other.identity, (None, ""))[0] != held.version:
+                    self._push_weights(other)
+        if self.weights == held:
+            self.good = held
 
     def _push_weights(self, r: Replica) -> None:
         """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
