@@ -19,7 +19,7 @@ from tests.test_api_samples import write_run
 from toolkit import samples
 from toolkit.config import compose_config
 from toolkit.errors import ConfigError
-from toolkit.rundir import RunDir
+from toolkit.rundir import RunDir, read_json
 from toolkit.validation import validate
 from toolkit.weights import (
     IN_PROGRESS,
@@ -354,6 +354,42 @@ def test_no_trainer_fails_the_run_naming_the_missing_version_and_never_loads_an_
     assert not (run / "steps" / "step_00001.json").exists()
     with pytest.raises(samples.RunEnded, match="without step 1; the last step with a report is 0"):
         samples.wait_step(run, 1, timeout_s=3600)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_load_that_cannot_finish_while_a_step_runs_ends_the_run_at_once(tmp_path: Path) -> None:
+    """``update_mode=drain``: a checkpoint published while the step runs waits for the requests in the
+    engines, which take ten minutes here; past ``rollout.load_timeout_s`` the run fails at once, naming the
+    replicas still loading, rather than after every session of the step has ended."""
+    from tests.conftest import wait_for
+    from toolkit.client import router_status
+    from toolkit.security import client_curve
+
+    run, weights, checkpoint = tmp_path / "run", tmp_path / "weights", tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    rd = RunDir(run)
+    proc = start_launch([f"hydra.run.dir={run}", "steps=1", "sessions_per_step=6", "router.heartbeat_s=0.2",
+                         "engine.time_scale=300", f"rollout.weights_dir={weights}", "rollout.update_mode=drain",
+                         "rollout.load_timeout_s=2"])
+
+    def running() -> bool:
+        info = read_json(rd.router_address)
+        st = info and router_status(info["frontend"], 2.0, curve=client_curve(run))
+        return bool(st and st.inflight)
+
+    try:
+        wait_for(running, 120, "step 0's requests in the engines")
+        publish(weights, 0, checkpoint)
+    finally:
+        output = finish(proc, 240)
+    assert proc.returncode == 1, output
+    want = f"weights {weights / 'step_00000'} (version 0) not loaded by every replica within 2s; still loading: "
+    assert want in output
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "failed" and want in report["error"]
+    assert not (run / "steps" / "step_00000.json").exists()
 
 
 def test_a_checkpoint_of_version_0_published_later_still_replaces_the_models_own_weights(tmp_path: Path) -> None:
