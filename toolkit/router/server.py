@@ -71,16 +71,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.known_groups = set(cfg.groups)
         self.stats: Counter[str] = Counter()
         self.dispatched: Counter[str] = Counter()
-        # Weights: the latest UpdateWeights (sent to every replica that registers), each replica's
-        # acknowledged (version, error), and the clients waiting for a version by (path, version).
-        self.weights: P.UpdateWeights | None = self._adopt_weights()
-        self.weights_from_client = False
-        """A client's update reached this router (until then a replica may hold newer weights than the
-        recorded ones: its previous router forwarded them and died before recording them)."""
-        # The latest weights a replica acknowledged loading: the ones a replica must hold to serve.
-        self.good: P.UpdateWeights | None = None
-        self.weight_acks: dict[bytes, tuple[int, str]] = {}
-        self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
+        self.init_weights()
         # Scale-down: ids of replicas told to shut down; since when each target group had none serving.
         self.retired: set[str] = set()
         self.empty_since: dict[str | None, float] = {}

@@ -27,13 +27,22 @@ class WeightsMixin:
     replicas: dict[bytes, Replica]
     run_dir: Any
     files: Any
-    weights: P.UpdateWeights | None
-    good: P.UpdateWeights | None
-    weight_acks: dict[bytes, tuple[int, str]]
-    weight_waiters: dict[tuple[str, int], set[bytes]]
     pool: Any
     enter_service: Any
-    weights_from_client: bool
+
+    def init_weights(self) -> None:
+        self.weights: P.UpdateWeights | None = self._adopt_weights()
+        """The latest UpdateWeights, sent to every replica that registers (a restarted router's from
+        ``weights.json``)."""
+        self.weights_from_client = False
+        """A client's update reached this router (until then a replica may hold newer weights than the
+        recorded ones: its previous router forwarded them and died before recording them)."""
+        self.good: P.UpdateWeights | None = None
+        """The latest weights a replica acknowledged loading: the ones a replica must hold to serve."""
+        self.weight_acks: dict[bytes, tuple[int, str]] = {}
+        """Each replica's acknowledged (version, error), by socket identity."""
+        self.weight_waiters: dict[tuple[str, int], set[bytes]] = {}
+        """Clients waiting for a version, by (path, version)."""
 
     def update_weights(self, client: bytes, msg: P.UpdateWeights) -> None:
         """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
