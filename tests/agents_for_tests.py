@@ -4,6 +4,7 @@ ways real ones do (raise, hang, send malformed JSON)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
@@ -41,6 +42,21 @@ async def openai_tools(base_url: str, task: dict[str, Any], turns: int = 3, tool
             messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{word}: an animal"})
     await client.close()
     return 1.0
+
+
+def _plainly(fn: Any) -> Any:
+    """What many decorators do (a retry, a timer): wrap an async agent in a plain function."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+decorated_openai_tools = _plainly(openai_tools)
+"""An async agent that looks sync (``inspect.iscoroutinefunction`` is False): its thread hands back
+the coroutine, which the rank awaits."""
 
 
 async def flaky(base_url: str, task: dict[str, Any]) -> float:

@@ -79,12 +79,14 @@ def test_the_examples_run_as_readme_shows(tmp_path: Path, example: str) -> None:
 
 def test_with_curve_only_the_runs_agents_get_in(tmp_path: Path) -> None:
     """Where the router uses CURVE, the gateways admit only the run's token, which the ranks hand to
-    their agents through OPENAI_API_KEY: the run's own agents complete, the token file is private."""
+    their agents through OPENAI_API_KEY: the run's own agents complete, the token file is private. The
+    agent is async behind a plain decorator, which the rank takes for sync: it still completes."""
     import stat
 
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST, "sessions_per_step=4", "router.curve=true",
-                  "workload.agent._target_=tests.agents_for_tests.openai_tools", "+workload.agent.check_outsider=true"],
+                  "workload.agent._target_=tests.agents_for_tests.decorated_openai_tools",
+                  "+workload.agent.check_outsider=true"],
                  cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()

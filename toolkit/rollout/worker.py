@@ -37,7 +37,15 @@ from toolkit.rollout.columns import (
 )
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
-from toolkit.rollout.guard import Waits, check_failure_budget, guarded, in_own_thread, token_ids, user_call
+from toolkit.rollout.guard import (
+    Waits,
+    check_failure_budget,
+    guarded,
+    in_own_thread,
+    maybe_await,
+    token_ids,
+    user_call,
+)
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
@@ -334,6 +342,8 @@ class RankRunner:
         # A synchronous agent (the sync SDKs) runs in a thread: in the loop it would block the gateway
         # it talks to. At a timeout it is abandoned (its calls then get 404).
         got = await (self.agent(url, task) if self.agent_is_async else in_own_thread(self.agent, url, task))
+        # An async agent behind a plain decorator looks sync: its thread hands back the coroutine.
+        got = await maybe_await(got)
         return None if got is None else float(got)  # a reward that is not a number fails the session
 
 
