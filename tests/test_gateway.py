@@ -171,6 +171,16 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
                     return r.status, await r.json()
             st, err = await post("/chat/completions", b'{"model": "m", "messages": [')
             assert st == 400 and err["error"]["type"] == "invalid_request_error"
+            st, err = await post("/chat/completions", b"[" * 5000 + b"]" * 5000)  # msgspec: RecursionError
+            assert st == 400 and "nested too deeply" in err["error"]["message"]
+            # A key with a byte that is not UTF-8: a wrong key, in the protocol's own error body.
+            host, port = url.split("//")[1].split("/")[0].split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"POST {url.split(port, 1)[1]}/chat/completions HTTP/1.1\r\nHost: x\r\n".encode()
+                         + b"Authorization: Bearer \xff\xfe\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+            raw = await reader.read()
+            writer.close()
+            assert raw.startswith(b"HTTP/1.1 401") and b"authentication_error" in raw, raw[:200]
             st, err = await post("/chat/completions", {"model": "m", "messages": "hi"})
             assert st == 400 and err["error"]["param"] == "messages"
             st, err = await post("/chat/completions", good, headers={"authorization": "Bearer wrong"})

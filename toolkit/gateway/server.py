@@ -174,7 +174,8 @@ class Gateway:
         if token is not None:
             auth = request.headers.get("authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-            if not secrets.compare_digest(given.encode(), token.encode()):
+            # Headers arrive surrogate-escaped: a key with bytes outside UTF-8 is a wrong key, not a 500.
+            if not secrets.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode()):
                 return _error(proto, GatewayError(401, "a valid API key is required (the run's gateway token)"))
         try:
             return await handler(request)
@@ -209,6 +210,8 @@ class Gateway:
             return msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise GatewayError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise GatewayError(400, "the request body's JSON is nested too deeply") from None
 
     async def _reward(self, request: web.Request) -> web.Response:
         entry = self._entry(request)
