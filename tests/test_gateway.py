@@ -236,3 +236,35 @@ def test_a_session_closed_as_its_call_starts_leaves_nothing_running(make_run) ->
         assert status.inflight == 0 and status.queued == 0
 
     asyncio.run(serve(cfg, rd, body))
+
+
+def test_a_caller_that_goes_away_aborts_its_call_and_leaves_the_session_as_it_was(make_run) -> None:  # type: ignore[no-untyped-def]
+    """An SDK whose timeout passes closes the connection and retries: the gateway aborts the engines'
+    work for the call it abandoned and records nothing of it, so the retry continues the session (one
+    line, no branch) instead of queueing behind the orphan and branching off its answer."""
+    # Every answer runs to its budget: 400 tokens take ~8 s here.
+    cfg, rd, stack = make_run(["workload=agent", "engine.time_scale=5", "engine.output_len_median=1e6",
+                               "router.heartbeat_s=0.2", "workload.max_tokens=400"])
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, sess = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        url = gw.base_url(key) + "/chat/completions"
+        auth = {"authorization": "Bearer sekrit"}
+        call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(asyncio.TimeoutError):
+                async with http.post(url, json=call, headers=auth, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                    await r.read()
+            for _ in range(200):
+                if client.aborted:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.aborted == ["rollout/0/0/1"]
+            async with http.post(url, json={**call, "max_tokens": 4}, headers=auth) as r:
+                assert r.status == 200, await r.text()
+        samples = sess.samples("completed", "", 1.0)
+        assert len(samples) == 1 and samples[0].branch == 0
+        assert generated(samples[0]) == client.results["rollout/0/0/2"].output_token_ids
+
+    asyncio.run(serve(cfg, rd, body, token="sekrit"))

@@ -70,6 +70,11 @@ class RecordingClient(RouterClient):
         super().__init__(*args, **kw)
         self.requests: dict[str, Generate] = {}
         self.results: dict[str, Result] = {}
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        await super().abort(request_id)
 
     async def generate(self, msg: Generate) -> tuple[Result, Route | None]:
         self.requests[msg.request_id] = msg

@@ -123,7 +123,8 @@ class Gateway:
         app.router.add_get("/health", self._health)
         for proto in PROTOCOLS.values():
             app.router.add_post(f"/sessions/{{key}}/v1/{proto.route}", self._handler(proto))
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a caller that disconnects cancels its call (Gateway.turn aborts it).
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.s.host, self.s.port, reuse_address=False, backlog=4096)
         await site.start()
@@ -295,6 +296,13 @@ class Gateway:
             sent = time.time()
             try:
                 outs = await asyncio.gather(*(self.client.generate(g) for g in gens))
+            except asyncio.CancelledError:
+                # The caller went away (its client timed out; aiohttp cancels the handler): the answer
+                # is nobody's, so the engines stop at once and the session records nothing of the call
+                # (an SDK's retry then continues the session as it was, not as a branch).
+                for g in gens:
+                    await self.client.abort(g.request_id)
+                raise
             finally:
                 entry.inflight.difference_update(g.request_id for g in gens)
             done = time.time()
