@@ -268,3 +268,51 @@ def test_a_caller_that_goes_away_aborts_its_call_and_leaves_the_session_as_it_wa
         assert generated(samples[0]) == client.results["rollout/0/0/2"].output_token_ids
 
     asyncio.run(serve(cfg, rd, body, token="sekrit"))
+
+
+def test_a_long_streaming_turn_keeps_its_connection_alive_and_fails_as_an_error_event(make_run) -> None:  # type: ignore[no-untyped-def]
+    """A turn longer than ``gateway.keepalive_s`` starts its stream at once with SSE comments (a
+    client's idle timeout never fires); both SDKs skip them and read the answer, and an error after the
+    stream began comes as the protocol's ``error`` event, which the SDK raises."""
+    cfg, rd, stack = make_run(["workload=agent", "engine.time_scale=5", "engine.output_len_median=1e6",
+                               "router.heartbeat_s=0.2", "workload.max_tokens=100"])  # 100 tokens: ~2 s
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, _ = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.base_url(key) + "/chat/completions", json=call,
+                                 headers={"authorization": "Bearer sekrit"}) as r:
+                assert r.status == 200 and "x-toolkit-generate-ms" not in r.headers  # sent before the turn ended
+                raw = await r.read()
+        assert raw.startswith(b": keepalive\n\n") and raw.endswith(b"data: [DONE]\n\n")
+        frames = [f for f in raw.split(b"\n\n") if f.startswith(b"data: {")]
+        text = "".join((json.loads(f[6:])["choices"][0]["delta"].get("content") or "") for f in frames)
+        assert text == gw.chat.content_text(client.results["rollout/0/0/1"].output_token_ids)
+
+        sdk = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="sekrit", max_retries=0)
+        chunks = [c async for c in await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "again"}], max_tokens=100, stream=True)]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        other, _ = gw.open_session(0, 1, "rollout/0/1", RequestLog())
+        claude = anthropic.AsyncAnthropic(base_url=gw.base_url(other)[: -len("/v1")], api_key="sekrit", max_retries=0)
+        async with claude.messages.stream(model="m", max_tokens=100,
+                                          messages=[{"role": "user", "content": "hi"}]) as events:
+            message = await events.get_final_message()
+        assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 100
+
+        async def close_soon() -> None:
+            await asyncio.sleep(0.6)  # after the first keepalive: the stream has begun
+            await gw.close_session(other)
+
+        closing = asyncio.create_task(close_soon())
+        with pytest.raises(anthropic.APIStatusError, match="the session ended while this call ran"):
+            async with claude.messages.stream(model="m", max_tokens=100,
+                                              messages=[{"role": "user", "content": "hi"}]) as events:
+                await events.get_final_message()
+        await closing
+        await sdk.close()
+        await claude.close()
+
+    asyncio.run(serve(cfg, rd, body, token="sekrit", keepalive_s=0.2))

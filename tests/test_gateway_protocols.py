@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 
 from toolkit.gateway.protocols import PROTOCOLS, Protocol
-from toolkit.gateway.server import answer
+from toolkit.gateway.stream import answer
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, ToolCall
 
 CHAT, RESPONSES, MESSAGES = PROTOCOLS["chat"], PROTOCOLS["responses"], PROTOCOLS["messages"]

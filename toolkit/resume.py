@@ -28,7 +28,7 @@ RUN_SETTINGS = (
     "rollout.max_concurrent_rollouts", "rollout.max_failed_fraction", "rollout.request_timeout_s",
     "rollout.weights_timeout_s", "rollout.load_timeout_s", "rollout.weights_poll_s", "rollout.update_mode",
     "workload.env_timeout_s", "gateway.host", "gateway.port", "gateway.max_concurrent_requests",
-    "gateway.max_body_mb", "engine.time_scale", "report.*",
+    "gateway.max_body_mb", "gateway.keepalive_s", "engine.time_scale", "report.*",
 )
 """Keys a resumed run may change (glob patterns): they change when, where and how fast the sessions
 run, not which sessions run or what they generate."""

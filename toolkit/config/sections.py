@@ -169,6 +169,9 @@ class GatewayConfig:
     """Largest request body; larger ones are answered 413."""
     tool_parser: str = "hermes"
     """How tool calls are found in generated text (``toolkit/gateway/toolcalls.py``): hermes | none."""
+    keepalive_s: float = 15.0
+    """A streaming call whose turn runs longer starts its stream at once and sends an SSE comment this
+    often until the turn's frames, so a client's idle timeout between bytes never fires on a long turn."""
 
 
 @dataclass

@@ -50,6 +50,8 @@ def validate_agent(cfg: Config, errors: list[FieldError]) -> None:
         errors.append(FieldError("gateway.max_concurrent_requests", g.max_concurrent_requests, "an integer >= 1"))
     if g.max_body_mb <= 0:
         errors.append(FieldError("gateway.max_body_mb", g.max_body_mb, "> 0"))
+    if g.keepalive_s <= 0:
+        errors.append(FieldError("gateway.keepalive_s", g.keepalive_s, "> 0"))
     if g.port != 0:
         last = g.port + cfg.ranks - 1
         if not 1 <= g.port <= last <= 65535:

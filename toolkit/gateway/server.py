@@ -33,9 +33,10 @@ from jinja2 import TemplateError
 from toolkit.client import RouterClient
 from toolkit.config import Config
 from toolkit.gateway.chat import ChatTokenizer
-from toolkit.gateway.protocols import PROTOCOLS, SSE_CONTENT_TYPE
+from toolkit.gateway.protocols import PROTOCOLS
 from toolkit.gateway.protocols.base import Protocol
 from toolkit.gateway.session import GatewaySession
+from toolkit.gateway.stream import Stream, answer
 from toolkit.gateway.toolcalls import get_parser, parse_constrained_call, tool_call_schema
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError
 from toolkit.protocol import Generate, Result, Sampling, Structured
@@ -68,6 +69,7 @@ class Settings:
     port: int = 0
     max_concurrent_requests: int = 1024
     max_body_bytes: int = 32 << 20
+    keepalive_s: float = 15.0
     token: str | None = None
 
 
@@ -97,6 +99,7 @@ def gateway_settings(cfg: Config, run_dir: RunDir, rank: int, max_model_len: int
         request_timeout_s=cfg.rollout.request_timeout_s, tool_parser=g.tool_parser, host=host,
         advertise=socket.gethostname() if host == "0.0.0.0" else host, port=g.port + rank if g.port else 0,
         max_concurrent_requests=g.max_concurrent_requests, max_body_bytes=int(g.max_body_mb * (1 << 20)),
+        keepalive_s=g.keepalive_s,
         token=gateway_token(run_dir.root),
     )
 
@@ -237,16 +240,31 @@ class Gateway:
                                             f"{self.s.max_concurrent_requests} sessions' calls; retry later")
                 self.inflight += 1
             entry.calls += 1
+            stream = Stream(request, self.s.keepalive_s)
+            keep: asyncio.Task[None] | None = None
             try:
                 req = proto.request(await self._body(request))
+                if req.stream:
+                    keep = asyncio.create_task(stream.keep_alive(), name="keepalive")
                 result = await self.turn(entry, req)
+            except Exception as exc:
+                if stream.resp is None:
+                    raise  # the middleware answers it with its status
+                if not isinstance(exc, GatewayError):
+                    logger.exception("gateway error on %s", request.path)
+                    exc = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}")
+                return await stream.fail(proto, exc)
             finally:
+                if keep is not None:
+                    keep.cancel()
+                    await asyncio.gather(keep, return_exceptions=True)
                 entry.calls -= 1
                 if not entry.calls:
                     self.inflight -= 1
-            # What the turn spent in the router and engines: the rest of a call's time is the gateway's.
+            # What the turn spent in the router and engines: the rest of a call's time is the gateway's
+            # (not sent on a stream that began before the turn ended: its headers were gone).
             return await answer(request, proto, req, result,
-                                {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"})
+                                {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"}, stream.resp)
         return handle
 
     # ---- one turn ----------------------------------------------------------------------------
@@ -336,26 +354,6 @@ class Gateway:
             finish = "tool_calls"
         tokens_text = [self.chat.decode([t]) for t in ids] if req.logprobs else []
         return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text)
-
-
-async def answer(request: web.Request, proto: Protocol, req: ChatRequest, result: ChatResult,
-                 headers: dict[str, str] | None = None) -> web.StreamResponse:
-    """The protocol's answer: one JSON body, or its server-sent events when the call streams."""
-    if not req.stream:
-        return web.json_response(proto.respond(req, result), dumps=_dumps, headers=headers)
-    resp = web.StreamResponse(headers={"content-type": SSE_CONTENT_TYPE, "cache-control": "no-cache", **(headers or {})})
-    await resp.prepare(request)
-    try:
-        for frame in proto.stream(req, result):
-            await resp.write(frame)
-        await resp.write_eof()
-    except ConnectionResetError:
-        logger.info("a client went away during its stream (%s)", request.path)
-    return resp
-
-
-def _dumps(obj: Any) -> str:
-    return msgspec.json.encode(obj).decode()
 
 
 def _error(proto: Protocol, err: GatewayError) -> web.Response:
