@@ -54,6 +54,7 @@ def test_openai_chat_tools_streaming_n_and_logprobs_keep_the_engines_ids(make_ru
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
         key, sess = gw.open_session(0, 7, "rollout/0/7", RequestLog())
+        gw.set_prompt_key(key, "0/3")  # a GRPO sibling's: every call of the session carries it
         oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=30)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
         first = await oai.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required")
@@ -100,6 +101,7 @@ def test_openai_chat_tools_streaming_n_and_logprobs_keep_the_engines_ids(make_ru
             client.results[f"{rid}/3"].output_token_ids
         # The answer text is the decoding of those ids (without the end token).
         assert two.choices[1].message.content == gw.chat.content_text(client.results[f"{rid}/3/1"].output_token_ids)
+        assert {g.prompt_key for g in client.requests.values()} == {"0/3"}
 
     asyncio.run(serve(cfg, rd, body))
 

@@ -86,6 +86,9 @@ class Entry:
     closed: bool = False
     calls: int = 0
     """Its calls running or waiting for the session (they run one at a time)."""
+    prompt_key: str = ""
+    """Its prompt's key (``Generate.prompt_key``): GRPO siblings share it, which ``tail.policy=predict``
+    and the step's per-prompt records use."""
 
 
 def gateway_settings(cfg: Config, run_dir: RunDir, rank: int, max_model_len: int) -> Settings:
@@ -149,6 +152,10 @@ class Gateway:
         sess = GatewaySession(index, session_id, self.chat, record_messages)
         self.sessions[key] = Entry(sess, step, log)
         return key, sess
+
+    def set_prompt_key(self, key: str, prompt_key: str) -> None:
+        """The session's prompt key, which its calls carry (before its agent starts)."""
+        self.sessions[key].prompt_key = prompt_key
 
     async def close_session(self, key: str) -> None:
         """End a session: later calls get 404, and what it still has in the engines is aborted."""
@@ -308,7 +315,7 @@ class Gateway:
                 session_id=sess.session_id, step=entry.step, prompt_token_ids=plan.prompt,
                 sampling=Sampling(budget, temperature, top_p, seeds[k], True, structured=structured),
                 group=self.tail_group(entry.step), deadline=time.time() + s.request_timeout_s,
-                expected_tokens=req.expected_tokens,
+                expected_tokens=req.expected_tokens, prompt_key=entry.prompt_key,
             ) for k in range(req.n)]
             entry.inflight.update(g.request_id for g in gens)
             sent = time.time()

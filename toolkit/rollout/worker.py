@@ -338,6 +338,7 @@ class RankRunner:
 
     async def _agent(self, key: str, step: int, index: int) -> Any:
         task = dict(self.prompts.get(step, index).metadata)
+        self.gateway.set_prompt_key(key, self.prompts.prompt_key(step, index))  # GRPO siblings share it
         url = self.gateway.base_url(key)
         # A synchronous agent (the sync SDKs) runs in a thread: in the loop it would block the gateway
         # it talks to. At a timeout it is abandoned (its calls then get 404).
