@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_config, launch
-from toolkit.cluster.slurm import node_role
+from toolkit.cluster.slurm import job_identity, node_role, outside_job
 from toolkit.cluster.storage import mount_of, node_local_reason
 from toolkit.config import (
     ConfigError,
@@ -168,3 +168,23 @@ def test_a_group_on_its_own_preemptible_partition(tmp_path: Path, monkeypatch: p
     bad = compose_config(["cluster=allocation", "+cluster.group_resources.tail.partition=spot"])
     with pytest.raises(ConfigError, match=r"cluster.group_resources.tail.partition = 'spot'"):
         validate(bad)
+
+
+def test_submitting_hides_the_job_it_runs_in_but_keeps_the_users_sbatch_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a job (a sweep through hydra-submitit-launcher) the job's identity must not reach the
+    jobs it submits; the user's SBATCH_ACCOUNT, SBATCH_QOS... are what sbatch should use, there and
+    on a login node."""
+    import os
+
+    settings = {"SBATCH_ACCOUNT": "proj42", "SBATCH_PARTITION": "gpu", "SBATCH_QOS": "high",
+                "SBATCH_RESERVATION": "hack", "SLURM_CLUSTERS": "c1", "SLURM_CONF": "/etc/slurm/slurm.conf",
+                "SRUN_CPUS_PER_TASK": "8"}
+    job = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "76", "SLURM_NODELIST": "n[1-2]", "SUBMITIT_FOLDER": "/x"}
+    assert job_identity(settings) == []
+    assert sorted(job_identity({**settings, **job})) == sorted(job)
+    for k, v in {**settings, **job}.items():
+        monkeypatch.setenv(k, v)
+    with outside_job():
+        assert all(os.environ.get(k) == v for k, v in settings.items())
+        assert not any(k in os.environ for k in job)
+    assert all(os.environ.get(k) == v for k, v in {**settings, **job}.items())

@@ -21,7 +21,7 @@ import os
 import shlex
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,8 @@ from toolkit.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
-# A job's identity in its environment (SLURM_CONF, the site's config path, is kept).
-_JOB_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SUBMITIT_")
+_SITE_INPUTS = ("SLURM_CONF", "SLURM_CLUSTERS")
+"""``SLURM_*`` variables that are the site's or the user's settings, not a job's identity."""
 
 
 def cache_dir(cfg: Config, run_dir: RunDir) -> Path:
@@ -63,13 +63,22 @@ def master_port(job_id: str) -> int:
     return 20000 + int(digits) % 20000
 
 
+def job_identity(env: Mapping[str, str]) -> list[str]:
+    """The variables of ``env`` that say which job it runs in: submitit's, and inside a job Slurm's
+    ``SLURM_*`` outputs (``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_NODELIST``...)."""
+    inside = "SLURM_JOB_ID" in env
+    return [k for k in env if k.startswith("SUBMITIT_")
+            or (inside and k.startswith("SLURM_") and k not in _SITE_INPUTS)]
+
+
 @contextlib.contextmanager
 def outside_job() -> Iterator[None]:
     """Submit as if from a login node. sbatch exports the submitting environment, and a run launched
     inside a job (a sweep through hydra-submitit-launcher) would hand its job's identity
     (``SLURM_ARRAY_JOB_ID``, ``SUBMITIT_*``...) to its own jobs, where submitit then looks for the
-    wrong job's pickle."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith(_JOB_ENV_PREFIXES) and k != "SLURM_CONF"}
+    wrong job's pickle. The user's own ``SBATCH_*`` (``SBATCH_ACCOUNT``, ``SBATCH_PARTITION``,
+    ``SBATCH_QOS``, ``SBATCH_RESERVATION``...), ``SRUN_*`` and ``SALLOC_*`` settings are inputs, kept."""
+    saved = {k: v for k, v in os.environ.items() if k in job_identity(os.environ)}
     for k in saved:
         del os.environ[k]
     try:
