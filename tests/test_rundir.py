@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.rundir import atomic_write, read_json
+from toolkit.rundir import RunDir, atomic_write, read_json
 
 
 def test_read_json_retries_a_half_written_file(tmp_path: Path) -> None:
@@ -118,3 +118,21 @@ def test_clear_steps_from_reads_step_numbers_of_any_width(tmp_path: Path) -> Non
         (rd.steps / n).mkdir() if "." not in n else (rd.steps / n).write_text("{}")
     removed = sorted(p.name for p in rd.clear_steps_from(20000))  # six digits are not 10000 and 12345
     assert removed == sorted(names[1:]) and [p.name for p in rd.steps.iterdir()] == ["step_19999.json"]
+
+
+def test_launch_follows_a_router_that_moved_on_its_own(tmp_path: Path) -> None:
+    """A router Slurm requeued (preemption) comes back on new ports and writes its new address; launch,
+    which did not restart it, finds it there once the old address stops answering."""
+    from toolkit.config import compose_config
+    from toolkit.run import Run
+
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    run = Run(compose_config([]), rd)
+    run.address = {"frontend": "tcp://10.0.0.1:5000", "backend": "tcp://10.0.0.1:5001"}
+    run._follow_router()  # no address file (yet): it stays
+    assert run.address["frontend"] == "tcp://10.0.0.1:5000"
+    moved = {"frontend": "tcp://10.0.0.2:6000", "backend": "tcp://10.0.0.2:6001", "pid": "7"}
+    rd.router_address.write_text(json.dumps(moved))
+    run._follow_router()
+    assert run.address == moved

@@ -163,12 +163,16 @@ class Run:
             self.trackers.catch_up(self.step_reports)
         self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
         ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+        init_deadline: float | None = None  # counted from when they run: a queue wait is not MPI_Init's
         retried = False
         while True:
-            if self.ranks.pending() and time.monotonic() > ranks_deadline:
+            pending = self.ranks.pending()
+            if pending and time.monotonic() > ranks_deadline:
                 raise ReadinessTimeout(f"the rollout ranks did not start in {cfg.cluster.ready_timeout_s:.0f}s: "
                                        f"ranks: {self.ranks.state()}  <- stuck")
-            if not retried and self._ranks_stuck_in_init(ranks_deadline):
+            if init_deadline is None and not pending:
+                init_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+            if not retried and init_deadline is not None and self._ranks_stuck_in_init(init_deadline):
                 # Once: MPI's wire-up of a fresh world can fail or hang where a stale one was killed
                 # (seen after an sbatch requeue, whose steps reuse the previous incarnation's ids).
                 logger.warning("the ranks did not get through MPI_Init (%s); starting them again", self.ranks.state())
@@ -182,6 +186,7 @@ class Run:
                     self.ranks.kill()
                 self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
                 ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+                init_deadline = None
                 continue
             while self.next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(self.next_step))):
                 self.step_reports.append(rep)
@@ -280,6 +285,19 @@ class Run:
             raise ReadinessTimeout("the restarted router wrote no new address")
         self.address = info
 
+    def _follow_router(self) -> None:
+        """A router that did not answer may have moved: one Slurm requeued itself (preemption) comes
+        back on new ports, maybe on another node, and writes its new address; launch did not start it,
+        so only the file says so."""
+        try:
+            info = read_json(self.run_dir.router_address)
+        except (OSError, ValueError) as exc:  # a shared file system's hiccup: the next second looks again
+            logger.warning("could not read %s: %s", self.run_dir.router_address, exc)
+            return
+        if info and info.get("frontend") and info["frontend"] != self.address.get("frontend"):
+            logger.warning("the router moved to %s (it was at %s)", info["frontend"], self.address.get("frontend"))
+            self.address = info
+
     def _watch_replicas(self) -> None:
         """Scale requests, replacements, drains, preemptions; the router's counts (and the live progress)
         every second."""
@@ -288,6 +306,8 @@ class Run:
         if now - self._status_at >= 1.0:
             self._status_at = now
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
+            if status is None:
+                self._follow_router()
         self.replicas.tick(self.address["frontend"], self.curve, status)
         self.progress.update(status, self.replicas.restarts)
         if status is not None and self.cfg.report.metrics:
