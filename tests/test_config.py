@@ -162,6 +162,16 @@ def test_cli_lists_every_override_that_does_not_compose(tmp_path: Path) -> None:
     # In a sweep every value is checked.
     out = launch(["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "steps=1,x"], timeout_s=60)
     assert out.returncode == 2 and "steps = 'x'" in out.stdout, out.stdout + out.stderr
+    # ...and every point validated before the first runs: a value that composes but is out of range,
+    # and values that are wrong only together.
+    out = launch(["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "tail.threshold=0.9,1.5", "ranks=1,4",
+                  "rollout.max_concurrent_rollouts=2,8"], timeout_s=60)
+    text = out.stdout.replace("\n", " ")
+    assert out.returncode == 2 and "invalid configuration (2 error(s))" in text, out.stdout + out.stderr
+    assert "tail.threshold (sweep point tail.threshold=1.5 ranks=1 rollout.max_concurrent_rollouts=2 and 3 more) = 1.5" in text
+    assert ("rollout.max_concurrent_rollouts (sweep point tail.threshold=0.9 ranks=4 rollout.max_concurrent_rollouts=2 "
+            "and 1 more) = 2") in text
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_cli_rejects_unknown_key(tmp_path: Path) -> None:

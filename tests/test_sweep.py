@@ -85,3 +85,19 @@ def test_a_sweep_resumed_with_more_steps_continues_each_run(tmp_path: Path) -> N
     for run in ("0", "1"):
         assert sorted(p.name for p in (sweep / run / "steps").glob("*.json")) == ["step_00000.json", "step_00001.json"]
         assert json.loads((sweep / run / "report.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_failed_point_fails_alone_and_the_sweep_exits_with_its_code(tmp_path: Path) -> None:
+    """Point 0's failure budget ends its run; point 1 still runs, the summary lists both, and the
+    sweep's exit code says one failed (Hydra stops a sweep at a SystemExit, with no summary)."""
+    sweep = tmp_path / "sweep"
+    out = launch(["-m", f"hydra.sweep.dir={sweep}", "engine.time_scale=0.05", "steps=1", "sessions_per_step=8",
+                  "workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
+                  "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size",
+                  "rollout.max_failed_fraction=0,0.5"], cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "run failed:" in out.stdout and "sweep summary (2 runs)" in out.stdout
+    rows = list(csv.DictReader((sweep / SUMMARY_FILE).open()))
+    assert [(r["run"], r["status"]) for r in rows] == [("0", "failed"), ("1", "ok")]

@@ -10,6 +10,7 @@ own to find every override that fails by itself. Options that change where the c
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -95,8 +96,32 @@ def check_overrides(overrides: Sequence[str], multirun: bool = False) -> None:
             except ConfigError as exc:
                 errors.extend(e for e in exc.errors if e not in errors)
     if whole is None and not errors:
+        _validate_points(each)
         return
     raise ConfigError(errors or [FieldError(" ".join(first), "", _allowed(first[-1] if first else "", whole or ""))])
+
+
+MAX_POINTS_CHECKED = 256
+"""A sweep's points validated before its first runs (a larger sweep: its first this many)."""
+
+
+def _validate_points(each: list[list[str]]) -> None:
+    """Every point of a sweep, validated as its run will be: a bad value, or values bad only together,
+    fail the sweep before its first run, not hours later at that point (and each listed with it)."""
+    from toolkit.validation import validate
+
+    points: dict[str, tuple[FieldError, list[str]]] = {}  # each error once, with the points that have it
+    for combo in itertools.islice(itertools.product(*each), MAX_POINTS_CHECKED):
+        point = " ".join(line for line, values in zip(combo, each, strict=True) if len(values) > 1)
+        try:
+            validate(compose_config(list(combo)))
+        except ConfigError as exc:
+            for e in exc.errors:  # str: a value may be a list, which does not hash
+                points.setdefault(str(e), (e, []))[1].append(point)
+    if points:
+        raise ConfigError([FieldError(f"{e.field} (sweep point {where[0]}" + (f" and {len(where) - 1} more)"
+                                                                              if len(where) > 1 else ")"),
+                                      e.value, e.allowed) for e, where in points.values()])
 
 
 def precheck(argv: Sequence[str]) -> None:

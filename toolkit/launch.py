@@ -16,6 +16,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
@@ -156,6 +157,18 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     console.print(table)
 
 
+_SWEEP_EXIT = [0]
+"""The exit code a multirun sweep ends with: its worst run's (1 if a run failed, 2 if one was invalid)."""
+
+
+def _fail(code: int) -> None:
+    """A run failed: a single run exits with ``code``; in a sweep the other points still run (Hydra
+    would stop at a SystemExit, with no ``sweep_summary.csv``), and the sweep exits with it at the end."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        sys.exit(code)
+    _SWEEP_EXIT[0] = max(_SWEEP_EXIT[0], code)
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
     from toolkit.run import STOP
@@ -170,16 +183,17 @@ def main(dcfg: DictConfig) -> None:
         check_run_dir(cfg, run_dir)
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        _fail(2)
+        return
     _raise_on_sigterm()
     try:
         run(cfg, run_dir, console)
     except Interrupted as exc:
         console.print(f"[yellow]interrupted:[/yellow] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(EXIT_INTERRUPTED)  # a sweep stops too: its job is ending (a signal before the time limit)
     except ToolkitError as exc:
         console.print(f"[red]run failed:[/red] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        _fail(1)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every component was stopped[/yellow]")
         sys.exit(130)
@@ -196,6 +210,8 @@ def cli() -> None:
         Console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     main()
+    if _SWEEP_EXIT[0]:
+        sys.exit(_SWEEP_EXIT[0])
 
 
 if __name__ == "__main__":
