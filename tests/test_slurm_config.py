@@ -188,3 +188,73 @@ def test_submitting_hides_the_job_it_runs_in_but_keeps_the_users_sbatch_settings
         assert all(os.environ.get(k) == v for k, v in settings.items())
         assert not any(k in os.environ for k in job)
     assert all(os.environ.get(k) == v for k, v in {**settings, **job}.items())
+
+
+class FakeSlurm:
+    """squeue/sacct/scancel answers for toolkit.cluster.slurmctl, set per test step."""
+
+    def __init__(self) -> None:
+        self.squeue: str | None = ""  # None: the controller does not answer (a timeout)
+        self.sacct: str | None = ""  # None: no accounting on this site
+        self.cancelled: list[list[str]] = []
+
+    def run(self, args: list[str], **kw) -> object:  # type: ignore[no-untyped-def]
+        import subprocess
+
+        tool = args[0]
+        if tool == "scancel":
+            self.cancelled.append(args[1:])
+            return subprocess.CompletedProcess(args, 0, "", "")
+        out = self.squeue if tool == "squeue" else self.sacct
+        if out is None:
+            if tool == "squeue":
+                raise subprocess.TimeoutExpired(args, 30)
+            return subprocess.CompletedProcess(args, 1, "", "sacct: error: Slurm accounting storage is disabled")
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+
+@pytest.fixture
+def slurm(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    import toolkit.cluster.slurmctl as ctl
+
+    fake = FakeSlurm()
+    monkeypatch.setattr(ctl.subprocess, "run", fake.run)
+    monkeypatch.setattr(ctl, "need", lambda tool: tool)
+    return fake
+
+
+def test_a_controller_that_does_not_answer_changes_no_jobs_state(slurm: FakeSlurm) -> None:
+    """A squeue past its timeout, or failing, is a hiccup: a running job stays running (it used to be
+    UNKNOWN, which counted as pending, and ended a healthy run as 'did not start'), and a job that
+    finished stays finished once squeue forgets it, where there is no accounting."""
+    from toolkit.cluster.slurmctl import JobStates
+
+    states = JobStates(poll_s=0)
+    for job in ("1", "2", "3"):
+        states.watch(job)
+    slurm.squeue = "1|RUNNING|None\n2|RUNNING|None\n3|PENDING|Priority\n"
+    assert [states.get(j).state for j in "123"] == ["RUNNING", "RUNNING", "PENDING"]
+    slurm.squeue = None
+    assert [states.get(j).state for j in "123"] == ["RUNNING", "RUNNING", "PENDING"]
+    slurm.sacct = None  # and no accounting: squeue's own terminal states tell how they ended
+    slurm.squeue = "1|COMPLETED|None\n2|FAILED|NonZeroExitCode\n3|RUNNING|None\n"
+    assert [(states.get(j).state, states.get(j).exit_code) for j in "12"] == [("COMPLETED", 0), ("FAILED", 1)]
+    slurm.squeue = ""  # squeue forgot them (MinJobAge), and job 3 vanished while running
+    assert [(states.get(j).state, states.get(j).live, states.get(j).exit_code) for j in "123"] == [
+        ("COMPLETED", False, 0), ("FAILED", False, 1), ("UNKNOWN_END", False, 1)]
+
+
+def test_teardown_never_takes_a_failed_squeue_for_jobs_gone_and_cancels_again(slurm: FakeSlurm,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import toolkit.cluster.slurmctl as ctl
+
+    clock = [0.0]
+    monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ctl.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    slurm.squeue = None
+    assert ctl.wait_gone(["7"], timeout_s=5) == ["7"]  # nothing known: still there at the timeout
+    slurm.squeue = "7|RUNNING|None\n"
+    assert ctl.wait_gone(["7"], timeout_s=25, signal="KILL") == ["7"]
+    assert slurm.cancelled == [["--signal", "KILL", "7"], ["--signal", "KILL", "7"]]  # every 10 s
+    slurm.squeue = "7|COMPLETED|None\n"
+    assert ctl.wait_gone(["7"], timeout_s=25) == []

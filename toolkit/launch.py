@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.cluster import preflight
+from toolkit.cluster.slurmctl import requeue
 from toolkit.config import Config, from_dictconfig, register_configs, save_run_config
 from toolkit.errors import Interrupted, ToolkitError
 from toolkit.lease import Lease
@@ -133,12 +133,12 @@ def _requeue(cfg: Config, run_dir: RunDir, console: Console) -> None:
     # interrupt but the lease's release.
     run_dir.append_event("requeue", slurm_job=job)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
+    error = requeue(job)
+    if error:
         # Trainers waiting on the run (toolkit.samples) must not wait for a job that will not come back.
-        run_dir.append_event("requeue_failed", slurm_job=job, error=out.stderr.strip())
-        logger.error("scontrol requeue %s failed: %s", job, out.stderr.strip())
-        console.print(f"[red]scontrol requeue {job} failed: {out.stderr.strip()}; continue with resume=true "
+        run_dir.append_event("requeue_failed", slurm_job=job, error=error)
+        logger.error("scontrol requeue %s failed: %s", job, error)
+        console.print(f"[red]scontrol requeue {job} failed: {error}; continue with resume=true "
                       f"hydra.run.dir={run_dir.root}[/red]")
 
 

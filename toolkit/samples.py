@@ -133,7 +133,8 @@ def _slurm_job_queued(job: str) -> bool:
         return False
     from toolkit.cluster.slurmctl import queued_states
 
-    queued = job in queued_states({job})
+    listed = queued_states({job})
+    queued = listed is None or job in listed  # squeue failed: nothing says the run is over
     _QUEUED[job] = (time.monotonic(), queued)
     return queued
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from toolkit.cluster.base import Cluster, Component
 from toolkit.cluster.local import ProcessGroupComponent
-from toolkit.cluster.slurmctl import hostnames, need, scancel
+from toolkit.cluster.slurmctl import hostnames, need, scancel, step_ids
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.errors import ComponentFailed
 from toolkit.lifecycle import ProcessRef, popen_logged
@@ -130,9 +130,7 @@ class SrunStep(ProcessGroupComponent):
         return "RUNNING (srun step)" if code is None else f"exited {code}"
 
     def _step_ids(self) -> list[str]:
-        out = subprocess.run([need("squeue"), "-h", "-s", "-j", self.job_id, "-o", "%i|%j"], capture_output=True,
-                             text=True, timeout=30, stdin=subprocess.DEVNULL)
-        return [line.split("|")[0] for line in out.stdout.splitlines() if line.endswith(f"|{self.step_name}")]
+        return step_ids(self.job_id, self.step_name)
 
     def cancel(self) -> None:
         steps = self._step_ids()

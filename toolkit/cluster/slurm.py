@@ -272,7 +272,7 @@ class SlurmCluster(Cluster):
         if left:
             logger.error("jobs still queued after scancel: %s; sending SIGKILL", left)
             scancel(left, signal="KILL")
-            left = wait_gone(left, timeout_s=30.0)
+            left = wait_gone(left, timeout_s=30.0, signal="KILL")
         if left:
             logger.error("jobs still queued after SIGKILL: %s", left)
         return []

@@ -35,7 +35,12 @@ def need(tool: str) -> str:
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    """A Slurm command; one the controller does not answer in time fails like any other (a busy
+    slurmctld is a hiccup to look past, not the run's end)."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(args, -1, "", f"no answer within {_TIMEOUT_S:.0f}s")
 
 
 @dataclass(frozen=True)
@@ -76,30 +81,49 @@ class JobStates:
         return self._states.get(job_id, JobState("UNKNOWN"))
 
     def refresh(self) -> None:
-        states = queued_states(self.ids)
+        self._at = time.monotonic()
+        listed = listed_states(self.ids)
+        if listed is None:
+            return  # squeue failed: what was known holds (a running job is not taken for a new one)
+        states = {j: s for j, s in listed.items() if s.state in LIVE_STATES}
         missing = self.ids - states.keys()
         if missing:
-            states.update(accounted_states(missing))
+            accounted = accounted_states(missing)
+            for j in missing:
+                if j in accounted:
+                    states[j] = accounted[j]
+                elif j in listed:  # finished, and no accounting (a site without it, or sacct failed)
+                    states[j] = JobState(listed[j].state, exit_code=0 if listed[j].state == "COMPLETED" else 1)
+                elif j in self._states and self._states[j].state != "UNKNOWN":
+                    before = self._states[j]
+                    # Gone from squeue and not in sacct: a finished job stays as it was seen; a live one
+                    # ended, and how is not known.
+                    states[j] = JobState("UNKNOWN_END", exit_code=1) if before.live else before
         self._states = states
-        self._at = time.monotonic()
 
 
-def queued_states(ids: set[str]) -> dict[str, JobState]:
-    """Jobs the controller still lists (pending, running, completing), one line per array element."""
+def listed_states(ids: set[str]) -> dict[str, JobState] | None:
+    """The states squeue lists for ``ids`` (live ones, and recently finished ones: ``-t all``), one line
+    per array element; None if squeue failed (nothing is known, least of all that they are gone)."""
     if not ids:
         return {}
     out = _run([need("squeue"), "-h", "-r", "--me", "-t", "all", "-o", "%i|%T|%r"])
     if out.returncode != 0:
         logger.warning("squeue failed: %s", out.stderr.strip())
-        return {}
+        return None
     states = {}
     for line in out.stdout.splitlines():
         job, _, rest = line.strip().partition("|")
         state, _, reason = rest.partition("|")
         if job in ids:
             states[job] = JobState(state, reason)
-    # squeue also lists recently finished jobs (-t all); their exit code is sacct's to tell.
-    return {j: s for j, s in states.items() if s.state in LIVE_STATES}
+    return states
+
+
+def queued_states(ids: set[str]) -> dict[str, JobState] | None:
+    """Jobs the controller still lists as live (pending, running, completing); None if squeue failed."""
+    listed = listed_states(ids)
+    return None if listed is None else {j: s for j, s in listed.items() if s.state in LIVE_STATES}
 
 
 def accounted_states(ids: set[str]) -> dict[str, JobState]:
@@ -134,20 +158,52 @@ def scancel(ids: list[str], signal: str | None = None) -> None:
         args += ["--signal", signal]
     out = _run(args + list(ids))
     if out.returncode != 0:
-        # Already finished jobs make scancel complain; that is the outcome we want anyway.
-        logger.info("scancel %s: %s", " ".join(ids), out.stderr.strip())
+        err = out.stderr.strip()
+        # Already finished jobs make scancel complain; that is the outcome we want anyway. Anything else
+        # (the controller did not answer) leaves jobs to wait_gone, which cancels again.
+        finished = "already completing or completed" in err or "Invalid job id" in err
+        (logger.info if finished else logger.warning)("scancel %s: %s", " ".join(ids), err)
 
 
-def wait_gone(ids: list[str], timeout_s: float = 60.0) -> list[str]:
-    """Wait until none of ``ids`` is pending or running; returns those still there at the timeout."""
+def wait_gone(ids: list[str], timeout_s: float = 60.0, signal: str | None = None) -> list[str]:
+    """Wait until none of ``ids`` is pending or running; returns those still there at the timeout. A
+    squeue that fails proves nothing gone: it is asked again. Every 10 s the ones still listed are
+    cancelled again (with ``signal``): a scancel the controller missed is not the end of it."""
     deadline = time.monotonic() + timeout_s
+    again = time.monotonic() + 10.0
     left = set(ids)
     while left:
-        left = set(queued_states(left))
+        queued = queued_states(left)
+        if queued is not None:
+            left = set(queued)
         if not left or time.monotonic() > deadline:
             break
+        if queued is not None and time.monotonic() > again:
+            scancel(sorted(left), signal)
+            again = time.monotonic() + 10.0
         time.sleep(0.5)
     return sorted(left)
+
+
+def requeue(job: str, attempts: int = 3) -> str:
+    """``scontrol requeue job``; "" once done, else scontrol's error. A controller that did not answer
+    is asked again (its first answer may come after the job's time is up)."""
+    err = ""
+    for _ in range(attempts):
+        out = _run([need("scontrol"), "requeue", job])
+        if out.returncode == 0:
+            return ""
+        err = out.stderr.strip()
+        if out.returncode != -1:  # the controller answered: no
+            break
+        time.sleep(1.0)
+    return err
+
+
+def step_ids(job: str, step_name: str) -> list[str]:
+    """The ids (``JOB.STEP``) of ``job``'s steps named ``step_name`` ([] if squeue does not answer)."""
+    out = _run([need("squeue"), "-h", "-s", "-j", job, "-o", "%i|%j"])
+    return [line.split("|")[0] for line in out.stdout.splitlines() if line.endswith(f"|{step_name}")]
 
 
 def hostnames(nodelist: str) -> list[str]:
