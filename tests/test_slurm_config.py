@@ -258,3 +258,21 @@ def test_teardown_never_takes_a_failed_squeue_for_jobs_gone_and_cancels_again(sl
     assert slurm.cancelled == [["--signal", "KILL", "7"], ["--signal", "KILL", "7"]]  # every 10 s
     slurm.squeue = "7|COMPLETED|None\n"
     assert ctl.wait_gone(["7"], timeout_s=25) == []
+
+
+def test_ranks_that_slurm_ended_interrupt_the_run_rather_than_fail_it(slurm: FakeSlurm) -> None:
+    """The ranks' job at cluster.job_timeout_min, preempted, or on a lost node: resume=true continues
+    the run (launch exits 75, Interrupted); a job that failed on its own fails it."""
+    from types import SimpleNamespace
+
+    from toolkit.cluster.slurm import SlurmJobComponent
+    from toolkit.cluster.slurmctl import JobStates
+
+    states = JobStates(poll_s=0)
+    ranks = SlurmJobComponent("ranks", SimpleNamespace(job_id="5"), states)
+    slurm.sacct = "5|TIMEOUT|0:0\n"
+    assert ranks.exit_code() == 1 and ranks.interrupted() == "Slurm ended job 5 (ranks): TIMEOUT"
+    slurm.sacct = "5|PREEMPTED|0:15\n"
+    assert "PREEMPTED" in ranks.interrupted()
+    slurm.sacct = "5|FAILED|1:0\n"
+    assert ranks.exit_code() == 1 and ranks.interrupted() == ""

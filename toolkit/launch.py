@@ -94,7 +94,9 @@ def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int, lease
                               + f" replica(s); {cfg.ranks} rank(s)")
                 summary = r.execute(first)
         except Interrupted as exc:
-            r.teardown()
+            # The job's time is running out: the requeue comes before the trackers' uploads (Run's exit
+            # closes them), whose minutes would otherwise let the time limit end the job as TIMEOUT.
+            r.stop_components()
             r.write_report(r.summary(), error=str(exc), status="interrupted")
             _requeue(cfg, run_dir, console)
             raise

@@ -197,6 +197,8 @@ class Run:
                 self.next_step += 1
             code = self.ranks.exit_code()
             if code is not None:
+                if code != 0 and (why := self.ranks.interrupted()):
+                    raise Interrupted(f"{why}; step {self.next_step} runs again from its beginning on resume")
                 if code != 0:
                     self._check_lease()  # they ended because a newer launch took the run: say that
                     raise ComponentFailed(f"rollout ranks exited with {code}; {self._ranks_failure()}")
@@ -369,6 +371,13 @@ class Run:
 
     # ---- teardown --------------------------------------------------------------------------
     def teardown(self) -> None:
+        self.stop_components()
+        # After the components: a tracker's upload (wandb.finish) may take its time; the GPUs are free.
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+    def stop_components(self) -> None:
         self.progress.close()
         from toolkit.engine.base import ENGINES
 
@@ -379,10 +388,6 @@ class Run:
         survivors = self.cluster.stop_all(grace, sweep=not self.superseded)
         if survivors:
             logger.error("processes still alive after teardown: %s", [(r.pid, r.name) for r in survivors])
-        # After the components: a tracker's upload (wandb.finish) may take its time; the GPUs are free.
-        if self.trackers is not None:
-            self.trackers.close()
-            self.trackers = None
 
 
 def progress_line(rep: dict[str, Any], steps: int) -> str:

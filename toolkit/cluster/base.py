@@ -46,6 +46,11 @@ class Component(ABC):
         """Waiting for resources (a queued Slurm job); bounded by ``cluster.ready_timeout_s``."""
         return False
 
+    def interrupted(self) -> str:
+        """Why it ended without failing ("" if it did not): Slurm's time limit, a preemption, a node's
+        failure. A run whose ranks end so is interrupted, and ``resume=true`` continues it."""
+        return ""
+
 
 class Cluster(ABC):
     def __init__(self, cfg: Config, run_dir: RunDir, owner: ProcessRef) -> None:

@@ -37,6 +37,8 @@ from toolkit.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
+_SLURM_ENDS = frozenset({"TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE"})
+"""End states Slurm chose, not the job's code (cluster.job_timeout_min, a preemption, a node lost)."""
 _SITE_INPUTS = ("SLURM_CONF", "SLURM_CLUSTERS")
 """``SLURM_*`` variables that are the site's or the user's settings, not a job's identity."""
 
@@ -169,6 +171,10 @@ class SlurmJobComponent(Component):
 
     def pending(self) -> bool:
         return self.states.get(self.job_id).state in ("PENDING", "CONFIGURING", "UNKNOWN")
+
+    def interrupted(self) -> str:
+        s = self.states.get(self.job_id)
+        return f"Slurm ended job {self.job_id} ({self.name}): {s.state}" if s.state in _SLURM_ENDS else ""
 
 
 class SlurmCluster(Cluster):
