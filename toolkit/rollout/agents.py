@@ -113,6 +113,31 @@ def _reward_from_stdout(out: bytes) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+PIPE_WAIT_S = 5.0
+"""How long a harness's pipes may stay open after it exited (a helper it detached holds them)."""
+KEPT_OUTPUT = 64 << 10
+"""Bytes of a harness's stdout and of its stderr kept (the last ones): its reward is its last line, its
+error its last lines, and a verbose harness must not fill the rank's memory."""
+
+
+class _Tail:
+    """The last ``keep`` bytes of a stream, read as they come."""
+
+    def __init__(self, stream: asyncio.StreamReader, keep: int = KEPT_OUTPUT) -> None:
+        self.data = bytearray()
+        self.keep = keep
+        self.task = asyncio.ensure_future(self._read(stream))
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(1 << 16):
+            self.data += chunk
+            if len(self.data) > 2 * self.keep:
+                del self.data[: len(self.data) - self.keep]
+
+    def text(self) -> bytes:
+        return bytes(self.data[-self.keep:])
+
+
 async def run_command(base_url: str, task: dict[str, Any], command: list[str],
                       env: dict[str, str] | None = None, cwd: str | None = None) -> float | None:
     """Run one harness program for this session (see the module docstring). ``command`` items may
@@ -126,22 +151,29 @@ async def run_command(base_url: str, task: dict[str, Any], command: list[str],
     proc = await asyncio.create_subprocess_exec(*args, env=environ, cwd=cwd, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
     assert proc.stdout is not None and proc.stderr is not None
-    reads = [asyncio.ensure_future(proc.stdout.read()), asyncio.ensure_future(proc.stderr.read())]
+    out, err = _Tail(proc.stdout), _Tail(proc.stderr)
     try:
-        await proc.wait()
+        # Not proc.wait(): asyncio answers it only once the pipes close too, which a helper the harness
+        # detached (a session of its own, out of reach of its group) may never do.
+        while proc.returncode is None:
+            await asyncio.sleep(0.05)
     except BaseException:
-        for r in reads:
-            r.cancel()
+        for t in (out, err):
+            t.task.cancel()
         raise
     finally:
         # Whatever the harness started (a tool server, a sandbox CLI) goes with it, by its process
         # group: when it exits, and when the session times out. Its pipes then close.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        if proc.returncode is None:
-            await proc.wait()
-    out, err = await asyncio.gather(*reads)
+        while proc.returncode is None:
+            await asyncio.sleep(0.05)
+    # A process the harness put in a session of its own escapes its group and may hold the pipes
+    # open: what was written by then is the harness's output.
+    _, pending = await asyncio.wait([out.task, err.task], timeout=PIPE_WAIT_S)
+    for t in pending:
+        t.cancel()
     if proc.returncode != 0:
-        tail = err.decode(errors="replace").strip().splitlines()[-5:]
+        tail = err.text().decode(errors="replace").strip().splitlines()[-5:]
         raise AgentFailed(f"harness {args[0]} exited with {proc.returncode}: " + " | ".join(tail))
-    return _reward_from_stdout(out)
+    return _reward_from_stdout(out.text())
