@@ -47,6 +47,9 @@ from toolkit.security import gateway_token
 logger = logging.getLogger(__name__)
 
 _ENGINE_STATUS = {"client_error": 400, "timeout": 504}
+OFFLOAD_BYTES = 256 << 10
+"""A call whose body is larger renders and tokenizes in a thread, off the rank's event loop (a 32 MB
+tool result takes seconds; the other sessions and their timeouts go on meanwhile)."""
 SESSION_CALLS = 16
 """Calls one session may have running or waiting at once; more are answered 429. Its calls run one
 at a time (a turn continues the last), so more only wait; ``n`` choices ride on one call."""
@@ -253,7 +256,7 @@ class Gateway:
                 req = proto.request(await self._body(request))
                 if req.stream:
                     keep = asyncio.create_task(stream.keep_alive(), name="keepalive")
-                result = await self.turn(entry, req)
+                result = await self.turn(entry, req, offload=(request.content_length or 0) > OFFLOAD_BYTES)
             except Exception as exc:
                 if stream.resp is None:
                     raise  # the middleware answers it with its status
@@ -288,15 +291,18 @@ class Gateway:
             return Structured(json_schema='{"type": "object"}'), False
         return None, False
 
-    async def turn(self, entry: Entry, req: ChatRequest) -> ChatResult:
-        """Generate one answer for a session (its calls are taken one at a time, in order)."""
+    async def turn(self, entry: Entry, req: ChatRequest, offload: bool = False) -> ChatResult:
+        """Generate one answer for a session (its calls are taken one at a time, in order). ``offload``:
+        render and tokenize in a thread (a big body would hold every session of the rank meanwhile)."""
         s = self.s
         async with entry.lock:
             if entry.closed:  # ended while this call waited for the session
                 raise GatewayError(404, "the session ended")
             sess = entry.session
             try:
-                plan = sess.plan(req.messages, req.tools)
+                # The session is this call's alone while it holds the lock: a thread may read it.
+                plan = (await asyncio.to_thread(sess.plan, req.messages, req.tools) if offload
+                        else sess.plan(req.messages, req.tools))
             except TemplateError as exc:
                 raise GatewayError(400, f"the model's chat template refused the conversation: {exc}") from None
             budget = min(req.max_tokens or s.max_tokens, s.max_model_len - len(plan.prompt))
