@@ -191,6 +191,11 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
             assert st == 401 and err["type"] == "error" and err["error"]["type"] == "authentication_error"
             async with http.post(url.replace(key, "nope") + "/chat/completions", json=good, headers=auth) as r:
                 assert r.status == 404
+            reward = url[: -len("/v1")] + "/reward"
+            for bad_reward, why in (({"reward": "high"}, "expected"), ({"reward": 1, "choice": True}, "index"),
+                                    ({"reward": 1, "choice": 2}, "no choice 2")):
+                async with http.post(reward, json=bad_reward, headers=auth) as r:
+                    assert r.status == 400 and why in (await r.json())["error"]["message"], bad_reward
             st, err = await post("/chat/completions", {**good, "messages": [{"role": "user", "content": "x" * 5000}]})
             assert st == 413, err  # the conversation does not fit the model's context
             st, err = await post("/chat/completions", {**good, "pad": "y" * 70000})

@@ -121,6 +121,30 @@ def test_n_choices_the_continued_one_stays_the_others_become_branches(chat: Chat
                                                  "choice 1 of 3 at turn 0, not continued"]
 
 
+def test_a_session_that_ends_on_n_choices_rewards_the_one_the_harness_names(chat: ChatTokenizer) -> None:
+    """A best-of-n agent's last call: no later call says which choice it took, so it names it
+    (``POST /reward {"reward": r, "choice": k}``); the reward and outcome go to that choice's row, and
+    a note already on a row (missing logprobs, say) is kept next to the 'not continued' one."""
+    sess = GatewaySession(0, "job/0/5", chat)
+    convo = [{"role": "user", "content": "pick"}]
+    plan = sess.plan(convo, [])
+    ids = [_generated(chat, 20 + k) for k in range(3)]
+    results = [Result(request_id=f"r{k}", output_token_ids=i, logprobs=[-1.0] * len(i), finish_reason="stop")
+               for k, i in enumerate(ids)]
+    choices = [Choice(k, chat.content_text(i), [], "stop", i, r.logprobs)
+               for k, (i, r) in enumerate(zip(ids, results, strict=True))]
+    sess.commit(plan, convo, results, choices)
+    sess.alternatives[0].sample.error = "turn 0: 3 logprobs missing"  # choice 1's own note
+    with pytest.raises(ValueError, match=r"no choice 3 \(it has \[0, 1, 2\]\)"):
+        sess.choose(3)
+    sess.choose(2)
+    out = sess.samples("completed", "", 0.5)
+    final = out[-1]
+    assert final.reward == 0.5 and final.tokens == plan.prompt + ids[2] and final.error == ""
+    assert sorted(s.error for s in out[:-1]) == ["choice 0 of 3 at turn 0, not continued",
+                                                 "turn 0: 3 logprobs missing; choice 1 of 3 at turn 0, not continued"]
+
+
 def test_a_call_without_tools_keeps_the_lines_tools_for_the_next_calls(chat: ChatTokenizer) -> None:
     sess = GatewaySession(0, "job/0/8", chat)
     tools = [{"name": "f", "description": "", "parameters": {"type": "object"}}]

@@ -232,7 +232,17 @@ class Gateway:
         body = await self._body(request)
         value = body.get("reward") if isinstance(body, dict) else None
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise GatewayError(400, 'expected {"reward": <number>}', "reward")
+            raise GatewayError(400, 'expected {"reward": <number>} (and "choice": <index> after an n > 1 call)',
+                               "reward")
+        choice = body.get("choice")
+        if choice is not None:
+            if isinstance(choice, bool) or not isinstance(choice, int):
+                raise GatewayError(400, '"choice" is the index of one of the last call\'s n choices', "choice")
+            async with entry.lock:  # not while a call of the session changes its lines
+                try:
+                    entry.session.choose(choice)
+                except ValueError as exc:
+                    raise GatewayError(400, str(exc), "choice") from None
         entry.session.reward = float(value)
         return web.json_response({"ok": True})
 

@@ -163,9 +163,23 @@ class GatewaySession:
         for line in self.alternatives:
             self.branches += 1
             line.sample.branch = self.branches
-            line.sample.error = f"choice {line.choice} {self._choice_note}"
+            note = f"choice {line.choice} {self._choice_note}"
+            line.sample.error = f"{line.sample.error}; {note}" if line.sample.error else note
             self._close(line)
         self.alternatives = []
+
+    def choose(self, k: int) -> None:
+        """The harness names choice ``k`` of the last ``n > 1`` call as the one it went on with (a
+        best-of-n agent that ends the session on it: no later call says which it took). Raises
+        ValueError if the last call had no choice ``k``."""
+        if self.line is not None and self.line.choice == k:
+            return
+        for i, alt in enumerate(self.alternatives):
+            if alt.choice == k:
+                self.alternatives[i], self.line = self.line, alt  # type: ignore[assignment]
+                return
+        have = sorted([*(a.choice for a in self.alternatives), *([self.line.choice] if self.line else [])])
+        raise ValueError(f"the session's last call has no choice {k} (it has {have})")
 
     def _close(self, line: Line) -> None:
         if self.record_messages:
