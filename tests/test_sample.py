@@ -279,3 +279,19 @@ def test_sessions_packed_as_they_end_keep_their_rows_together_and_write_sorted(t
     assert [(r["index"], r["branch"]) for r in rows] == [(0, 0), (1, 0), (2, 1), (2, 0), (3, 0), (4, 0), (5, 0)]
     assert [r["tokens"] for r in rows] == [batch[0].tokens, batch[1].tokens, branch.tokens,
                                            *(batch[k].tokens for k in range(2, 6))]
+
+
+def test_a_copy_shares_no_container_with_its_original() -> None:
+    """An ``n > 1`` turn's choices each grow a copy of the line: a list or set they shared would mix
+    their tokens (every container field, present or added later, must be copied)."""
+    import dataclasses
+
+    s = Sample.start(3, "job/0/3", [1, 2, 3])
+    s.weight_versions, s.turn_weight_versions, s.replicas, s.groups = [1], [[1]], {"r0"}, {"g"}
+    c = s.copy()
+    assert c == s
+    for f in dataclasses.fields(Sample):
+        value = getattr(s, f.name)
+        if isinstance(value, list | set | dict):
+            assert getattr(c, f.name) is not value, f.name
+    assert all(a is not b for a, b in zip(c.turn_weight_versions, s.turn_weight_versions, strict=True))

@@ -13,7 +13,6 @@ are kept as samples of their own.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +146,9 @@ class GatewaySession:
             base = Line(sample, [], plan.tools)
         else:
             base = self.line
-        lines = [base if k == len(choices) - 1 else copy.deepcopy(base) for k in range(len(choices))]
+        # The others share the base's messages and tools (each line's are replaced below, never changed).
+        lines = [base if k == len(choices) - 1 else Line(base.sample.copy(), base.messages, base.tools)
+                 for k in range(len(choices))]
         for k, (line, result, choice) in enumerate(zip(lines, results, choices, strict=True)):
             line.choice = k
             line.sample.add_turn(plan.prompt, result)

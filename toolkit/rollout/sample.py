@@ -11,6 +11,7 @@ silently merged. :func:`merge` concatenates two samples of one session under the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,15 @@ class Sample:
     @classmethod
     def start(cls, index: int, session_id: str, prompt: list[int]) -> Sample:
         return cls(index, session_id, list(prompt), [0] * len(prompt), [0.0] * len(prompt), len(prompt))
+
+    def copy(self) -> Sample:
+        """An independent copy (its lists and sets new; their ints, floats and strings shared): an
+        ``n > 1`` turn's other choices each grow one, and ``copy.deepcopy`` walks every token."""
+        return dataclasses.replace(
+            self, tokens=list(self.tokens), loss_mask=list(self.loss_mask),
+            rollout_logprobs=list(self.rollout_logprobs), weight_versions=list(self.weight_versions),
+            turn_weight_versions=[list(v) for v in self.turn_weight_versions], replicas=set(self.replicas),
+            groups=set(self.groups))
 
     @property
     def response_length(self) -> int:
