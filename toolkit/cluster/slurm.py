@@ -123,7 +123,10 @@ def replica_task(run_dir: str, group: str, index: int) -> None:
     from toolkit.engine.nodes import NodeRole, serve_node
 
     role = node_role()
-    job = os.environ.get("SLURM_JOB_ID", "0") + "." + os.environ.get("SLURM_STEP_ID", "0")
+    # A requeued job keeps its id, and its steps' ids start again at 0: the restart count tells its
+    # incarnations apart, so node ranks never read the previous one's address.
+    job = (os.environ.get("SLURM_JOB_ID", "0") + "." + os.environ.get("SLURM_STEP_ID", "0")
+           + ".r" + os.environ.get("SLURM_RESTART_COUNT", "0"))
     serve_node(run_dir, group, index, NodeRole(int(role["TOOLKIT_NODE_RANK"]), int(role["TOOLKIT_NNODES"]),
                                                role["TOOLKIT_MASTER_ADDR"], int(role["TOOLKIT_MASTER_PORT"]),
                                                rendezvous=job))
