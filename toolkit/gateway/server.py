@@ -133,7 +133,10 @@ class Gateway:
         for proto in PROTOCOLS.values():
             app.router.add_post(f"/sessions/{{key}}/v1/{proto.route}", self._handler(proto))
         # handler_cancellation: a caller that disconnects cancels its call (Gateway.turn aborts it).
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+        # shutdown_timeout: at the rank's end, calls still waiting (on a router that is gone, say) are
+        # cancelled after 5 s rather than aiohttp's 60.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.s.host, self.s.port, reuse_address=False, backlog=4096)
         await site.start()
