@@ -47,6 +47,7 @@ from toolkit.rollout.guard import (
     user_call,
 )
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
+from toolkit.rollout.loopwatch import LoopWatch
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.sample import NonPrefixTurn, Sample
@@ -106,11 +107,12 @@ class RankRunner:
             if self.agent is not None:
                 await self._start_gateway()
             quiet_gc()
-            for step in range(self.first_step, self.cfg.steps):
-                if not await self.begin_step(step):
-                    logger.info("launch asked to stop before step %d", step)
-                    break
-                await self.run_step(step)
+            async with LoopWatch():
+                for step in range(self.first_step, self.cfg.steps):
+                    if not await self.begin_step(step):
+                        logger.info("launch asked to stop before step %d", step)
+                        break
+                    await self.run_step(step)
         finally:
             if self.gateway is not None:
                 await self.gateway.close()
