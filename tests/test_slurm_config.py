@@ -276,3 +276,14 @@ def test_ranks_that_slurm_ended_interrupt_the_run_rather_than_fail_it(slurm: Fak
     assert "PREEMPTED" in ranks.interrupted()
     slurm.sacct = "5|FAILED|1:0\n"
     assert ranks.exit_code() == 1 and ranks.interrupted() == ""
+
+
+def test_a_signal_grace_the_time_limit_cannot_hold_is_a_setup_error() -> None:
+    """``--signal=B:USR1@N`` with N at or past the job's limit signals at the start (an endless requeue);
+    sbatch refuses N above 65535."""
+    from toolkit.errors import ConfigError
+
+    for over in (["cluster.job_timeout_min=2", "cluster.signal_grace_s=180"], ["cluster.signal_grace_s=70000"]):
+        with pytest.raises(ConfigError, match=r"cluster.signal_grace_s = \d+: below cluster.job_timeout_min"):
+            validate(compose_config(["cluster=allocation", *over]))
+    validate(compose_config(["cluster=allocation", "cluster.job_timeout_min=4", "cluster.signal_grace_s=180"]))
