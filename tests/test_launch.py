@@ -123,18 +123,19 @@ def test_a_group_added_by_override_serves_the_step(tmp_path: Path) -> None:
     assert_no_process_left(run)
 
 
-def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_ctrl_c_or_a_dropped_terminal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None:
     run = tmp_path / "run"
     proc = start_launch([f"hydra.run.dir={run}", "steps=50"])
     try:
         wait_for(lambda: ranks_started(run), 90, "ranks to start")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
     finally:
         output = finish(proc, 60)
     assert proc.returncode == 130, output
     assert "interrupted" in output
     report = json.loads((run / "report.json").read_text())
-    assert report["status"] == "interrupted" and "SIGINT" in report["error"]
+    assert report["status"] == "interrupted" and sig.name in report["error"]
     assert [e["kind"] for e in report["interruptions"]] == ["signal"]
     assert_no_process_left(run)
 

@@ -41,6 +41,10 @@ def _raise_on_sigterm() -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
+    # A dropped SSH session: a teardown and a report rather than a death that leaves the jobs to the
+    # lease (unless launch runs under nohup, which asked for SIGHUP to be ignored).
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, handler)
 
 
 def check_run_dir(cfg: Config, run_dir: RunDir) -> bool:
