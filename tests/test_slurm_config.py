@@ -287,3 +287,22 @@ def test_a_signal_grace_the_time_limit_cannot_hold_is_a_setup_error() -> None:
         with pytest.raises(ConfigError, match=r"cluster.signal_grace_s = \d+: below cluster.job_timeout_min"):
             validate(compose_config(["cluster=allocation", *over]))
     validate(compose_config(["cluster=allocation", "cluster.job_timeout_min=4", "cluster.signal_grace_s=180"]))
+
+
+def test_a_resume_forgets_the_earlier_launches_job_ids_once_they_are_gone(slurm: FakeSlurm, tmp_path: Path) -> None:
+    """Slurm reuses job ids (a wrap, a wiped state): ids kept forever would have a later resume cancel
+    someone else's job."""
+    from toolkit.resume import cancel_leftovers
+    from toolkit.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    rd.jobs(1).parent.mkdir(parents=True, exist_ok=True)
+    rd.jobs(1).write_text("11\n12\n")
+    rd.jobs(2).write_text("21\n")
+    slurm.squeue = ""  # none of them is queued
+    cancel_leftovers(rd, 2)
+    assert slurm.cancelled == [["11", "12"]]
+    assert not rd.jobs(1).exists() and rd.jobs(2).read_text() == "21\n"
+    cancel_leftovers(rd, 3)  # the next resume cancels only what the launch after them recorded
+    assert slurm.cancelled[1:] == [["21"]]

@@ -108,9 +108,10 @@ def cancel_leftovers(rd: RunDir, epoch: int) -> None:
         logger.warning("processes of the previous launch still alive: %s", [(r.pid, r.name) for r in left])
     rd.forget_pids()
     old_jobs = []
-    for p in rd.all_jobs():
-        if p != rd.jobs(epoch):
-            old_jobs += [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    files = [p for p in rd.all_jobs() if p != rd.jobs(epoch)]
+    for p in files:
+        old_jobs += [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    left_jobs: list[str] = []
     if old_jobs:
         from toolkit.cluster.slurmctl import scancel, wait_gone
 
@@ -118,3 +119,7 @@ def cancel_leftovers(rd: RunDir, epoch: int) -> None:
         left_jobs = wait_gone(old_jobs, timeout_s=90.0)
         if left_jobs:
             logger.warning("jobs of the previous launch still queued: %s", left_jobs)
+    if not left_jobs:
+        # Gone: their ids are forgotten, so no later resume cancels an id Slurm has given to another job.
+        for p in files:
+            p.unlink(missing_ok=True)
