@@ -100,16 +100,22 @@ def test_a_rewritten_history_starts_a_branch_recorded_with_its_reason(chat: Chat
     assert second.reward == 0.5 and first.reward == 0.0
 
 
-def test_n_choices_the_continued_one_stays_the_others_become_branches(chat: ChatTokenizer) -> None:
-    sess = GatewaySession(0, "job/0/4", chat)
-    convo = [{"role": "user", "content": "pick"}]
+def _three_choices(chat: ChatTokenizer, sess: GatewaySession, convo: list[dict], seed: int):  # type: ignore[no-untyped-def]
+    """One ``n = 3`` call answered: its plan, each choice's ids, and the choices."""
     plan = sess.plan(convo, [])
-    ids = [_generated(chat, 10 + k) for k in range(3)]
+    ids = [_generated(chat, seed + k) for k in range(3)]
     results = [Result(request_id=f"r{k}", output_token_ids=i, logprobs=[-1.0] * len(i), finish_reason="stop")
                for k, i in enumerate(ids)]
     choices = [Choice(k, chat.content_text(i), [], "stop", i, r.logprobs)
                for k, (i, r) in enumerate(zip(ids, results, strict=True))]
     sess.commit(plan, convo, results, choices)
+    return plan, ids, choices
+
+
+def test_n_choices_the_continued_one_stays_the_others_become_branches(chat: ChatTokenizer) -> None:
+    sess = GatewaySession(0, "job/0/4", chat)
+    convo = [{"role": "user", "content": "pick"}]
+    plan, ids, choices = _three_choices(chat, sess, convo, 10)
     chosen = [*convo, {"role": "assistant", "content": choices[2].content}, {"role": "user", "content": "more"}]
     nxt = sess.plan(chosen, [])
     assert nxt.branch_reason is None and nxt.prompt[:len(plan.prompt) + len(ids[2])] == plan.prompt + ids[2]
@@ -126,14 +132,7 @@ def test_a_session_that_ends_on_n_choices_rewards_the_one_the_harness_names(chat
     (``POST /reward {"reward": r, "choice": k}``); the reward and outcome go to that choice's row, and
     a note already on a row (missing logprobs, say) is kept next to the 'not continued' one."""
     sess = GatewaySession(0, "job/0/5", chat)
-    convo = [{"role": "user", "content": "pick"}]
-    plan = sess.plan(convo, [])
-    ids = [_generated(chat, 20 + k) for k in range(3)]
-    results = [Result(request_id=f"r{k}", output_token_ids=i, logprobs=[-1.0] * len(i), finish_reason="stop")
-               for k, i in enumerate(ids)]
-    choices = [Choice(k, chat.content_text(i), [], "stop", i, r.logprobs)
-               for k, (i, r) in enumerate(zip(ids, results, strict=True))]
-    sess.commit(plan, convo, results, choices)
+    plan, ids, _ = _three_choices(chat, sess, [{"role": "user", "content": "pick"}], 20)
     sess.alternatives[0].sample.error = "turn 0: 3 logprobs missing"  # choice 1's own note
     with pytest.raises(ValueError, match=r"no choice 3 \(it has \[0, 1, 2\]\)"):
         sess.choose(3)
