@@ -188,3 +188,13 @@ def test_a_sessions_outcome_is_its_last_row_wherever_columns_travel(chat: ChatTo
     assert cols["index"].tolist() == [0, 0, 1] and cols["branch"].tolist() == [0, 1, 0]
     assert final_rows(cols).tolist() == [False, True, True]
     assert [r.status for r in rows] == ["completed", "failed", "completed"]  # the failure is the session's
+
+
+def test_each_tokens_bytes_are_its_own_even_inside_a_character(chat: ChatTokenizer) -> None:
+    """OpenAI's logprobs ``bytes``: a token that is half of 'é' is that half (0xC3), not U+FFFD's
+    three bytes, so a client joining them gets the text back."""
+    text = "é → ok <|im_end|>"
+    ids = chat.encode(text)
+    pieces = chat.token_bytes(ids)
+    assert b"".join(pieces) == text.encode()
+    assert b"\xc3" in pieces and all(p != "\ufffd".encode() for p in pieces)

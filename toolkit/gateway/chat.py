@@ -105,6 +105,7 @@ class ChatTokenizer:
             raise ToolkitError(f"tokenizer {self.path} has no chat template (tokenizer_config.json "
                                "chat_template): the gateway renders messages with the model's own template")
         self.vocab_size = len(self.tok)
+        self._byte_of: dict[str, int] | None = None  # token_bytes' alphabet, built on first use
         self.closing = self._assistant_closing()
         self.eos_ids = self._end_ids()
 
@@ -136,6 +137,29 @@ class ChatTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each id's own bytes (OpenAI's logprobs ``bytes``): a token that is part of a multi-byte
+        character carries its raw bytes, where a decode of it alone gives U+FFFD. A byte-level BPE's
+        token strings map back through GPT-2's byte alphabet; a byte-fallback token (``<0xE2>``) is its
+        byte; any other token, its decoded text."""
+        from tokenizers import decoders
+
+        if self._byte_of is None:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            backend = getattr(self.tok, "backend_tokenizer", None)
+            byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()} if byte_level else {}
+        out = []
+        for t, piece in zip(ids, self.tok.convert_ids_to_tokens(list(ids)), strict=True):
+            if piece is not None and self._byte_of and all(c in self._byte_of for c in piece):
+                out.append(bytes(self._byte_of[c] for c in piece))
+            elif piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(self.decode([t]).encode())
+        return out
 
     def content_text(self, ids: Sequence[int]) -> str:
         """The text of a generation for the harness: without the end token the engine stopped on."""

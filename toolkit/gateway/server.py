@@ -379,7 +379,8 @@ class Gateway:
         if calls and finish == "stop":
             finish = "tool_calls"
         tokens_text = [self.chat.decode([t]) for t in ids] if req.logprobs else []
-        return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text)
+        tokens_bytes = self.chat.token_bytes(ids) if req.logprobs else []
+        return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text, tokens_bytes)
 
 
 def _error(proto: Protocol, err: GatewayError) -> web.Response:

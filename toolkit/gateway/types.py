@@ -88,6 +88,8 @@ class Choice:
     logprobs: list[float]
     tokens_text: list[str] = field(default_factory=list)
     """Each generated token's text (for OpenAI ``logprobs.content[].token``), filled when asked."""
+    tokens_bytes: list[bytes] = field(default_factory=list)
+    """Each generated token's own bytes (``logprobs.content[].bytes``), filled when asked."""
 
 
 @dataclass

@@ -70,8 +70,9 @@ def token_logprobs(choice: Choice) -> list[dict[str, Any]]:
     out = []
     for i, logprob in enumerate(choice.logprobs):
         token = choice.tokens_text[i] if i < len(choice.tokens_text) else ""
+        raw = choice.tokens_bytes[i] if i < len(choice.tokens_bytes) else token.encode()
         out.append({"token": token, "logprob": logprob if math.isfinite(logprob) else -9999.0,
-                    "bytes": list(token.encode()), "top_logprobs": []})
+                    "bytes": list(raw), "top_logprobs": []})
     return out
 
 
