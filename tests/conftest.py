@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,11 +69,11 @@ def launch(args: list[str], timeout_s: float = 180, **kw) -> subprocess.Complete
                           timeout=timeout_s, env=env, **kw)
 
 
-def start_launch(args: list[str]) -> subprocess.Popen[str]:
+def start_launch(args: list[str], **kw: Any) -> subprocess.Popen[str]:
     """``launch`` in the background (stdout and stderr together), for tests that act on it mid-run."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     return subprocess.Popen([sys.executable, "-m", "toolkit.launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+                            stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
 def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:

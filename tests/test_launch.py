@@ -126,7 +126,10 @@ def test_a_group_added_by_override_serves_the_step(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 def test_ctrl_c_or_a_dropped_terminal_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None:
     run = tmp_path / "run"
-    proc = start_launch([f"hydra.run.dir={run}", "steps=50"])
+    # As from a terminal: SIGHUP's default action (the tests may run under nohup, whose SIG_IGN launch
+    # inherits and keeps, as it should).
+    proc = start_launch([f"hydra.run.dir={run}", "steps=50"],
+                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         wait_for(lambda: ranks_started(run), 90, "ranks to start")
         proc.send_signal(sig)
