@@ -236,6 +236,8 @@ def test_a_controller_that_does_not_answer_changes_no_jobs_state(slurm: FakeSlur
     assert [states.get(j).state for j in "123"] == ["RUNNING", "RUNNING", "PENDING"]
     slurm.squeue = None
     assert [states.get(j).state for j in "123"] == ["RUNNING", "RUNNING", "PENDING"]
+    slurm.sacct = "2|CANCELLED by 0|0:15\n"  # while squeue fails, accounting still says who ended
+    assert [states.get(j).state for j in "123"] == ["RUNNING", "CANCELLED", "PENDING"]
     slurm.sacct = None  # and no accounting: squeue's own terminal states tell how they ended
     slurm.squeue = "1|COMPLETED|None\n2|FAILED|NonZeroExitCode\n3|RUNNING|None\n"
     assert [(states.get(j).state, states.get(j).exit_code) for j in "12"] == [("COMPLETED", 0), ("FAILED", 1)]

@@ -84,7 +84,10 @@ class JobStates:
         self._at = time.monotonic()
         listed = listed_states(self.ids)
         if listed is None:
-            return  # squeue failed: what was known holds (a running job is not taken for a new one)
+            # squeue failed: accounting still tells how jobs stand (a cancelled one is seen ended); a job
+            # it does not know stays as last seen (a running one is not taken for a new one).
+            self._states = {**self._states, **accounted_states(self.ids)}
+            return
         states = {j: s for j, s in listed.items() if s.state in LIVE_STATES}
         missing = self.ids - states.keys()
         if missing:
