@@ -162,14 +162,27 @@ def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, s
 
 
 def test_killing_a_replica_job_mid_step_loses_no_session(run: tuple[Path, str]) -> None:
+    from toolkit.rundir import RunDir
+    from toolkit.weights import publish
+
     d, job = run
     r = d / "run"
-    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "router.heartbeat_s=0.2"])
+    weights, checkpoint = d / "weights", d / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    # On-policy: step 1 waits for weights version 1, so the run cannot end before launch has seen the
+    # killed job and replaced it (waited on below); the steps after it run with the replacement there.
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "router.heartbeat_s=0.2",
+                         f"rollout.weights_dir={weights}", "rollout.max_staleness=0", "rollout.weights_timeout_s=300"])
     try:
         wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
         victim = job_id(job, "replica-throughput", array_index=0)
         subprocess.run(["scancel", victim], check=True, timeout=30)
+        wait_for(lambda: any(e["kind"] == "replica_restarted" for e in RunDir(r).read_events()), 120,
+                 "launch to replace the killed replica")
     finally:
+        for version in (1, 2):  # lets steps 1 and 2 run: the launch must still succeed
+            publish(weights, version, checkpoint)
         output = finish(proc)
     assert proc.returncode == 0, output
     check_outputs(r, steps=3, sessions=32)  # every session exactly once, all completed
