@@ -60,7 +60,7 @@ class WeightsMixin:
         self.weight_waiters.setdefault(key, set()).add(client)
         for r in self.replicas.values():
             # A draining replica generates nothing new: it is not asked, nor waited for.
-            if not r.draining and self.weight_acks.get(r.identity, (None, ""))[0] != msg.version:
+            if not r.draining and self.loading_weights(r):
                 self._push_weights(r)
         self._answer_weights()
 
@@ -93,7 +93,7 @@ class WeightsMixin:
             self._record_weights(held)
             self.weights = held
             for other in self.replicas.values():
-                if other is not r and not other.draining and self.weight_acks.get(other.identity, (None, ""))[0] != held.version:
+                if other is not r and not other.draining and self.loading_weights(other):
                     self._push_weights(other)
         if self.weights == held:
             self.good = held
