@@ -188,7 +188,8 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
             release.set()
             ack = recv(client)
             assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
-            assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
+            assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3,
+                                                                                 "serial": 1}
     finally:
         release.set()
 
@@ -217,7 +218,8 @@ def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_pa
         client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))  # the client updates again
         ack = recv(client)
         assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
-        assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3}
+        assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3,
+                                                                                 "serial": 1}
 
 
 @pytest.mark.timeout(60)
@@ -278,8 +280,8 @@ def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path:
 
 @pytest.mark.timeout(60)
 def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Path) -> None:
-    """The previous router forwarded version 5 and died before recording it (weights.json says 4): a
-    replica that registers holding 5 makes 5 the run's weights, so a replica registered on 4 loads 5
+    """The previous router forwarded version 5 and died before recording it (weights.json says 4, the
+    fourth update): a replica that registers holding 5, handed out as the fifth, makes 5 the run's weights, so a replica registered on 4 loads 5
     (not 4, then 5 on the trainer's resend) and a later one gets 5 at once; a client's update then
     rules as always."""
     from tests.test_router_drain import FakeReplica, RouterThread, recv
@@ -291,32 +293,69 @@ def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Pa
     validate(cfg)
     rd = RunDir(tmp_path / "run")
     rd.make()
-    rd.router_weights.write_text(json.dumps({"path": "/ckpt/4", "version": 4}))
+    rd.router_weights.write_text(json.dumps({"path": "/ckpt/4", "version": 4, "serial": 4}))
     rt = RouterThread(cfg, rd.root)
     try:
         on_old = FakeReplica(rt, "throughput-0")
-        assert recv(on_old.sock) == P.UpdateWeights("/ckpt/4", 4)  # what the file says
+        assert recv(on_old.sock) == P.UpdateWeights("/ckpt/4", 4, 4)  # what the file says
         holder = FakeReplica.__new__(FakeReplica)
         holder.replica_id, holder.sock = "throughput-1@testhost:1", rt.socket("throughput-1@testhost:1")
         holder.send(P.Register(holder.replica_id, "throughput", max_inflight=4,
-                               weights_path="/ckpt/5", weights_version=5))
+                               weights_path="/ckpt/5", weights_version=5, weights_serial=5))
         got = [recv(on_old.sock) for _ in range(2)]  # its probe, and version 5
-        assert P.UpdateWeights("/ckpt/5", 5) in got
+        assert P.UpdateWeights("/ckpt/5", 5, 5) in got
         first = recv(holder.sock)
         assert isinstance(first, P.Generate) and first.job == "__probe__"  # no reload: it holds them
         wait_for(lambda: json.loads(rd.router_weights.read_text())["version"] == 5, 10, "weights.json at 5")
         late = FakeReplica(rt, "throughput-2")
-        assert recv(late.sock) == P.UpdateWeights("/ckpt/5", 5)
+        assert recv(late.sock) == P.UpdateWeights("/ckpt/5", 5, 5)
         # A client's update is the run's, whatever a replica registering later holds.
         client = rt.socket()
         client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))  # a rollback
-        assert P.UpdateWeights("/ckpt/3", 3) in [recv(late.sock) for _ in range(2)]
+        assert P.UpdateWeights("/ckpt/3", 3, 6) in [recv(late.sock) for _ in range(2)]
         again = FakeReplica.__new__(FakeReplica)
         again.replica_id, again.sock = "throughput-3@testhost:1", rt.socket("throughput-3@testhost:1")
         again.send(P.Register(again.replica_id, "throughput", max_inflight=4, weights_path="/ckpt/5",
-                              weights_version=5))
-        assert recv(again.sock) == P.UpdateWeights("/ckpt/3", 3)
+                              weights_version=5, weights_serial=5))
+        assert recv(again.sock) == P.UpdateWeights("/ckpt/3", 3, 6)
         for s in (on_old.sock, holder.sock, late.sock, again.sock, client):
+            s.close(0)
+    finally:
+        rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_router_keeps_a_rollback_a_replica_missed(tmp_path: Path) -> None:
+    """A client rolled the run back from version 5 to 3 (the sixth update, recorded), and the router died
+    before a replica that missed the rollback (draining, or its load failed) loaded 3. The replica
+    registers with the restarted router holding 5, a higher version than the file's but handed out
+    before it: the router keeps 3 and tells it to load 3 (a version comparison would have made 5 the
+    run's again, and every replica would have generated on the weights the trainer rolled back from)."""
+    from tests.test_router_drain import FakeReplica, RouterThread, recv
+    from toolkit.config import compose_config
+    from toolkit.rundir import RunDir
+    from toolkit.validation import validate
+
+    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
+    validate(cfg)
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    rd.router_weights.write_text(json.dumps({"path": "/ckpt/3", "version": 3, "serial": 6}))
+    rt = RouterThread(cfg, rd.root)
+    try:
+        behind = FakeReplica.__new__(FakeReplica)
+        behind.replica_id, behind.sock = "throughput-0@testhost:1", rt.socket("throughput-0@testhost:1")
+        behind.send(P.Register(behind.replica_id, "throughput", max_inflight=4,
+                               weights_path="/ckpt/5", weights_version=5, weights_serial=5))
+        assert recv(behind.sock) == P.UpdateWeights("/ckpt/3", 3, 6)
+        up_to_date = FakeReplica.__new__(FakeReplica)
+        up_to_date.replica_id, up_to_date.sock = "throughput-1@testhost:1", rt.socket("throughput-1@testhost:1")
+        up_to_date.send(P.Register(up_to_date.replica_id, "throughput", max_inflight=4,
+                                   weights_path="/ckpt/3", weights_version=3, weights_serial=6))
+        first = recv(up_to_date.sock)
+        assert isinstance(first, P.Generate) and first.job == "__probe__"  # it holds the run's: no reload
+        assert json.loads(rd.router_weights.read_text())["version"] == 3
+        for s in (behind.sock, up_to_date.sock):
             s.close(0)
     finally:
         rt.close()

@@ -58,6 +58,8 @@ class Register(Message):
     weights_path: str = ""
     """The checkpoint it holds, loaded through an ``UpdateWeights`` ("": the model's own weights)."""
     weights_version: int = 0
+    weights_serial: int = 0
+    """That ``UpdateWeights``' ``serial``."""
 
 
 class Heartbeat(Message):
@@ -237,6 +239,11 @@ class UpdateWeights(Message):
 
     path: str
     version: int
+    serial: int = 0
+    """Set by the router: its count of the run's client updates, which only goes up (across router
+    restarts too, through ``weights.json``). A restarted router tells by it weights its predecessor
+    forwarded but did not record (a higher serial than the file's) from weights a client has since
+    rolled back from (a lower one): a version number cannot, as a rollback lowers it."""
 
 
 class WeightsUpdated(Message):

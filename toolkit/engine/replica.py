@@ -75,7 +75,7 @@ class ReplicaServer:
         self._maintenance = asyncio.Lock()
         self._recovery: asyncio.Task[None] | None = None
         self._fatal: BaseException | None = None
-        self._weights: tuple[str, int] | None = None
+        self._weights: P.UpdateWeights | None = None
         self._weights_loading: tuple[str, int] | None = None
         self._update_mode = cfg.rollout.update_mode
         self._in_place = True  # until the engine says it cannot update in place
@@ -95,8 +95,9 @@ class ReplicaServer:
             max_inflight=self.gcfg.max_inflight, max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
             # A restarted router learns from these which weights are the run's newest (WeightsMixin.held).
-            weights_path=self._weights[0] if self._weights else "",
-            weights_version=self._weights[1] if self._weights else 0,
+            weights_path=self._weights.path if self._weights else "",
+            weights_version=self._weights.version if self._weights else 0,
+            weights_serial=self._weights.serial if self._weights else 0,
         ))
 
     async def run(self) -> None:
@@ -258,8 +259,10 @@ class ReplicaServer:
 
     def _update_weights(self, msg: P.UpdateWeights) -> None:
         target = (msg.path, msg.version)
-        if target == self._weights:
-            # A resend (the router forwards every client retry): acknowledge again.
+        if self._weights is not None and target == (self._weights.path, self._weights.version):
+            # A resend (the router forwards every client retry), or the same checkpoint handed out again
+            # by a later update (a rollback to it): acknowledge again, under the latest serial.
+            self._weights = msg
             self._spawn(self._send(P.WeightsUpdated(msg.version, self.replica_id)), "weights-ack")
         elif target != self._weights_loading:
             self._weights_loading = target
@@ -275,7 +278,7 @@ class ReplicaServer:
                     logger.info("loading weights %s as version %d (the engine is idle)", msg.path, msg.version)
                     await self.engine.load_weights(msg.path, msg.version)
                     logger.info("weights version %d loaded in %.2fs", msg.version, time.monotonic() - t0)
-            self._weights = target
+            self._weights = msg
         except Exception as exc:
             logger.exception("loading weights %s failed", msg.path)
             error = f"{type(exc).__name__}: {exc}"

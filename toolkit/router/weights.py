@@ -51,12 +51,13 @@ class WeightsMixin:
         key = (msg.path, msg.version)
         self.weights_from_client = True
         if self.weights is None or (self.weights.path, self.weights.version) != key:
+            msg = P.UpdateWeights(msg.path, msg.version, self.weights.serial + 1 if self.weights else 1)
             logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
                         len(self.replicas))
+            self.weights = msg
             self._record_weights(msg)
         elif self.files.error(self.run_dir.router_weights) is not None:
-            self._record_weights(msg)  # a resend tries the failed write again
-        self.weights = msg
+            self._record_weights(self.weights)  # a resend tries the failed write again
         self.weight_waiters.setdefault(key, set()).add(client)
         for r in self.replicas.values():
             # A draining replica generates nothing new: it is not asked, nor waited for.
@@ -68,26 +69,31 @@ class WeightsMixin:
         """Kept for a restarted router. Written off the loop, so the replicas get the update at once;
         the client is answered only once the file is on disk (a router restarted after the answer must
         not hand out older weights)."""
-        self.files.write(self.run_dir.router_weights, json.dumps({"path": msg.path, "version": msg.version}))
+        self.files.write(self.run_dir.router_weights,
+                         json.dumps({"path": msg.path, "version": msg.version, "serial": msg.serial}))
 
     def _adopt_weights(self) -> P.UpdateWeights | None:
         """The latest weights a previous router of this run handed out (a restarted router gives them
         to replicas that register with it, as the old one would have)."""
         info = read_json(self.run_dir.router_weights)
-        return P.UpdateWeights(info["path"], int(info["version"])) if info else None
+        return P.UpdateWeights(info["path"], int(info["version"]), int(info.get("serial", 0))) if info else None
 
     def held(self, r: Replica, msg: P.Register) -> None:
-        """A registering replica says which checkpoint it holds. One newer than what this router found
-        in ``weights.json``, before any client's update reached it, is the run's latest: the previous
-        router forwarded it and died before recording it. It becomes the run's weights, so the other
-        replicas load it, rather than the older recorded version first and this one on the trainer's
-        resend (each a full reload, and a window of rows on older weights)."""
+        """A registering replica says which checkpoint it holds. One handed out after what this router
+        found in ``weights.json`` (a higher ``serial``), before any client's update reached it, is the
+        run's latest: the previous router forwarded it and died before recording it. It becomes the
+        run's weights, so the other replicas load it, rather than the recorded ones first and these on
+        the trainer's resend (each a full reload, and a window of rows on older weights). One handed out
+        before (a replica that missed a later update, a rollback's included) is told to load the run's."""
+        # An earlier registration of this identity (a re-register before the sweep dropped it) acknowledged
+        # nothing this replica still holds.
+        self.weight_acks.pop(r.identity, None)
         if not msg.weights_path:
             return
-        held = P.UpdateWeights(msg.weights_path, msg.weights_version)
+        held = P.UpdateWeights(msg.weights_path, msg.weights_version, msg.weights_serial)
         r.loaded = held.version
         self.weight_acks[r.identity] = (held.version, "")
-        if not self.weights_from_client and (self.weights is None or held.version > self.weights.version):
+        if not self.weights_from_client and (self.weights is None or held.serial > self.weights.serial):
             logger.info("replica %s holds weights version %d (%s), newer than the recorded ones: the run's now",
                         r.replica_id, held.version, held.path)
             self._record_weights(held)
