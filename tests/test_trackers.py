@@ -79,6 +79,51 @@ def test_a_resumed_run_logs_the_steps_its_previous_launch_missed_and_no_other(tm
     assert json.loads(RunDir(tmp_path).trackers_logged.read_text()) == {"tb": 3}
 
 
+def test_a_launch_stopped_inside_one_trackers_log_has_the_others_log_it_once(tmp_path: Path) -> None:
+    """The stop signal lands inside the second tracker's ``log``: the first one, which logged the step,
+    is recorded, so the resumed launch logs the step to the second only."""
+    first, second = Flaky(), Flaky()
+    first.log = lambda step, metrics: first.logged.append(step)  # type: ignore[method-assign]
+
+    def stopped(step: int, metrics: dict[str, float]) -> None:
+        raise KeyboardInterrupt  # launch turns its stop signals into this
+
+    second.log = stopped  # type: ignore[method-assign]
+    trackers = Trackers([], RunDir(tmp_path), {}, {})
+    trackers.trackers = {"tb": first, "wandb": second}
+    with pytest.raises(KeyboardInterrupt):
+        trackers.log({"step": 0, "wall_s": 1.0})
+    again_first, again_second = Flaky(), Flaky()
+    resumed = Trackers([], RunDir(tmp_path), {}, {})
+    resumed.trackers = {"tb": again_first, "wandb": again_second}
+    resumed.catch_up([{"step": 0, "wall_s": 1.0}])
+    assert first.logged == [0] and again_first.logged == [] and again_second.logged == [0]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_resuming_a_finished_run_logs_the_steps_no_tracker_got(tmp_path: Path) -> None:
+    """The launch ended after the last step's report, before it logged it: a resume with every step done
+    still gives the trackers that step."""
+    pytest.importorskip("tensorboardX")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    args = [f"hydra.run.dir={run}", "engine.time_scale=0.05", "steps=2", "sessions_per_step=4",
+            "report.trackers=[tensorboard]"]
+    out = launch(args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    RunDir(run).trackers_logged.write_text(json.dumps({"tensorboard": 0}))  # step 1 was never logged
+    for f in (run / "trackers" / "tensorboard").iterdir():
+        f.unlink()
+    out = launch([*args, "resume=true"])
+    assert out.returncode == 0 and "already done" in out.stdout, out.stdout + out.stderr
+    events = EventAccumulator(str(run / "trackers" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("wall_s")] == [1]
+    assert json.loads(RunDir(run).trackers_logged.read_text()) == {"tensorboard": 1}
+
+
 def test_a_tracker_that_hangs_in_close_is_left_behind(tmp_path: Path) -> None:
     """wandb.finish can hang on an upload: the launch's exit (and a requeue in Slurm's grace) goes on."""
     import threading

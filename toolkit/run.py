@@ -144,16 +144,15 @@ class Run:
 
     # ---- steps -----------------------------------------------------------------------------
     def load_previous(self, first_step: int) -> None:
-        """A resumed run's report covers the whole run: the steps done before the interruption too."""
+        """A resumed run's report covers the whole run: the steps done before the interruption too. Its
+        trackers get those its previous launches did not log (even when every step is done: a launch may
+        end between the last step's report and its next look at them)."""
         for step in range(first_step):
             rep = read_json(self.run_dir.step_report(step))
             if rep is not None:
                 self.step_reports.append(rep)
         self.next_step = first_step
-
-    def execute(self, first_step: int = 0) -> dict[str, Any]:
         cfg = self.cfg
-        self.load_previous(first_step)
         if cfg.report.trackers:
             from omegaconf import OmegaConf
 
@@ -161,6 +160,10 @@ class Run:
             self.trackers = Trackers(list(cfg.report.trackers), self.run_dir, config,  # type: ignore[arg-type]
                                      {"wandb_project": cfg.report.wandb_project, "wandb_mode": cfg.report.wandb_mode})
             self.trackers.catch_up(self.step_reports)
+
+    def execute(self, first_step: int = 0) -> dict[str, Any]:
+        cfg = self.cfg
+        self.load_previous(first_step)
         self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
         ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
         init_deadline: float | None = None  # counted from when they run: a queue wait is not MPI_Init's

@@ -83,7 +83,6 @@ class Trackers:
     def log(self, report: dict[str, Any]) -> None:
         step = int(report["step"])
         metrics = flatten({k: v for k, v in report.items() if k != "step"})
-        logged = False
         for name, tracker in list(self.trackers.items()):
             if step <= self.logged.get(name, -1):
                 continue  # an earlier launch of this run logged it
@@ -93,9 +92,9 @@ class Trackers:
                 logger.error("tracker %s failed to log step %s (%r); it logs nothing more", name, step, exc)
                 self.trackers.pop(name)
                 continue
+            # Recorded as each logs, not once all have: a launch stopped inside the next one's ``log``
+            # (its stop signal, a hung upload) must not have this one log the step again on resume.
             self.logged[name] = step
-            logged = True
-        if logged:
             self._record()
 
     def _record(self) -> None:
