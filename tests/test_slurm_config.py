@@ -3,6 +3,7 @@ node-local run dirs, node roles of multi-node replicas."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -197,11 +198,15 @@ class FakeSlurm:
         self.squeue: str | None = ""  # None: the controller does not answer (a timeout)
         self.sacct: str | None = ""  # None: no accounting on this site
         self.cancelled: list[list[str]] = []
+        self.calls: list[str] = []
+        self.on_call: Callable[[], None] = lambda: None
 
     def run(self, args: list[str], **kw) -> object:  # type: ignore[no-untyped-def]
         import subprocess
 
         tool = args[0]
+        self.calls.append(tool)
+        self.on_call()
         if tool == "scancel":
             self.cancelled.append(args[1:])
             return subprocess.CompletedProcess(args, 0, "", "")
@@ -236,14 +241,33 @@ def test_a_controller_that_does_not_answer_changes_no_jobs_state(slurm: FakeSlur
     assert [states.get(j).state for j in "123"] == ["RUNNING", "RUNNING", "PENDING"]
     slurm.squeue = None
     assert [states.get(j).state for j in "123"] == ["RUNNING", "RUNNING", "PENDING"]
-    slurm.sacct = "2|CANCELLED by 0|0:15\n"  # while squeue fails, accounting still says who ended
+    # While squeue fails, accounting still says who ended; not who is live (a lagging slurmdbd may
+    # still call a running job pending, which would end the run as "ranks did not start").
+    slurm.sacct = "1|PENDING|0:0\n2|CANCELLED by 0|0:15\n"
     assert [states.get(j).state for j in "123"] == ["RUNNING", "CANCELLED", "PENDING"]
+    slurm.sacct = ""
     slurm.sacct = None  # and no accounting: squeue's own terminal states tell how they ended
     slurm.squeue = "1|COMPLETED|None\n2|FAILED|NonZeroExitCode\n3|RUNNING|None\n"
     assert [(states.get(j).state, states.get(j).exit_code) for j in "12"] == [("COMPLETED", 0), ("FAILED", 1)]
     slurm.squeue = ""  # squeue forgot them (MinJobAge), and job 3 vanished while running
     assert [(states.get(j).state, states.get(j).live, states.get(j).exit_code) for j in "123"] == [
         ("COMPLETED", False, 0), ("FAILED", False, 1), ("UNKNOWN_END", False, 1)]
+
+
+def test_a_slow_controller_is_asked_once_a_poll_for_every_job(slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """squeue and sacct taking longer than ``poll_s`` (a loaded slurmctld) must not make every job's
+    look-up query them again: a pass over the run's jobs costs one squeue, not one per job."""
+    import toolkit.cluster.slurmctl as ctl
+
+    clock = [100.0]
+    monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
+    slurm.on_call = lambda: clock.__setitem__(0, clock[0] + 1.2)
+    states = ctl.JobStates(poll_s=1.0)
+    for job in "123":
+        states.watch(job)
+    slurm.squeue = "1|RUNNING|None\n2|RUNNING|None\n3|RUNNING|None\n"
+    assert [states.get(j).state for j in "123"] == ["RUNNING"] * 3
+    assert slurm.calls == ["squeue"]
 
 
 def test_teardown_never_takes_a_failed_squeue_for_jobs_gone_and_cancels_again(slurm: FakeSlurm,

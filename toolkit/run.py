@@ -170,7 +170,8 @@ class Run:
         retried = False
         while True:
             pending = self.ranks.pending()
-            if pending and time.monotonic() > ranks_deadline:
+            # Only until they first run: ranks Slurm requeued (preemption) wait for their resources again.
+            if pending and init_deadline is None and time.monotonic() > ranks_deadline:
                 raise ReadinessTimeout(f"the rollout ranks did not start in {cfg.cluster.ready_timeout_s:.0f}s: "
                                        f"ranks: {self.ranks.state()}  <- stuck")
             if init_deadline is None and not pending:

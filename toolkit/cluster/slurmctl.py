@@ -81,12 +81,21 @@ class JobStates:
         return self._states.get(job_id, JobState("UNKNOWN"))
 
     def refresh(self) -> None:
-        self._at = time.monotonic()
+        try:
+            self._refresh()
+        finally:
+            # From when the answers came: a controller slow to answer must not be asked again at once
+            # for every job looked up (each look would then cost a squeue and a sacct).
+            self._at = time.monotonic()
+
+    def _refresh(self) -> None:
         listed = listed_states(self.ids)
         if listed is None:
-            # squeue failed: accounting still tells how jobs stand (a cancelled one is seen ended); a job
-            # it does not know stays as last seen (a running one is not taken for a new one).
-            self._states = {**self._states, **accounted_states(self.ids)}
+            # squeue failed: accounting still tells which jobs ended (a cancelled one is seen ended). Its
+            # live states are not taken (a lagging slurmdbd may still say PENDING of a running job); such
+            # a job, and one it does not know, stays as last seen.
+            ended = {j: s for j, s in accounted_states(self.ids).items() if not s.live}
+            self._states = {**self._states, **ended}
             return
         states = {j: s for j, s in listed.items() if s.state in LIVE_STATES}
         missing = self.ids - states.keys()
