@@ -172,6 +172,14 @@ def test_cli_lists_every_override_that_does_not_compose(tmp_path: Path) -> None:
     assert ("rollout.max_concurrent_rollouts (sweep point tail.threshold=0.9 ranks=4 rollout.max_concurrent_rollouts=2 "
             "and 1 more) = 2") in text
     assert not (tmp_path / "sweep").exists()
+    # A point whose values compose alone but not together (a key of one cluster's schema) is listed too.
+    out = launch(["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "cluster=slurm,local", "cluster.partition=gpu"],
+                 timeout_s=60)
+    text = out.stdout.replace("\n", " ")
+    assert out.returncode == 2 and "Traceback" not in text + out.stderr, out.stdout + out.stderr
+    assert "overrides (sweep point cluster=local) = '" in text
+    assert "cluster=local cluster.partition=gpu': they do not compose: Could not override 'cluster.partition'" in text
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_cli_rejects_unknown_key(tmp_path: Path) -> None:

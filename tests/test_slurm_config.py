@@ -313,6 +313,8 @@ def test_a_signal_grace_the_time_limit_cannot_hold_is_a_setup_error() -> None:
         with pytest.raises(ConfigError, match=r"cluster.signal_grace_s = \d+: below cluster.job_timeout_min"):
             validate(compose_config(["cluster=allocation", *over]))
     validate(compose_config(["cluster=allocation", "cluster.job_timeout_min=4", "cluster.signal_grace_s=180"]))
+    # cluster=slurm: job_timeout_min limits the components' jobs; launch's own job (if any) is the user's.
+    validate(compose_config(["cluster=slurm", "cluster.job_timeout_min=2", "cluster.signal_grace_s=180"]))
 
 
 def test_a_resume_forgets_the_earlier_launches_job_ids_once_they_are_gone(slurm: FakeSlurm, tmp_path: Path) -> None:

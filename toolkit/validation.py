@@ -264,9 +264,9 @@ def _validate_slurm(cfg: Config, errors: list[FieldError]) -> None:
         errors.append(FieldError("cluster.poll_s", c.poll_s, "> 0"))
     if c.job_timeout_min < 1:
         errors.append(FieldError("cluster.job_timeout_min", c.job_timeout_min, "an integer >= 1 (minutes)"))
-    elif c.signal_grace_s >= c.job_timeout_min * 60 or c.signal_grace_s > 65535:
-        # The USR1 of --signal=B:USR1@N would come at the job's start (an endless requeue), or sbatch
-        # refuses N above 65535.
+    elif c.type == "allocation" and (c.signal_grace_s >= c.job_timeout_min * 60 or c.signal_grace_s > 65535):
+        # The allocation's --signal=B:USR1@N would come at the job's start (an endless requeue), or sbatch
+        # refuses N above 65535. (With cluster=slurm the time limit is the components' jobs', not launch's.)
         errors.append(FieldError("cluster.signal_grace_s", c.signal_grace_s,
                                  f"below cluster.job_timeout_min = {c.job_timeout_min} min "
                                  f"({c.job_timeout_min * 60}s) and at most 65535"))
