@@ -318,12 +318,80 @@ def test_a_long_streaming_turn_keeps_its_connection_alive_and_fails_as_an_error_
             await gw.close_session(other)
 
         closing = asyncio.create_task(close_soon())
-        with pytest.raises(anthropic.APIStatusError, match="the session ended while this call ran"):
+        with pytest.raises(anthropic.APIStatusError, match="the session ended while this call ran") as failed:
             async with claude.messages.stream(model="m", max_tokens=100,
                                               messages=[{"role": "user", "content": "hi"}]) as events:
                 await events.get_final_message()
+        assert failed.value.response.status_code == 200  # an error event on the begun stream, not a 404
         await closing
         await sdk.close()
         await claude.close()
 
     asyncio.run(serve(cfg, rd, body, token="sekrit", keepalive_s=0.2))
+
+
+def test_a_session_that_ends_while_a_big_call_is_planned_sends_the_engines_nothing(make_run) -> None:  # type: ignore[no-untyped-def]
+    """A call whose body is over OFFLOAD_BYTES is rendered in a thread; the session ends meanwhile (its
+    timeout): once the thread is done the call is the session's 404, and nothing reaches the engines
+    (they would have generated its whole budget for nobody, after the session's end)."""
+    import threading
+
+    cfg, rd, stack = make_run(AGENT)
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, sess = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        planning, release = threading.Event(), threading.Event()
+        real = sess.plan
+
+        def held_plan(*args: Any) -> Any:
+            planning.set()
+            assert release.wait(30)
+            return real(*args)
+
+        sess.plan = held_plan  # type: ignore[method-assign]
+        # Big by its body, small by its prompt (a field the prompt does not hold).
+        call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                "metadata": {"pad": "x" * 300_000}}
+        async with aiohttp.ClientSession() as http:
+            post = asyncio.create_task(http.post(gw.base_url(key) + "/chat/completions", json=call))
+            assert await asyncio.to_thread(planning.wait, 30)
+            await gw.close_session(key)
+            release.set()
+            r = await post
+            assert r.status == 404 and "the session ended" in (await r.json())["error"]["message"]
+            r.release()
+        assert not any(rid.startswith("rollout/0/0") for rid in client.requests), list(client.requests)
+
+    asyncio.run(serve(cfg, rd, body))
+
+
+def test_a_caller_gone_while_its_call_winds_up_frees_its_place(make_run, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """aiohttp cancels the handler of a caller that went away wherever it awaits, its clean-up included:
+    the rank's place the call held is freed there too (one left taken per such caller would, over a
+    long run, leave every call a 429)."""
+    from toolkit.gateway import stream as stream_mod
+
+    async def slow_stop(self: stream_mod.Stream) -> None:  # the clean-up's await, made long enough to land in
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(stream_mod.Stream, "stop", slow_stop)
+    cfg, rd, stack = make_run(AGENT)
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, _ = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(asyncio.TimeoutError):
+                async with http.post(gw.base_url(key) + "/chat/completions", json=call,
+                                     timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    await r.read()
+        for _ in range(200):
+            if "rollout/0/0/1" in client.results and gw.inflight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert "rollout/0/0/1" in client.results  # the turn ended: the caller left during the clean-up
+        assert gw.inflight == 0 and gw.sessions[key].calls == 0
+
+    asyncio.run(serve(cfg, rd, body))

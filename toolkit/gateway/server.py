@@ -24,7 +24,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -45,6 +45,7 @@ from toolkit.rundir import RunDir
 from toolkit.security import gateway_token
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _ENGINE_STATUS = {"client_error": 400, "timeout": 504}
 OFFLOAD_BYTES = 256 << 10
@@ -264,12 +265,12 @@ class Gateway:
                 self.inflight += 1
             entry.calls += 1
             stream = Stream(request, self.s.keepalive_s)
-            keep: asyncio.Task[None] | None = None
             try:
                 req = proto.request(await self._body(request))
                 if req.stream:
-                    keep = asyncio.create_task(stream.keep_alive(), name="keepalive")
-                result = await self.turn(entry, req, offload=(request.content_length or 0) > OFFLOAD_BYTES)
+                    stream.start()
+                # The body as read (a chunked upload has no Content-Length); aiohttp keeps it.
+                result = await self.turn(entry, req, offload=len(await request.read()) > OFFLOAD_BYTES)
             except Exception as exc:
                 if stream.resp is None:
                     raise  # the middleware answers it with its status
@@ -278,12 +279,12 @@ class Gateway:
                     exc = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}")
                 return await stream.fail(proto, exc)
             finally:
-                if keep is not None:
-                    keep.cancel()
-                    await asyncio.gather(keep, return_exceptions=True)
+                # Before any await: a caller gone now cancels the handler there, and a place left taken
+                # would be the rank's for the rest of the run.
                 entry.calls -= 1
                 if not entry.calls:
                     self.inflight -= 1
+                await stream.stop()
             # What the turn spent in the router and engines: the rest of a call's time is the gateway's
             # (not sent on a stream that began before the turn ended: its headers were gone).
             return await answer(request, proto, req, result,
@@ -313,11 +314,11 @@ class Gateway:
                 raise GatewayError(404, "the session ended")
             sess = entry.session
             try:
-                # The session is this call's alone while it holds the lock: a thread may read it.
-                plan = (await asyncio.to_thread(sess.plan, req.messages, req.tools) if offload
-                        else sess.plan(req.messages, req.tools))
+                plan = await _in_thread(sess.plan, req.messages, req.tools) if offload else sess.plan(req.messages, req.tools)
             except TemplateError as exc:
                 raise GatewayError(400, f"the model's chat template refused the conversation: {exc}") from None
+            if entry.closed:  # ended while the thread planned: nothing may reach the engines for it now
+                raise GatewayError(404, "the session ended")
             budget = min(req.max_tokens or s.max_tokens, s.max_model_len - len(plan.prompt))
             if budget < 1:
                 raise GatewayError(413, f"the conversation is {len(plan.prompt)} tokens and the model's context "
@@ -381,6 +382,17 @@ class Gateway:
         tokens_text = [self.chat.decode([t]) for t in ids] if req.logprobs else []
         tokens_bytes = self.chat.token_bytes(ids) if req.logprobs else []
         return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text, tokens_bytes)
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread, awaited to its end even when the caller is cancelled meanwhile: it
+    works on a session whose lock the caller holds, and must not run on once the lock is released."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.gather(fut, return_exceptions=True)
+        raise
 
 
 def _error(proto: Protocol, err: GatewayError) -> web.Response:

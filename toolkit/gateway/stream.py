@@ -29,16 +29,27 @@ _SSE_HEADERS = {"content-type": SSE_CONTENT_TYPE, "cache-control": "no-cache"}
 
 
 class Stream:
-    """A streaming call's response, started by :meth:`keep_alive` only once its turn outlasts
+    """A streaming call's response, started by its keepalive (:meth:`start`) only once its turn outlasts
     ``keepalive_s``."""
 
     def __init__(self, request: web.Request, keepalive_s: float) -> None:
         self.request = request
         self.keepalive_s = keepalive_s
         self.resp: web.StreamResponse | None = None
+        self._keep: asyncio.Task[None] | None = None
 
-    async def keep_alive(self) -> None:
-        """Runs beside the turn (cancelled when it ends)."""
+    def start(self) -> None:
+        """The turn begins: keep the connection alive beside it."""
+        self._keep = asyncio.create_task(self._keep_alive(), name="keepalive")
+
+    async def stop(self) -> None:
+        """The turn ended: no keepalive may follow (nor land after the answer's last frame)."""
+        if self._keep is not None:
+            self._keep.cancel()
+            await asyncio.gather(self._keep, return_exceptions=True)
+            self._keep = None
+
+    async def _keep_alive(self) -> None:
         with contextlib.suppress(ConnectionResetError):  # gone: aiohttp cancels the call itself
             while True:
                 await asyncio.sleep(self.keepalive_s)
@@ -50,6 +61,7 @@ class Stream:
     async def fail(self, proto: Protocol, err: GatewayError) -> web.StreamResponse:
         """``err`` on a stream already started: the protocol's error body as an ``error`` event."""
         assert self.resp is not None
+        await self.stop()
         with contextlib.suppress(ConnectionResetError):
             await self.resp.write(sse(proto.error_body(err), event="error"))
             await self.resp.write_eof()
