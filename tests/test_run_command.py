@@ -54,8 +54,12 @@ def test_a_harness_whose_detached_helper_holds_its_pipes_still_ends(monkeypatch:
 
     tails: list[agents._Tail] = []
     monkeypatch.setattr(agents._Tail, "__init__", init)
+    fds = len(os.listdir("/proc/self/fd"))
     try:
         assert run(code) == 1.0
+        # Our ends of the pipes the helper holds are closed all the same (one session's two descriptors
+        # each, else: a rank runs out of them).
+        assert len(os.listdir("/proc/self/fd")) == fds
     finally:
         holder.extend(int(w) for t in tails for w in bytes(t.data).split() if w.isdigit())
         for pid in holder:  # the helper this test started, by its pid

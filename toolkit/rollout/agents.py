@@ -173,6 +173,10 @@ async def run_command(base_url: str, task: dict[str, Any], command: list[str],
     _, pending = await asyncio.wait([out.task, err.task], timeout=PIPE_WAIT_S)
     for t in pending:
         t.cancel()
+    # Our ends of the pipes, which such a helper still holds: left open, each session would keep two
+    # descriptors (the rank runs out) and the helper would block once it filled them. asyncio has no
+    # public way to close a child's pipes; its transport's close does (the child has exited).
+    proc._transport.close()  # type: ignore[attr-defined]
     if proc.returncode != 0:
         tail = err.text().decode(errors="replace").strip().splitlines()[-5:]
         raise AgentFailed(f"harness {args[0]} exited with {proc.returncode}: " + " | ".join(tail))
