@@ -4,6 +4,7 @@ are kept verbatim, new messages are rendered alone, rewrites and ``n > 1`` choic
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +199,26 @@ def test_each_tokens_bytes_are_its_own_even_inside_a_character(chat: ChatTokeniz
     pieces = chat.token_bytes(ids)
     assert b"".join(pieces) == text.encode()
     assert b"\xc3" in pieces and all(p != "\ufffd".encode() for p in pieces)
+
+
+def test_a_sentencepiece_tokens_bytes_keep_its_space(tmp_path: Path) -> None:
+    """Llama-2, Mistral and Gemma's tokenizers mark a space with ``▁`` in their tokens, and decoding a
+    token alone drops it: each token's bytes are its text with the space, its byte-fallback tokens
+    their byte, so joined they give the text back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁hello", "▁world", "▁", "ok"]
+    model = models.Unigram([(p, -1.0 if p.startswith("▁") else -5.0) for p in pieces], unk_id=0, byte_fallback=True)
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path)
+    chat = ChatTokenizer(tmp_path)
+    text = " hello world é ok"
+    ids = chat.encode(text)
+    assert "▁world" in chat.tok.convert_ids_to_tokens(ids)
+    got = chat.token_bytes(ids)
+    assert b"".join(got) == text.encode() and b" world" in got and b"\xc3" in got

@@ -24,6 +24,8 @@ from toolkit.gateway.types import Message
 
 logger = logging.getLogger(__name__)
 
+_SPACE = "\u2581"
+"""SentencePiece's mark for a space in its token strings."""
 _PLACEHOLDER = "\u2063TOOLKIT-ASSISTANT-CONTENT\u2063"
 
 
@@ -106,6 +108,7 @@ class ChatTokenizer:
                                "chat_template): the gateway renders messages with the model's own template")
         self.vocab_size = len(self.tok)
         self._byte_of: dict[str, int] | None = None  # token_bytes' alphabet, built on first use
+        self._spaced = False  # token_bytes: a SentencePiece vocabulary (``▁`` for a space)
         self.closing = self._assistant_closing()
         self.eos_ids = self._end_ids()
 
@@ -142,7 +145,8 @@ class ChatTokenizer:
         """Each id's own bytes (OpenAI's logprobs ``bytes``): a token that is part of a multi-byte
         character carries its raw bytes, where a decode of it alone gives U+FFFD. A byte-level BPE's
         token strings map back through GPT-2's byte alphabet; a byte-fallback token (``<0xE2>``) is its
-        byte; any other token, its decoded text."""
+        byte; a SentencePiece token its text with ``▁`` as the space it stands for (a decode of it alone
+        drops a leading space); any other token, its decoded text."""
         from tokenizers import decoders
 
         if self._byte_of is None:
@@ -151,12 +155,15 @@ class ChatTokenizer:
             backend = getattr(self.tok, "backend_tokenizer", None)
             byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
             self._byte_of = {c: b for b, c in bytes_to_unicode().items()} if byte_level else {}
+            self._spaced = not byte_level and any(k.startswith(_SPACE) for k in self.tok.get_vocab())
         out = []
         for t, piece in zip(ids, self.tok.convert_ids_to_tokens(list(ids)), strict=True):
             if piece is not None and self._byte_of and all(c in self._byte_of for c in piece):
                 out.append(bytes(self._byte_of[c] for c in piece))
             elif piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 out.append(bytes([int(piece[3:5], 16)]))
+            elif piece is not None and self._spaced and _SPACE in piece and t not in self.tok.all_special_ids:
+                out.append(piece.replace(_SPACE, " ").encode())
             else:
                 out.append(self.decode([t]).encode())
         return out
