@@ -11,16 +11,21 @@ import pytest
 from toolkit.rollout.loopwatch import LoopWatch
 
 
-def blocking_agent_call() -> None:
-    time.sleep(1.5)  # what requests.post or the sync SDK does inside an async agent
+def blocking_agent_call(watch: LoopWatch) -> None:
+    """What requests.post or the sync SDK does inside an async agent: it holds the loop (here until the
+    watch has noticed, so the test waits on that, not on a duration)."""
+    deadline = time.monotonic() + 60
+    while watch.stalls == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_a_blocked_loop_is_logged_once_naming_the_blocking_call(caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> int:
-        async with LoopWatch(threshold_s=0.3, check_s=0.1) as watch:
+        # A threshold far above any pause of a running loop, even on a loaded machine.
+        async with LoopWatch(threshold_s=3.0, check_s=0.1) as watch:
             await asyncio.sleep(0.5)  # a loop that runs: nothing logged
             assert watch.stalls == 0
-            blocking_agent_call()
+            blocking_agent_call(watch)
             await asyncio.sleep(0.5)
             return watch.stalls
 
