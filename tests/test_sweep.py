@@ -67,6 +67,24 @@ def test_summary_keeps_the_swept_values_and_marks_runs_without_a_report(tmp_path
     assert " 9 " in text and "9.0" not in text
 
 
+def test_a_sweep_whose_points_ran_elsewhere_exits_with_their_reports_worst(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """hydra-submitit-launcher runs each point in a job of its own, where a failed point returns normally
+    (the others run on): the sweep's exit code comes from the reports the summary reads."""
+    from omegaconf import OmegaConf
+
+    from toolkit import sweep
+
+    monkeypatch.setattr(sweep, "SWEEP_EXIT", [0])
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    _fake_run(tmp_path, "0", ["seed=1"], {"status": "ok", "steps": []})
+    sweep.SweepSummary().on_multirun_end(config)
+    assert sweep.SWEEP_EXIT == [0]
+    _fake_run(tmp_path, "1", ["seed=2"], {"status": "failed", "steps": []})
+    sweep.SweepSummary().on_multirun_end(config)
+    assert sweep.SWEEP_EXIT == [1]
+
+
 def test_swept_keys_get_the_shortest_headers_that_tell_them_apart() -> None:
     keys = ["tail.threshold", "groups.tail.replicas", "groups.throughput.replicas", "seed"]
     assert short_names(keys) == {"tail.threshold": "threshold", "groups.tail.replicas": "tail.replicas",

@@ -26,6 +26,7 @@ from toolkit.config import Config, from_dictconfig, register_configs, save_run_c
 from toolkit.errors import Interrupted, ToolkitError
 from toolkit.lease import Lease
 from toolkit.rundir import RunDir
+from toolkit.sweep import SWEEP_EXIT
 from toolkit.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -163,16 +164,12 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     console.print(table)
 
 
-_SWEEP_EXIT = [0]
-"""The exit code a multirun sweep ends with: its worst run's (1 if a run failed, 2 if one was invalid)."""
-
-
 def _fail(code: int) -> None:
     """A run failed: a single run exits with ``code``; in a sweep the other points still run (Hydra
     would stop at a SystemExit, with no ``sweep_summary.csv``), and the sweep exits with it at the end."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         sys.exit(code)
-    _SWEEP_EXIT[0] = max(_SWEEP_EXIT[0], code)
+    SWEEP_EXIT[0] = max(SWEEP_EXIT[0], code)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
@@ -216,8 +213,8 @@ def cli() -> None:
         Console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     main()
-    if _SWEEP_EXIT[0]:
-        sys.exit(_SWEEP_EXIT[0])
+    if SWEEP_EXIT[0]:
+        sys.exit(SWEEP_EXIT[0])
 
 
 if __name__ == "__main__":

@@ -154,6 +154,18 @@ def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Ta
     return table
 
 
+SWEEP_EXIT = [0]
+"""The exit code a multirun sweep ends with: its worst run's. ``launch`` sets it for the points it runs in
+its own process (1 if a run failed, 2 if one was invalid); :class:`SweepSummary` from the runs' reports
+for every point (1 if one did not end ``ok``), wherever it ran (hydra-submitit-launcher's jobs: a point
+that fails there returns normally, so that the others still run)."""
+
+
+def sweep_exit(rows: list[dict[str, Any]]) -> int:
+    """1 if a run of the sweep did not end ``ok`` (failed, or left no report: invalid, or killed), else 0."""
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
 class SweepSummary(Callback):
     """Hydra callback: after a multirun, summarise its runs (CSV + console)."""
 
@@ -163,6 +175,7 @@ class SweepSummary(Callback):
         if not rows:
             logger.warning("no runs found under %s; no sweep summary", sweep_dir)
             return
+        SWEEP_EXIT[0] = max(SWEEP_EXIT[0], sweep_exit(rows))
         path = write_summary(sweep_dir, rows)
         console = Console()
         console.print(summary_table(rows, f"sweep summary ({len(rows)} runs)", console.width))
