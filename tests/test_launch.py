@@ -143,6 +143,58 @@ def test_ctrl_c_or_a_dropped_terminal_stops_every_process(tmp_path: Path, sig: s
     assert_no_process_left(run)
 
 
+def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_written_there(tmp_path: Path) -> None:
+    """launch on a terminal (a pty: its controlling terminal) that goes away, as an SSH session drops:
+    the kernel sends SIGHUP, and from then on every write to the terminal fails (EIO), the teardown's
+    own included. The teardown still stops everything and writes the report."""
+    import pty
+    import select
+    import threading
+    import time
+
+    run = tmp_path / "run"
+    pid, master = pty.fork()
+    if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+        try:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            os.environ.update(PYTHONUNBUFFERED="1", COLUMNS="200")
+            os.execv(sys.executable, [sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"])
+        finally:
+            os._exit(127)
+    stop = threading.Event()
+    seen = bytearray()
+
+    def drain() -> None:  # a terminal reads what launch writes (a full pty would block it)
+        while not stop.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    seen.extend(os.read(master, 65536))
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    status = None
+    try:
+        wait_for(lambda: ranks_started(run), 90, "ranks to start")
+        stop.set()
+        reader.join()
+        os.close(master)  # the terminal is gone
+        deadline = time.monotonic() + 120
+        while status is None and time.monotonic() < deadline:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            status = st if done else None
+            time.sleep(0.2)
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 130, bytes(seen).decode(errors="replace")[-2000:]
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "interrupted" and "SIGHUP" in report["error"]
+    assert_no_process_left(run)
+
+
 def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(tmp_path: Path) -> None:
     crash = ["workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
              "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"]

@@ -38,14 +38,35 @@ register_configs()
 
 
 def _raise_on_sigterm() -> None:
+    # A dropped SSH session: a teardown and a report rather than a death that leaves the jobs to the
+    # lease (unless launch runs under nohup, which asked for SIGHUP to be ignored).
+    hup = signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
+    terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # known now: a hung-up terminal answers no ioctl
+
     def handler(signum: int, frame: object) -> None:
+        # Once: a second signal (the kernel's SIGHUP after the shell's, Slurm's SIGTERMs) must not cut
+        # short the teardown the first began.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if hup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if signum == signal.SIGHUP:
+            _leave_terminal(terminal)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
-    # A dropped SSH session: a teardown and a report rather than a death that leaves the jobs to the
-    # lease (unless launch runs under nohup, which asked for SIGHUP to be ignored).
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+    if hup:
         signal.signal(signal.SIGHUP, handler)
+
+
+def _leave_terminal(fds: list[int]) -> None:
+    """The terminal hung up: every write to it fails (EIO), and the teardown prints. What launch writes
+    there goes nowhere from now on (the run's report and logs are in its run dir)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def check_run_dir(cfg: Config, run_dir: RunDir) -> bool:

@@ -7,6 +7,7 @@ that is still alive.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -382,7 +383,8 @@ class Run:
             self.trackers = None
 
     def stop_components(self) -> None:
-        self.progress.close()
+        with contextlib.suppress(OSError):  # a display on a terminal that hung up: the teardown goes on
+            self.progress.close()
         from toolkit.engine.base import ENGINES
 
         # Each backend's own time to close (vLLM's shutdown waits on its workers), then stop by pid.
