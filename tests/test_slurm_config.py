@@ -200,6 +200,7 @@ class FakeSlurm:
         self.cancelled: list[list[str]] = []
         self.calls: list[str] = []
         self.on_call: Callable[[], None] = lambda: None
+        self.scontrol: Callable[[list[str]], object] = lambda args: None
 
     def run(self, args: list[str], **kw) -> object:  # type: ignore[no-untyped-def]
         import subprocess
@@ -210,6 +211,8 @@ class FakeSlurm:
         if tool == "scancel":
             self.cancelled.append(args[1:])
             return subprocess.CompletedProcess(args, 0, "", "")
+        if tool == "scontrol":
+            return self.scontrol(args)
         out = self.squeue if tool == "squeue" else self.sacct
         if out is None:
             if tool == "squeue":
@@ -268,6 +271,43 @@ def test_a_slow_controller_is_asked_once_a_poll_for_every_job(slurm: FakeSlurm, 
     slurm.squeue = "1|RUNNING|None\n2|RUNNING|None\n3|RUNNING|None\n"
     assert [states.get(j).state for j in "123"] == ["RUNNING"] * 3
     assert slurm.calls == ["squeue"]
+
+
+def test_a_requeue_the_controller_answered_late_is_not_asked_again(slurm: FakeSlurm,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scontrol requeue`` past its timeout may still have been done: asked again, the controller says
+    no (the job is requeued already) and the run would be reported as not coming back. The job's
+    restart count tells; a requeue that was not done is asked again, and a refusal is the answer."""
+    import subprocess
+
+    import toolkit.cluster.slurmctl as ctl
+
+    monkeypatch.setattr(ctl.time, "sleep", lambda s: None)
+    restarts, asked = [2], []
+
+    def scontrol(args: list[str]) -> object:
+        if args[1] == "show":
+            return subprocess.CompletedProcess(args, 0, f"JobId=9 JobName=rollout\n   Restarts={restarts[0]} "
+                                                        f"BatchFlag=1 Reboot=0 ExitCode=0:0\n", "")
+        asked.append(args[2])
+        if len(asked) == 1:  # done, but the answer came too late
+            restarts[0] += 1
+            return subprocess.CompletedProcess(args, -1, "", "no answer within 30s")
+        return subprocess.CompletedProcess(args, 1, "", "scontrol: error: Job is pending execution")
+
+    slurm.scontrol = scontrol
+    assert ctl.requeue("9") == "" and asked == ["9"]
+    asked.clear()
+    restarts[0] = 2
+
+    def never_done(args: list[str]) -> object:
+        if args[1] == "show":
+            return subprocess.CompletedProcess(args, 0, "JobId=9 Restarts=2 BatchFlag=1\n", "")
+        asked.append(args[2])
+        return subprocess.CompletedProcess(args, -1 if len(asked) == 1 else 1, "", f"try {len(asked)}")
+
+    slurm.scontrol = never_done
+    assert ctl.requeue("9") == "try 2" and asked == ["9", "9"]
 
 
 def test_teardown_never_takes_a_failed_squeue_for_jobs_gone_and_cancels_again(slurm: FakeSlurm,

@@ -8,6 +8,7 @@ with hundreds of replicas asks the controller once per interval, not once per jo
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import time
@@ -199,9 +200,14 @@ def wait_gone(ids: list[str], timeout_s: float = 60.0, signal: str | None = None
 
 def requeue(job: str, attempts: int = 3) -> str:
     """``scontrol requeue job``; "" once done, else scontrol's error. A controller that did not answer
-    is asked again (its first answer may come after the job's time is up)."""
+    is asked again (its first answer may come after the job's time is up), unless the job's restart
+    count shows the unanswered request took effect (asked again, the controller would say no to a job
+    already requeued, and the run would be reported as not coming back)."""
+    before = restarts(job)
     err = ""
-    for _ in range(attempts):
+    for i in range(attempts):
+        if i and before is not None and (now := restarts(job)) is not None and now > before:
+            return ""
         out = _run([need("scontrol"), "requeue", job])
         if out.returncode == 0:
             return ""
@@ -210,6 +216,14 @@ def requeue(job: str, attempts: int = 3) -> str:
             break
         time.sleep(1.0)
     return err
+
+
+def restarts(job: str) -> int | None:
+    """How many times Slurm has restarted (requeued) ``job``: ``scontrol show job``'s ``Restarts``; None
+    if it did not answer."""
+    out = _run([need("scontrol"), "show", "job", job])
+    m = re.search(r"\bRestarts=(\d+)", out.stdout) if out.returncode == 0 else None
+    return int(m.group(1)) if m else None
 
 
 def step_ids(job: str, step_name: str) -> list[str]:
