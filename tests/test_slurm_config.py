@@ -180,7 +180,8 @@ def test_submitting_hides_the_job_it_runs_in_but_keeps_the_users_sbatch_settings
     settings = {"SBATCH_ACCOUNT": "proj42", "SBATCH_PARTITION": "gpu", "SBATCH_QOS": "high",
                 "SBATCH_RESERVATION": "hack", "SLURM_CLUSTERS": "c1", "SLURM_CONF": "/etc/slurm/slurm.conf",
                 "SRUN_CPUS_PER_TASK": "8"}
-    job = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "76", "SLURM_NODELIST": "n[1-2]", "SUBMITIT_FOLDER": "/x"}
+    job = {"SLURM_JOB_ID": "77", "SLURM_ARRAY_JOB_ID": "76", "SLURM_NODELIST": "n[1-2]", "SUBMITIT_FOLDER": "/x",
+           "SBATCH_MEM_BIND": "local", "SBATCH_MEM_BIND_TYPE": "local"}  # sbatch's outputs for its --mem-bind
     assert job_identity(settings) == []
     assert sorted(job_identity({**settings, **job})) == sorted(job)
     for k, v in {**settings, **job}.items():

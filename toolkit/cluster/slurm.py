@@ -67,10 +67,12 @@ def master_port(job_id: str) -> int:
 
 def job_identity(env: Mapping[str, str]) -> list[str]:
     """The variables of ``env`` that say which job it runs in: submitit's, and inside a job Slurm's
-    ``SLURM_*`` outputs (``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_NODELIST``...)."""
+    ``SLURM_*`` outputs (``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_NODELIST``...) and sbatch's
+    ``SBATCH_MEM_BIND*``."""
     inside = "SLURM_JOB_ID" in env
+    # SBATCH_MEM_BIND*: sbatch's outputs in a job (its own --mem-bind), not the user's setting.
     return [k for k in env if k.startswith("SUBMITIT_")
-            or (inside and k.startswith("SLURM_") and k not in _SITE_INPUTS)]
+            or (inside and (k.startswith("SLURM_") and k not in _SITE_INPUTS or k.startswith("SBATCH_MEM_BIND")))]
 
 
 @contextlib.contextmanager
