@@ -279,6 +279,44 @@ def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path:
 
 
 @pytest.mark.timeout(60)
+def test_a_load_whose_record_hangs_says_so(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every replica loaded the weights, but the router's write of weights.json hangs (the shared file
+    system under the run dir): the timeout says that, rather than 'still loading: none'."""
+    import toolkit.rundir as rundir
+    from toolkit.client import WeightsUpdateFailed
+    from toolkit.rundir import RunDir
+
+    release = threading.Event()
+    real = rundir.atomic_write
+
+    def hung_disk(path: Path, data: bytes | str) -> None:
+        if path.name == "weights.json":
+            assert release.wait(30)
+        real(path, data)
+
+    try:
+        with one_replica(tmp_path, monkeypatch, hung_disk) as (replica, client):
+
+            def loads() -> None:
+                got = replica.recv()
+                replica.send(P.WeightsUpdated(got.version, replica.replica_id))
+
+            loader = threading.Thread(target=loads, daemon=True)
+            loader.start()
+
+            async def body(c: RouterClient) -> None:
+                with pytest.raises(WeightsUpdateFailed, match=r"every replica acknowledged them, but the router "
+                                                              r"has not answered: its write of weights.json"):
+                    await c.update_weights(str(tmp_path), 4, timeout_s=1.0, resend_s=0.2)
+
+            asyncio.run(with_client(RunDir(tmp_path / "run"), body))
+            loader.join(10)
+    finally:
+        release.set()
+
+
+
+@pytest.mark.timeout(60)
 def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Path) -> None:
     """The previous router forwarded version 5 and died before recording it (weights.json says 4, the
     fourth update): a replica that registers holding 5, handed out as the fifth, makes 5 the run's weights, so a replica registered on 4 loads 5

@@ -159,7 +159,11 @@ class RouterClient:
             status = await self.status(timeout_s=5.0)
         except RouterUnavailable:
             return f"{why}, and the router does not answer"
-        return f"{why}; still loading: {', '.join(status.loading) or 'none (the router has not answered)'}"
+        if status.loading:
+            return f"{why}; still loading: {', '.join(status.loading)}"
+        # Every replica has them: the answer waits for the router's record of them (weights.json).
+        return (f"{why}: every replica acknowledged them, but the router has not answered: its write of "
+                f"weights.json in the run dir may hang (a slow or stuck shared file system?)")
 
     async def session_done(self, job: str, step: int, session_id: str) -> None:
         msg = P.SessionDone(job, step, session_id)
