@@ -375,3 +375,27 @@ def test_a_resume_forgets_the_earlier_launches_job_ids_once_they_are_gone(slurm:
     assert not rd.jobs(1).exists() and rd.jobs(2).read_text() == "21\n"
     cancel_leftovers(rd, 3)  # the next resume cancels only what the launch after them recorded
     assert slurm.cancelled[1:] == [["21"]]
+
+
+def test_ranks_that_cannot_be_stopped_are_reported_not_doubled(slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MPI_Init retry starts the ranks again only once the stuck ones are gone: a controller that
+    does not answer leaves them listed as running after the cancel and the kill, and a second set would
+    write the same steps beside them."""
+    from types import SimpleNamespace
+
+    import toolkit.cluster.slurmctl as ctl
+    from toolkit.cluster.slurm import SlurmJobComponent
+    from toolkit.cluster.slurmctl import JobStates
+
+    clock = [100.0]  # the time module's own clock and sleep (Component.stop's waits)
+    monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ctl.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    states = JobStates(poll_s=0)
+    ranks = SlurmJobComponent("ranks", SimpleNamespace(job_id="5"), states)
+    slurm.squeue = "5|RUNNING|None\n"
+    assert ranks.alive()
+    slurm.squeue = None  # the controller stops answering: the job stays as last seen
+    assert not ranks.stop(wait_s=5)
+    assert slurm.cancelled == [["5"], ["--signal", "KILL", "5"]]
+    slurm.squeue = "5|CANCELLED|None\n"
+    assert ranks.stop(wait_s=5)

@@ -183,12 +183,10 @@ class Run:
                 logger.warning("the ranks did not get through MPI_Init (%s); starting them again", self.ranks.state())
                 self.console.print("[yellow]the ranks did not get through MPI_Init; starting them again[/yellow]")
                 retried = True
-                self.ranks.cancel()
-                wait_until = time.monotonic() + 30
-                while self.ranks.alive() and time.monotonic() < wait_until:
-                    time.sleep(0.2)
-                if self.ranks.alive():
-                    self.ranks.kill()
+                if not self.ranks.stop(30.0):
+                    raise ComponentFailed(f"the ranks did not get through MPI_Init and could not be stopped "
+                                          f"({self.ranks.state()}): starting them again would run a second "
+                                          f"set beside them")
                 self.ranks = self.cluster.start_ranks(cfg.ranks, first_step)
                 ranks_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
                 init_deadline = None

@@ -46,6 +46,20 @@ class Component(ABC):
         """Waiting for resources (a queued Slurm job); bounded by ``cluster.ready_timeout_s``."""
         return False
 
+    def stop(self, wait_s: float = 30.0) -> bool:
+        """Cancel it, kill it if it has not ended within ``wait_s``; whether it is gone (a controller
+        that does not answer may leave it running: nothing must be started in its place then)."""
+        import time
+
+        for end in (self.cancel, self.kill):
+            end()
+            deadline = time.monotonic() + wait_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not self.alive():
+                return True
+        return False
+
     def interrupted(self) -> str:
         """Why it ended without failing ("" if it did not): Slurm's time limit, a preemption, a node's
         failure. A run whose ranks end so is interrupted, and ``resume=true`` continues it."""
