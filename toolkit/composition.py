@@ -11,6 +11,7 @@ own to find every override that fails by itself. Options that change where the c
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Sequence
 
@@ -111,6 +112,11 @@ def _validate_points(each: list[list[str]]) -> None:
     from toolkit.validation import validate
 
     points: dict[str, tuple[FieldError, list[str]]] = {}  # each error once, with the points that have it
+    n = min(MAX_POINTS_CHECKED, math.prod(len(values) for values in each))
+    if n > 16:  # ~0.15 s a point (Hydra's compose): say why the sweep has not begun
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[dim]checking {n} points of the sweep before it begins[/dim]")
     for combo in itertools.islice(itertools.product(*each), MAX_POINTS_CHECKED):
         point = " ".join(line for line, values in zip(combo, each, strict=True) if len(values) > 1)
         try:
