@@ -97,3 +97,45 @@ def test_rank_swaps_the_tail_replicas_lowest_for_a_session_with_more_work_left()
     assert ended[(1, 1)] == "tail"  # moved there, and never swapped out: nothing outranks it
     assert ended[(0, 0)] == "throughput"  # moved there first, then swapped back for session 1
     assert step.moves == 3
+
+
+def _running(step: tm.Step) -> list:  # type: ignore[type-arg]
+    """Every placed turn running on its replica (as after their first engine step)."""
+    for r in step.replicas:
+        r.running += [t for t, _ in r.admit]
+        r.admit = []
+    return sorted((t for r in step.replicas for t in r.running), key=lambda t: t.session)
+
+
+def test_age_swap_trades_the_tail_replicas_resident_of_least_work_for_a_long_runner() -> None:
+    """The tail replica (room for one) holds a session's last turn, just begun; a first turn on the bulk
+    has run 1,000 tokens, past the long-turn limit, with two turns to follow: they trade places."""
+    from toolkit.router.tail.base import MoveLimits
+
+    cfg = tm.bench_config()
+    cfg.groups["tail"].max_inflight = 1
+    design = next(d for d in tm.DESIGNS if d.name == "age_swap")
+    step = tm.Step(cfg, design, np.array([100, 100]), np.array([[5, 5, 5], [2000, 5, 5]]))
+    resident, runner = _running(step)
+    assert resident.replica is step.tail and runner.replica in step.bulk  # nothing finished: the first goes there
+    resident.turn, runner.produced = 2, 1000
+    step._rank(MoveLimits(50, None))
+    assert runner.replica is step.tail and resident.replica in step.bulk and step.moves == 2
+    # One that is not past the limit stays, whatever its session has left.
+    step2 = tm.Step(cfg, design, np.array([100, 100]), np.array([[5, 5, 5], [2000, 5, 5]]))
+    resident, young = _running(step2)
+    resident.turn, young.produced = 2, 40
+    step2._rank(MoveLimits(50, None))
+    assert young.replica in step2.bulk and step2.moves == 0
+
+
+def test_age_behind_starts_the_next_turn_of_a_session_behind_the_step_on_the_tail_replica() -> None:
+    cfg = tm.bench_config()
+    design = next(d for d in tm.DESIGNS if d.name == "age_behind0.5")
+    step = tm.Step(cfg, design, np.array([100] * 4), np.full((4, 3), 5))
+    step.record.by_session = {"0": [5, 5], "1": [5, 5], "2": [5], "3": [5]}
+    from toolkit.bench.tail_events import _Turn
+
+    assert step._behind(_Turn(3, 1, 100, 5, 0.0))  # 2 of 4 sessions have finished their second turn
+    assert not step._behind(_Turn(0, 2, 100, 5, 0.0))  # nobody has finished a third
+    assert not step._behind(_Turn(3, 0, 100, 5, 0.0))  # a first turn is never behind

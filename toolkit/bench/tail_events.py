@@ -19,7 +19,7 @@ from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.engine.sim import output_len, step_seconds
 from toolkit.rollout.bound import step_bound
 from toolkit.router.policy import ConsistentHash, Replica
-from toolkit.router.tail.base import StepRecord
+from toolkit.router.tail.base import MoveLimits, StepRecord
 from toolkit.router.tail.routing import TICK_S, make_tail_policy
 
 LINK_BYTES_PER_S = 50e9
@@ -104,6 +104,8 @@ class Design:
     tail: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``tail.*`` settings of the policy
     foresight: float | None = None  # ``rank``: sigma of a predictor's lognormal error (None: no predictor)
     hint: float | None = None  # ``age``: every turn carries a length hint off by a lognormal of this sigma
+    swap: bool = False  # ``age``: with the tail replica full, a long runner swaps with its resident of least work left
+    behind: float | None = None  # ``age``: a turn starts on the tail replica once this share of sessions is turns ahead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,7 @@ class Step:
         self.freed = False
         self.ring = self._ring()
         self.favoured: set[int] = set()
-        self.law = _law(cfg) if design.policy == "rank" or design.hint is not None else None
+        self.law = _law(cfg) if design.policy == "rank" or design.hint is not None or design.swap else None
         if design.hint is not None:  # hints are judged by the long turn of a whole step before: the law's
             assert self.law is not None and self.policy is not None
             q = self.policy.tc.long_quantile
@@ -197,7 +199,7 @@ class Step:
         tail_first = (
             (self.policy is not None and self.policy.start_on_tail(self.record, str(t.session), "", self._hint(t)))
             or (self.design.policy == "rank" and str(t.session) in self.record.on_tail)
-            or t.session in self.favoured)
+            or t.session in self.favoured or self._behind(t))
         if tail_first and self._room(self.tail) > 0:
             return self.tail
         free = [r.view for r in self.pool if r.view is not None and self._room(r) > 0]
@@ -265,6 +267,13 @@ class Step:
         found.sort(key=lambda f: -f[0])
         return [t for _, t in found[:room]]
 
+    def _behind(self, t: _Turn) -> bool:
+        """``behind``: ``t``'s session is behind the step (that share of its sessions finished more turns)."""
+        if self.design.behind is None or t.turn == 0:
+            return False
+        ahead = sum(1 for done in self.record.by_session.values() if len(done) > t.turn)
+        return ahead >= self.design.behind * self.sessions
+
     def _hint(self, t: _Turn) -> int:
         """``t``'s length hint, as ``SimOracle`` would send it (0: the design sends none)."""
         return round(t.predicted(self.design.hint)) if self.design.hint is not None else 0
@@ -283,11 +292,13 @@ class Step:
         self.moves += 1
         self._place(t, to, kv=self.design.kv and to is self.tail)
 
-    def _rank(self) -> None:
+    def _rank(self, limits: MoveLimits | None = None) -> None:
         """``rank``: fill the tail replica's room with the running requests of most work left, then swap
-        its lowest for a higher one while one outranks it by ``SWAP_MARGIN``."""
+        its lowest for a higher one while one outranks it by ``SWAP_MARGIN`` (``swap``: only requests
+        past ``limits``, the long runners ``age`` would move)."""
         rank = {id(t): self._work_left(t) for r in self.replicas for t in r.running}
-        bulk = sorted((t for r in self.bulk for t in r.running), key=lambda t: -rank[id(t)])
+        bulk = sorted((t for r in self.bulk for t in r.running
+                       if limits is None or limits.priority(t.produced) is not None), key=lambda t: -rank[id(t)])
         residents = sorted(self.tail.running, key=lambda t: rank[id(t)])
         for t in bulk:
             if self._room(self.tail) <= 0:
@@ -308,6 +319,8 @@ class Step:
             self._rank()
         for t in self._to_move():
             self._move(t, self.tail)
+        if self.design.swap and self.policy is not None and (limits := self.policy.move_limits(self.record)):
+            self._rank(limits)
         self._push(self.now + TICK_S, "tick", None)
 
     # ---- engine steps ------------------------------------------------------------------------

@@ -31,6 +31,11 @@ the tail replica the requests whose sessions have the most work left, as far as 
 off by a lognormal factor of a sigma (as ``toolkit.rollout.hints.SimOracle`` sends it), judged against
 a whole step's long turn (the law's ``tail.long_quantile``, as the router takes it from the last step).
 
+Two more uses of what a router sees, each on top of ``age``: ``age_swap``, with the tail replica full, swaps
+a long runner for its resident of least expected work left (``rank``'s rule, among long runners only);
+``age_behind0.5`` starts a session's next turn on the tail replica once half the step's sessions have
+finished more turns than it (a session behind is the likeliest to end the step).
+
 ``rank`` puts a figure on knowledge. Every ``TICK_S`` it ranks the running requests by their session's
 expected work left: the current turn's tokens still to come plus the mean turn length for each turn
 the session has left. It fills the tail replica's room from the top and, once the room is full, swaps
@@ -65,6 +70,7 @@ DESIGNS = (
     Design("age_tokens250", "age", tail={"long_tokens": 250}),
     Design("age_room32", "age", tail_room=32), Design("age_room64", "age", tail_room=64),
     Design("age_kv", "age", kv=True), Design("age_kv_room64", "age", tail_room=64, kv=True),
+    Design("age_swap", "age", swap=True), Design("age_behind0.5", "age", behind=0.5),
     Design("rank", "rank"), *(Design(f"rank_foresight{f:g}", "rank", foresight=f) for f in (0.75, 0.5, 0.25, 0.0)),
     *(Design(f"age_hint{f:g}", "age", hint=f) for f in (0.5, 0.25)),
     Design("oracle", "oracle"),
