@@ -169,8 +169,23 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
     """The router keeps ``weights.json`` for a restarted router, but an fsync on a busy disk or a shared
     file system can take seconds: the replicas get the update at once, and the client its answer once
     the file is written (a router restarted after the answer must not hand out older weights)."""
-    import toolkit.rundir as rundir
     from tests.test_router_drain import quiet, recv
+
+    with weights_record_hung(tmp_path, monkeypatch) as (replica, client, release):
+        update_loaded_everywhere(replica, client, 3)  # while the file's write hangs
+        assert quiet(client, 1.0)  # loaded everywhere, but not yet on disk: no answer
+        assert not (tmp_path / "run" / "weights.json").exists()
+        release.set()
+        ack = recv(client)
+        assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
+        assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3,
+                                                                             "serial": 1}
+
+
+@contextlib.contextmanager
+def weights_record_hung(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def]
+    """:func:`one_replica` whose router's write of ``weights.json`` hangs until the event it yields is set."""
+    import toolkit.rundir as rundir
 
     release = threading.Event()
     real = rundir.atomic_write
@@ -182,14 +197,7 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
 
     try:
         with one_replica(tmp_path, monkeypatch, hung_disk) as (replica, client):
-            update_loaded_everywhere(replica, client, 3)  # while the file's write hangs
-            assert quiet(client, 1.0)  # loaded everywhere, but not yet on disk: no answer
-            assert not (tmp_path / "run" / "weights.json").exists()
-            release.set()
-            ack = recv(client)
-            assert isinstance(ack, P.WeightsUpdated) and (ack.version, ack.replicas, ack.error) == (3, 1, "")
-            assert json.loads((tmp_path / "run" / "weights.json").read_text()) == {"path": "/ckpt/3", "version": 3,
-                                                                                 "serial": 1}
+            yield replica, client, release
     finally:
         release.set()
 
@@ -282,37 +290,25 @@ def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path:
 def test_a_load_whose_record_hangs_says_so(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every replica loaded the weights, but the router's write of weights.json hangs (the shared file
     system under the run dir): the timeout says that, rather than 'still loading: none'."""
-    import toolkit.rundir as rundir
     from toolkit.client import WeightsUpdateFailed
     from toolkit.rundir import RunDir
 
-    release = threading.Event()
-    real = rundir.atomic_write
+    with weights_record_hung(tmp_path, monkeypatch) as (replica, _, _):
 
-    def hung_disk(path: Path, data: bytes | str) -> None:
-        if path.name == "weights.json":
-            assert release.wait(30)
-        real(path, data)
+        def loads() -> None:
+            got = replica.recv()
+            replica.send(P.WeightsUpdated(got.version, replica.replica_id))
 
-    try:
-        with one_replica(tmp_path, monkeypatch, hung_disk) as (replica, client):
+        loader = threading.Thread(target=loads, daemon=True)
+        loader.start()
 
-            def loads() -> None:
-                got = replica.recv()
-                replica.send(P.WeightsUpdated(got.version, replica.replica_id))
+        async def body(c: RouterClient) -> None:
+            with pytest.raises(WeightsUpdateFailed, match=r"every replica acknowledged them, but the router "
+                                                          r"has not answered: its write of weights.json"):
+                await c.update_weights(str(tmp_path), 4, timeout_s=1.0, resend_s=0.2)
 
-            loader = threading.Thread(target=loads, daemon=True)
-            loader.start()
-
-            async def body(c: RouterClient) -> None:
-                with pytest.raises(WeightsUpdateFailed, match=r"every replica acknowledged them, but the router "
-                                                              r"has not answered: its write of weights.json"):
-                    await c.update_weights(str(tmp_path), 4, timeout_s=1.0, resend_s=0.2)
-
-            asyncio.run(with_client(RunDir(tmp_path / "run"), body))
-            loader.join(10)
-    finally:
-        release.set()
+        asyncio.run(with_client(RunDir(tmp_path / "run"), body))
+        loader.join(10)
 
 
 
