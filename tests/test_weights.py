@@ -11,6 +11,7 @@ import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -318,24 +319,12 @@ def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Pa
     fourth update): a replica that registers holding 5, handed out as the fifth, makes 5 the run's weights, so a replica registered on 4 loads 5
     (not 4, then 5 on the trainer's resend) and a later one gets 5 at once; a client's update then
     rules as always."""
-    from tests.test_router_drain import FakeReplica, RouterThread, recv
-    from toolkit.config import compose_config
-    from toolkit.rundir import RunDir
-    from toolkit.validation import validate
+    from tests.test_router_drain import FakeReplica, recv
 
-    cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
-    validate(cfg)
-    rd = RunDir(tmp_path / "run")
-    rd.make()
-    rd.router_weights.write_text(json.dumps({"path": "/ckpt/4", "version": 4, "serial": 4}))
-    rt = RouterThread(cfg, rd.root)
-    try:
+    with restarted_router(tmp_path, {"path": "/ckpt/4", "version": 4, "serial": 4}) as (rt, rd):
         on_old = FakeReplica(rt, "throughput-0")
         assert recv(on_old.sock) == P.UpdateWeights("/ckpt/4", 4, 4)  # what the file says
-        holder = FakeReplica.__new__(FakeReplica)
-        holder.replica_id, holder.sock = "throughput-1@testhost:1", rt.socket("throughput-1@testhost:1")
-        holder.send(P.Register(holder.replica_id, "throughput", max_inflight=4,
-                               weights_path="/ckpt/5", weights_version=5, weights_serial=5))
+        holder = holding(rt, 1, "/ckpt/5", 5, 5)
         got = [recv(on_old.sock) for _ in range(2)]  # its probe, and version 5
         assert P.UpdateWeights("/ckpt/5", 5, 5) in got
         first = recv(holder.sock)
@@ -347,15 +336,10 @@ def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Pa
         client = rt.socket()
         client.send_multipart(P.encode(P.UpdateWeights("/ckpt/3", 3)))  # a rollback
         assert P.UpdateWeights("/ckpt/3", 3, 6) in [recv(late.sock) for _ in range(2)]
-        again = FakeReplica.__new__(FakeReplica)
-        again.replica_id, again.sock = "throughput-3@testhost:1", rt.socket("throughput-3@testhost:1")
-        again.send(P.Register(again.replica_id, "throughput", max_inflight=4, weights_path="/ckpt/5",
-                              weights_version=5, weights_serial=5))
+        again = holding(rt, 3, "/ckpt/5", 5, 5)
         assert recv(again.sock) == P.UpdateWeights("/ckpt/3", 3, 6)
         for s in (on_old.sock, holder.sock, late.sock, again.sock, client):
             s.close(0)
-    finally:
-        rt.close()
 
 
 @pytest.mark.timeout(60)
@@ -365,7 +349,24 @@ def test_a_restarted_router_keeps_a_rollback_a_replica_missed(tmp_path: Path) ->
     registers with the restarted router holding 5, a higher version than the file's but handed out
     before it: the router keeps 3 and tells it to load 3 (a version comparison would have made 5 the
     run's again, and every replica would have generated on the weights the trainer rolled back from)."""
-    from tests.test_router_drain import FakeReplica, RouterThread, recv
+    from tests.test_router_drain import recv
+
+    with restarted_router(tmp_path, {"path": "/ckpt/3", "version": 3, "serial": 6}) as (rt, rd):
+        behind = holding(rt, 0, "/ckpt/5", 5, 5)
+        assert recv(behind.sock) == P.UpdateWeights("/ckpt/3", 3, 6)
+        up_to_date = holding(rt, 1, "/ckpt/3", 3, 6)
+        first = recv(up_to_date.sock)
+        assert isinstance(first, P.Generate) and first.job == "__probe__"  # it holds the run's: no reload
+        assert json.loads(rd.router_weights.read_text())["version"] == 3
+        for s in (behind.sock, up_to_date.sock):
+            s.close(0)
+
+
+@contextlib.contextmanager
+def restarted_router(tmp_path: Path, recorded: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """A router (in this process) started on a run dir whose ``weights.json`` says ``recorded``, as a
+    restarted router of the run is; yields it and the run dir."""
+    from tests.test_router_drain import RouterThread
     from toolkit.config import compose_config
     from toolkit.rundir import RunDir
     from toolkit.validation import validate
@@ -374,22 +375,20 @@ def test_a_restarted_router_keeps_a_rollback_a_replica_missed(tmp_path: Path) ->
     validate(cfg)
     rd = RunDir(tmp_path / "run")
     rd.make()
-    rd.router_weights.write_text(json.dumps({"path": "/ckpt/3", "version": 3, "serial": 6}))
+    rd.router_weights.write_text(json.dumps(recorded))
     rt = RouterThread(cfg, rd.root)
     try:
-        behind = FakeReplica.__new__(FakeReplica)
-        behind.replica_id, behind.sock = "throughput-0@testhost:1", rt.socket("throughput-0@testhost:1")
-        behind.send(P.Register(behind.replica_id, "throughput", max_inflight=4,
-                               weights_path="/ckpt/5", weights_version=5, weights_serial=5))
-        assert recv(behind.sock) == P.UpdateWeights("/ckpt/3", 3, 6)
-        up_to_date = FakeReplica.__new__(FakeReplica)
-        up_to_date.replica_id, up_to_date.sock = "throughput-1@testhost:1", rt.socket("throughput-1@testhost:1")
-        up_to_date.send(P.Register(up_to_date.replica_id, "throughput", max_inflight=4,
-                                   weights_path="/ckpt/3", weights_version=3, weights_serial=6))
-        first = recv(up_to_date.sock)
-        assert isinstance(first, P.Generate) and first.job == "__probe__"  # it holds the run's: no reload
-        assert json.loads(rd.router_weights.read_text())["version"] == 3
-        for s in (behind.sock, up_to_date.sock):
-            s.close(0)
+        yield rt, rd
     finally:
         rt.close()
+
+
+def holding(rt, index: int, path: str, version: int, serial: int):  # type: ignore[no-untyped-def]
+    """A fake replica that registers holding checkpoint ``path`` as ``version``, handed out as ``serial``."""
+    from tests.test_router_drain import FakeReplica
+
+    replica = FakeReplica.__new__(FakeReplica)
+    replica.replica_id, replica.sock = f"throughput-{index}@testhost:1", rt.socket(f"throughput-{index}@testhost:1")
+    replica.send(P.Register(replica.replica_id, "throughput", max_inflight=4, weights_path=path,
+                            weights_version=version, weights_serial=serial))
+    return replica
