@@ -222,3 +222,44 @@ def test_a_sentencepiece_tokens_bytes_keep_its_space(tmp_path: Path) -> None:
     assert "▁world" in chat.tok.convert_ids_to_tokens(ids)
     got = chat.token_bytes(ids)
     assert b"".join(got) == text.encode() and b" world" in got and b"\xc3" in got
+    texts, raw = chat.token_pieces(ids)
+    assert raw == got and texts[:2] == [" hello", " world"]  # a token's text is its bytes' where they are whole
+
+
+def test_a_call_cancelled_twice_still_holds_the_session_until_its_thread_is_done() -> None:
+    """A big call plans in a thread, holding its session's lock. Cancelled (its caller went away), and
+    cancelled again (aiohttp's shutdown), it still waits for the thread: the thread works on the session,
+    which the next call must not get meanwhile."""
+    import asyncio
+    import threading
+
+    from toolkit.gateway.server import _in_thread
+
+    async def body() -> None:
+        started, release, done = threading.Event(), threading.Event(), []
+
+        def plan() -> int:
+            started.set()
+            assert release.wait(10)
+            done.append(1)
+            return 1
+
+        lock = asyncio.Lock()
+
+        async def call() -> None:
+            async with lock:
+                await _in_thread(plan)
+
+        task = asyncio.create_task(call())
+        assert await asyncio.to_thread(started.wait, 10)
+        for _ in range(2):
+            task.cancel()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        assert lock.locked() and not task.done() and not done
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert done == [1] and not lock.locked()
+
+    asyncio.run(body())

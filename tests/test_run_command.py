@@ -60,6 +60,19 @@ def test_a_harness_whose_detached_helper_holds_its_pipes_still_ends(monkeypatch:
         # Our ends of the pipes the helper holds are closed all the same (one session's two descriptors
         # each, else: a rank runs out of them).
         assert len(os.listdir("/proc/self/fd")) == fds
+        # ...and when the session times out while the harness still runs.
+        slow = code.replace("print(1.0)", "import time; time.sleep(120)")
+
+        async def timed_out() -> None:
+            task = asyncio.ensure_future(run_command(URL, {"index": 0}, [sys.executable, "-c", slow]))
+            while len(tails) < 4 or not any(bytes(t.data).strip() for t in tails[2:]):
+                await asyncio.sleep(0.05)  # its helper has started (it wrote its pid)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(asyncio.wait_for(timed_out(), 60))
+        assert len(os.listdir("/proc/self/fd")) == fds
     finally:
         holder.extend(int(w) for t in tails for w in bytes(t.data).split() if w.isdigit())
         for pid in holder:  # the helper this test started, by its pid

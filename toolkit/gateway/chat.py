@@ -168,6 +168,19 @@ class ChatTokenizer:
                 out.append(self.decode([t]).encode())
         return out
 
+    def token_pieces(self, ids: Sequence[int]) -> tuple[list[str], list[bytes]]:
+        """Each id's text and bytes (OpenAI's logprobs ``token`` and ``bytes``): the text is its bytes'
+        where they are whole UTF-8 (a SentencePiece token keeps its space), else its decode (U+FFFD for
+        part of a character, as OpenAI's)."""
+        raw = self.token_bytes(ids)
+        texts = []
+        for t, b in zip(ids, raw, strict=True):
+            try:
+                texts.append(b.decode())
+            except UnicodeDecodeError:
+                texts.append(self.decode([t]))
+        return texts, raw
+
     def content_text(self, ids: Sequence[int]) -> str:
         """The text of a generation for the harness: without the end token the engine stopped on."""
         end = len(ids)

@@ -17,6 +17,7 @@ client sends can raise out of a handler into the rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -379,8 +380,7 @@ class Gateway:
         finish = res.finish_reason if res.finish_reason in ("stop", "length") else "stop"
         if calls and finish == "stop":
             finish = "tool_calls"
-        tokens_text = [self.chat.decode([t]) for t in ids] if req.logprobs else []
-        tokens_bytes = self.chat.token_bytes(ids) if req.logprobs else []
+        tokens_text, tokens_bytes = self.chat.token_pieces(ids) if req.logprobs else ([], [])
         return Choice(k, content, calls, finish, list(ids), list(res.logprobs), tokens_text, tokens_bytes)
 
 
@@ -391,7 +391,9 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        await asyncio.gather(fut, return_exceptions=True)
+        while not fut.done():  # a second cancel (aiohttp's shutdown) must not end the wait either
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({fut})
         raise
 
 

@@ -153,30 +153,32 @@ async def run_command(base_url: str, task: dict[str, Any], command: list[str],
     assert proc.stdout is not None and proc.stderr is not None
     out, err = _Tail(proc.stdout), _Tail(proc.stderr)
     try:
-        # Not proc.wait(): asyncio answers it only once the pipes close too, which a helper the harness
-        # detached (a session of its own, out of reach of its group) may never do.
-        while proc.returncode is None:
-            await asyncio.sleep(0.05)
-    except BaseException:
-        for t in (out, err):
-            t.task.cancel()
-        raise
+        try:
+            # Not proc.wait(): asyncio answers it only once the pipes close too, which a helper the
+            # harness detached (a session of its own, out of reach of its group) may never do.
+            while proc.returncode is None:
+                await asyncio.sleep(0.05)
+        except BaseException:
+            for t in (out, err):
+                t.task.cancel()
+            raise
+        finally:
+            # Whatever the harness started (a tool server, a sandbox CLI) goes with it, by its process
+            # group: when it exits, and when the session times out. Its pipes then close.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            while proc.returncode is None:
+                await asyncio.sleep(0.05)
+        # A process the harness put in a session of its own escapes its group and may hold the pipes
+        # open: what was written by then is the harness's output.
+        _, pending = await asyncio.wait([out.task, err.task], timeout=PIPE_WAIT_S)
+        for t in pending:
+            t.cancel()
     finally:
-        # Whatever the harness started (a tool server, a sandbox CLI) goes with it, by its process
-        # group: when it exits, and when the session times out. Its pipes then close.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        while proc.returncode is None:
-            await asyncio.sleep(0.05)
-    # A process the harness put in a session of its own escapes its group and may hold the pipes
-    # open: what was written by then is the harness's output.
-    _, pending = await asyncio.wait([out.task, err.task], timeout=PIPE_WAIT_S)
-    for t in pending:
-        t.cancel()
-    # Our ends of the pipes, which such a helper still holds: left open, each session would keep two
-    # descriptors (the rank runs out) and the helper would block once it filled them. asyncio has no
-    # public way to close a child's pipes; its transport's close does (the child has exited).
-    proc._transport.close()  # type: ignore[attr-defined]
+        # Our ends of the pipes, which such a helper still holds: left open, each session would keep two
+        # descriptors (the rank runs out) and the helper would block once it filled them; a timed-out
+        # session too. asyncio has no public way to close a child's pipes; its transport's close does.
+        proc._transport.close()  # type: ignore[attr-defined]
     if proc.returncode != 0:
         tail = err.text().decode(errors="replace").strip().splitlines()[-5:]
         raise AgentFailed(f"harness {args[0]} exited with {proc.returncode}: " + " | ".join(tail))
