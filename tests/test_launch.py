@@ -143,10 +143,13 @@ def test_ctrl_c_or_a_dropped_terminal_stops_every_process(tmp_path: Path, sig: s
     assert_no_process_left(run)
 
 
-def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_written_there(tmp_path: Path) -> None:
+@pytest.mark.parametrize("before", [None, signal.SIGTERM])
+def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_written_there(
+        tmp_path: Path, before: signal.Signals | None) -> None:
     """launch on a terminal (a pty: its controlling terminal) that goes away, as an SSH session drops:
     the kernel sends SIGHUP, and from then on every write to the terminal fails (EIO), the teardown's
-    own included. The teardown still stops everything and writes the report."""
+    own included. The teardown still stops everything and writes the report; also when a SIGTERM came
+    first (logind at a logout) and its teardown is under way."""
     import pty
     import select
     import threading
@@ -177,6 +180,8 @@ def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_writ
     status = None
     try:
         wait_for(lambda: ranks_started(run), 90, "ranks to start")
+        if before is not None:
+            os.kill(pid, before)
         stop.set()
         reader.join()
         os.close(master)  # the terminal is gone
@@ -191,7 +196,7 @@ def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_writ
             os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 130, bytes(seen).decode(errors="replace")[-2000:]
     report = json.loads((run / "report.json").read_text())
-    assert report["status"] == "interrupted" and "SIGHUP" in report["error"]
+    assert report["status"] == "interrupted" and (before or signal.SIGHUP).name in report["error"]
     assert_no_process_left(run)
 
 

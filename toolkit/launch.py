@@ -38,24 +38,30 @@ register_configs()
 
 
 def _raise_on_sigterm() -> None:
+    """SIGTERM, SIGHUP and SIGINT end the run through its teardown (``KeyboardInterrupt``), once: a later
+    SIGTERM or SIGHUP (the kernel's SIGHUP after the shell's, logind's SIGTERM then SIGHUP, Slurm's
+    SIGTERMs) must not cut that teardown short; a later Ctrl-C still does, as a user asking twice means.
+    A SIGHUP, first or not, means the terminal is gone: launch's writes to it go nowhere from then on."""
     # A dropped SSH session: a teardown and a report rather than a death that leaves the jobs to the
     # lease (unless launch runs under nohup, which asked for SIGHUP to be ignored).
     hup = signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
     terminal = [fd for fd in (1, 2) if os.isatty(fd)]  # known now: a hung-up terminal answers no ioctl
 
-    def handler(signum: int, frame: object) -> None:
-        # Once: a second signal (the kernel's SIGHUP after the shell's, Slurm's SIGTERMs) must not cut
-        # short the teardown the first began.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if hup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    def tearing_down(signum: int, frame: object) -> None:
         if signum == signal.SIGHUP:
             _leave_terminal(terminal)
+
+    def first(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, tearing_down)
+        if hup:
+            signal.signal(signal.SIGHUP, tearing_down)
+        tearing_down(signum, frame)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, first)
+    signal.signal(signal.SIGINT, first)
     if hup:
-        signal.signal(signal.SIGHUP, handler)
+        signal.signal(signal.SIGHUP, first)
 
 
 def _leave_terminal(fds: list[int]) -> None:
