@@ -173,12 +173,12 @@ def test_cli_lists_every_override_that_does_not_compose(tmp_path: Path) -> None:
             "and 1 more) = 2") in text
     assert not (tmp_path / "sweep").exists()
     # A point whose values compose alone but not together (a key of one cluster's schema) is listed too.
-    out = launch(["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "cluster=slurm,local", "cluster.partition=gpu"],
-                 timeout_s=60)
+    out = launch(["-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "cluster=slurm,local", "cluster.partition=gpu",
+                  "seed=1,2,3"], timeout_s=60)
     text = out.stdout.replace("\n", " ")
     assert out.returncode == 2 and "Traceback" not in text + out.stderr, out.stdout + out.stderr
-    assert "overrides (sweep point cluster=local) = '" in text
-    assert "cluster=local cluster.partition=gpu': they do not compose: Could not override 'cluster.partition'" in text
+    assert ("overrides (sweep point cluster=local seed=1 and 2 more) = '': they do not compose: Could not "
+            "override 'cluster.partition'") in text
     assert not (tmp_path / "sweep").exists()
 
 

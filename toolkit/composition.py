@@ -125,7 +125,7 @@ def _validate_points(each: list[list[str]]) -> None:
             for e in exc.errors:  # str: a value may be a list, which does not hash
                 points.setdefault(str(e), (e, []))[1].append(point)
         except COMPOSITION_ERRORS as exc:  # values that compose alone but not together (a key of one group)
-            e = FieldError("overrides", " ".join(combo), f"they do not compose: {str(exc).splitlines()[0]}")
+            e = FieldError("overrides", "", f"they do not compose: {str(exc).splitlines()[0]}")
             points.setdefault(str(e), (e, []))[1].append(point)
     if points:
         raise ConfigError([FieldError(f"{e.field} (sweep point {where[0]}" + (f" and {len(where) - 1} more)"

@@ -203,11 +203,15 @@ def requeue(job: str, attempts: int = 3) -> str:
     is asked again (its first answer may come after the job's time is up), unless the job's restart
     count shows the unanswered request took effect (asked again, the controller would say no to a job
     already requeued, and the run would be reported as not coming back)."""
+    # One bound for all of it: the stop signal's grace has the teardown to hold besides.
+    deadline = time.monotonic() + attempts * _TIMEOUT_S
     before = restarts(job)
     err = ""
     for i in range(attempts):
         if i and before is not None and (now := restarts(job)) is not None and now > before:
             return ""
+        if i and time.monotonic() > deadline:
+            break
         out = _run([need("scontrol"), "requeue", job])
         if out.returncode == 0:
             return ""

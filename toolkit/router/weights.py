@@ -37,6 +37,9 @@ class WeightsMixin:
         self.weights_from_client = False
         """A client's update reached this router (until then a replica may hold newer weights than the
         recorded ones: its previous router forwarded them and died before recording them)."""
+        self.serial_seen = 0
+        """The highest serial a registering replica held: a client's next update is numbered above it (an
+        update forwarded by a router that died before recording it keeps its number)."""
         self.good: P.UpdateWeights | None = None
         """The latest weights a replica acknowledged loading: the ones a replica must hold to serve."""
         self.weight_acks: dict[bytes, tuple[int, str]] = {}
@@ -51,7 +54,8 @@ class WeightsMixin:
         key = (msg.path, msg.version)
         self.weights_from_client = True
         if self.weights is None or (self.weights.path, self.weights.version) != key:
-            msg = P.UpdateWeights(msg.path, msg.version, self.weights.serial + 1 if self.weights else 1)
+            msg = P.UpdateWeights(msg.path, msg.version, max(self.weights.serial if self.weights else 0,
+                                                             self.serial_seen) + 1)
             logger.info("weights %s as version %d: forwarding to %d replica(s)", msg.path, msg.version,
                         len(self.replicas))
             self.weights = msg
@@ -91,6 +95,7 @@ class WeightsMixin:
         if not msg.weights_path:
             return
         held = P.UpdateWeights(msg.weights_path, msg.weights_version, msg.weights_serial)
+        self.serial_seen = max(self.serial_seen, held.serial)
         r.loaded = held.version
         self.weight_acks[r.identity] = (held.version, "")
         if not self.weights_from_client and (self.weights is None or held.serial > self.weights.serial):
@@ -101,8 +106,8 @@ class WeightsMixin:
             for other in self.replicas.values():
                 if other is not r and not other.draining and self.loading_weights(other):
                     self._push_weights(other)
-        if self.weights == held:
-            self.good = held
+        if self.weights is not None and (self.weights.path, self.weights.version) == (held.path, held.version):
+            self.good = self.weights
 
     def _push_weights(self, r: Replica) -> None:
         """Send the latest weights to ``r`` (a new replica gets them before its readiness probe)."""
