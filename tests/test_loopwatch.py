@@ -33,3 +33,20 @@ def test_a_blocked_loop_is_logged_once_naming_the_blocking_call(caplog: pytest.L
         assert asyncio.run(body()) == 1
     [record] = caplog.records
     assert "stood still" in record.getMessage() and "blocking_agent_call" in record.getMessage()
+
+
+def test_a_loop_held_on_purpose_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> None:
+    """The rank holds its loop for the step's gather and write (its sessions are done): not reported,
+    and the watch goes on after it."""
+    async def body() -> int:
+        async with LoopWatch(threshold_s=0.3, check_s=0.05) as watch:
+            with watch.held():
+                time.sleep(1.0)  # the step's gather and Parquet write
+            await asyncio.sleep(0.2)
+            stalls = watch.stalls
+            blocking_agent_call(watch)  # a real stall after it is still seen
+            return stalls
+
+    with caplog.at_level(logging.ERROR, logger="toolkit.rollout.loopwatch"):
+        assert asyncio.run(body()) == 0
+    assert len(caplog.records) == 1

@@ -6,11 +6,13 @@ and logs where it stands, once per stall, so the culprit has a name."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +25,7 @@ class LoopWatch:
         self.stalls = 0
         """Stalls seen (each logged once)."""
         self._loop_thread = threading.get_ident()
+        self._held = False
         self._stop = threading.Event()
         self._pulse: asyncio.Task[None] | None = None
         self._thread = threading.Thread(target=self._watch, name="loopwatch", daemon=True)
@@ -38,6 +41,17 @@ class LoopWatch:
         if self._pulse is not None:
             self._pulse.cancel()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A stretch where the rank holds its loop on purpose (the step's gather and write, once its
+        sessions are done): not a stall to report."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self.beat = time.monotonic()
+            self._held = False
+
     async def _beat(self) -> None:
         while True:
             self.beat = time.monotonic()
@@ -46,8 +60,9 @@ class LoopWatch:
     def _watch(self) -> None:
         reported = False
         while not self._stop.wait(self.check_s):
+            held = self._held  # read before the beat: held() renews the beat before it lets go
             lag = time.monotonic() - self.beat
-            if lag < self.threshold_s:
+            if lag < self.threshold_s or held:
                 reported = False
                 continue
             if reported:

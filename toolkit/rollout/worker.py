@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -80,6 +81,7 @@ class RankRunner:
         self.env_factory = None if self.agent is not None else instantiate(cfg.workload.env, _partial_=True)
         self.length_hint: LengthHint | None = instantiate(cfg.workload.length_hint) if cfg.workload.length_hint else None
         self.gateway: Any = None
+        self.watch: LoopWatch | None = None
         self.sampling = Sampling(max_tokens=cfg.workload.max_tokens, temperature=cfg.workload.temperature,
                                  top_p=cfg.workload.top_p)
         self.tail = TailWatch(run_dir, cfg.job, cfg.tail.group, cfg.tail.threshold is not None)
@@ -107,7 +109,7 @@ class RankRunner:
             if self.agent is not None:
                 await self._start_gateway()
             quiet_gc()
-            async with LoopWatch():
+            async with LoopWatch() as self.watch:
                 for step in range(self.first_step, self.cfg.steps):
                     if not await self.begin_step(step):
                         logger.info("launch asked to stop before step %d", step)
@@ -203,13 +205,14 @@ class RankRunner:
         # Everyone is at the gather before it starts: blocking collectives spin a core while they
         # wait, and the cores belong to the engines and the router until the last session ends.
         await async_barrier(self.comm)
-        gathered = gather_columns(self.comm, cols)
-        del cols  # rank 0 holds its own rows twice otherwise while it writes the step
-        requests = gather_columns(self.comm, log.columns(self.group_names))
-        shards = gather_shard_info(self.comm, *shard) if shard is not None else None
-        if self.rank == 0:
-            assert gathered is not None and requests is not None
-            self._write_step(step, t0, gathered, requests, shards, speeds)
+        with self.watch.held() if self.watch is not None else contextlib.nullcontext():
+            gathered = gather_columns(self.comm, cols)
+            del cols  # rank 0 holds its own rows twice otherwise while it writes the step
+            requests = gather_columns(self.comm, log.columns(self.group_names))
+            shards = gather_shard_info(self.comm, *shard) if shard is not None else None
+            if self.rank == 0:
+                assert gathered is not None and requests is not None
+                self._write_step(step, t0, gathered, requests, shards, speeds)
 
     async def _group_status(self) -> dict[str, GroupStatus] | None:
         """Rank 0, for the step's bound: the router's groups at the step's end (the replicas serving;
