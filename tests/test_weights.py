@@ -377,6 +377,23 @@ def test_a_restarted_router_keeps_a_rollback_a_replica_missed(tmp_path: Path) ->
             s.close(0)
 
 
+
+@pytest.mark.timeout(60)
+def test_a_replica_that_registers_again_after_a_failed_load_is_handed_the_weights(tmp_path: Path) -> None:
+    """Its engine restarted after a failed load (it holds nothing now) and it registers again before the
+    router dropped it: the failed acknowledgement of its earlier registration must not count as this
+    one's, which would leave it without the run's weights until the next update."""
+    from tests.test_router_drain import recv
+
+    with fake_router(tmp_path) as (rt, replica, client):
+        client.send_multipart(P.encode(P.UpdateWeights("/ckpt/1", 1)))
+        assert replica.recv() == P.UpdateWeights("/ckpt/1", 1, 1)
+        replica.send(P.WeightsUpdated(1, replica.replica_id, error="OSError: stale file handle"))
+        assert isinstance(recv(client), P.WeightsUpdated)  # the failure, answered
+        replica.send(replica.register)
+        got = [replica.recv() for _ in range(2)]  # the weights, and its probe
+        assert P.UpdateWeights("/ckpt/1", 1, 1) in got
+
 @contextlib.contextmanager
 def restarted_router(tmp_path: Path, recorded: dict[str, Any]):  # type: ignore[no-untyped-def]
     """A router (in this process) started on a run dir whose ``weights.json`` says ``recorded``, as a
