@@ -38,6 +38,7 @@ def test_a_verbose_harness_keeps_its_reward_and_only_its_output_tail(monkeypatch
 def test_a_harness_whose_detached_helper_holds_its_pipes_still_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The helper is in a session of its own (its group is not the harness's): the harness's reward
     counts once it exits, after a short wait for its pipes, not when the helper ends."""
+    import contextlib
     import os
     import signal
 
@@ -51,15 +52,25 @@ def test_a_harness_whose_detached_helper_holds_its_pipes_still_ends(monkeypatch:
     def init(self: agents._Tail, stream: asyncio.StreamReader, keep: int = agents.KEPT_OUTPUT) -> None:
         real(self, stream, keep)
         tails.append(self)
+        ours.add(os.readlink(f"/proc/self/fd/{stream._transport.get_extra_info('pipe').fileno()}"))  # type: ignore[attr-defined]
+
+    def still_open() -> set[str]:
+        """Which of our ends of the harnesses' pipes this process still holds (by pipe, not fd number:
+        the test session's other descriptors come and go meanwhile)."""
+        links = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                links.add(os.readlink(f"/proc/self/fd/{fd}"))
+        return ours & links
 
     tails: list[agents._Tail] = []
+    ours: set[str] = set()
     monkeypatch.setattr(agents._Tail, "__init__", init)
-    fds = len(os.listdir("/proc/self/fd"))
     try:
         assert run(code) == 1.0
         # Our ends of the pipes the helper holds are closed all the same (one session's two descriptors
         # each, else: a rank runs out of them).
-        assert len(os.listdir("/proc/self/fd")) == fds
+        assert len(ours) == 2 and all(p.startswith("pipe:") for p in ours) and not still_open()
         # ...and when the session times out while the harness still runs.
         slow = code.replace("print(1.0)", "import time; time.sleep(120)")
 
@@ -72,7 +83,7 @@ def test_a_harness_whose_detached_helper_holds_its_pipes_still_ends(monkeypatch:
                 await task
 
         asyncio.run(asyncio.wait_for(timed_out(), 60))
-        assert len(os.listdir("/proc/self/fd")) == fds
+        assert len(ours) == 4 and not still_open()
     finally:
         holder.extend(int(w) for t in tails for w in bytes(t.data).split() if w.isdigit())
         for pid in holder:  # the helper this test started, by its pid
