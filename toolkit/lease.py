@@ -145,6 +145,22 @@ class Lease:
         assert self.record is not None
         atomic_write(self.rd.lease, json.dumps(asdict(self.record)))
 
+    def taken_over(self, now: LeaseRecord | None = None) -> str:
+        """Why another launch holds the run, looked up now ("" while this one does); ``now``: the lease
+        as just read. The renewing thread asks it each renewal; a launch whose components just ended
+        asks it at once (they may have ended because a newer launch took the run, before the thread's
+        next look)."""
+        if self.lost or self.record is None:
+            return self.lost
+        now = now if now is not None else LeaseRecord.read(self.rd)
+        top = self._highest_claim()
+        if now is not None and (now.epoch, now.pid) != (self.record.epoch, self.record.pid) \
+                and now.epoch >= self.record.epoch:
+            self.lost = f"launch pid {now.pid} on {now.host} took the run over (epoch {now.epoch})"
+        elif top > self.record.epoch:
+            self.lost = f"a newer launch took the run over (epoch {top})"
+        return self.lost
+
     def _renew(self) -> None:
         assert self.record is not None
         interval = max(0.2, self.lease_s / 6)
@@ -152,13 +168,7 @@ class Lease:
             # Never write over a newer launch's lease (after a stall longer than the lease, a resume
             # may have taken the run): that would end all of its components.
             now = LeaseRecord.read(self.rd)
-            top = self._highest_claim()
-            if now is not None and (now.epoch, now.pid) != (self.record.epoch, self.record.pid) \
-                    and now.epoch >= self.record.epoch:
-                self.lost = f"launch pid {now.pid} on {now.host} took the run over (epoch {now.epoch})"
-            elif top > self.record.epoch:
-                self.lost = f"a newer launch took the run over (epoch {top})"
-            if self.lost:
+            if self.taken_over(now):
                 logger.error("lease lost: %s", self.lost)
                 return
             if now is not None and now.epoch < self.record.epoch:

@@ -203,7 +203,7 @@ class Run:
                 if code != 0 and (why := self.ranks.interrupted()):
                     raise Interrupted(f"{why}; step {self.next_step} runs again from its beginning on resume")
                 if code != 0:
-                    self._check_lease()  # they ended because a newer launch took the run: say that
+                    self._check_lease(now=True)  # they ended because a newer launch took the run: say that
                     raise ComponentFailed(f"rollout ranks exited with {code}; {self._ranks_failure()}")
                 if self.next_step < cfg.steps and read_json(self.run_dir.step_report(self.next_step)) is None:
                     if self.stop_reason:
@@ -257,7 +257,10 @@ class Run:
             raise Interrupted(f"{self.stop_reason}: step {self.next_step} did not end within the grace; "
                               "abandoned (it runs again from its beginning on resume)")
 
-    def _check_lease(self) -> None:
+    def _check_lease(self, now: bool = False) -> None:
+        """``now``: look at the lease at once, not only at what the renewing thread last saw."""
+        if now and self.lease is not None:
+            self.lease.taken_over()
         if self.superseded:
             raise ComponentFailed(f"this launch lost the run's lease: {self.superseded}")
 
