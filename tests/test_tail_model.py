@@ -47,7 +47,7 @@ def test_every_design_emits_every_token_once_and_never_beats_the_bound(design: t
         assert out["bound_ratio"] >= 1.0
         # 144 slots for 128 sessions: the router's bounded-load hashing always finds one.
         assert out["waits"] == 0
-        if design.policy in ("age", "rank"):
+        if design.policy in ("age", "rank") or design.reveal is not None:
             assert out["moves"] > 0  # the workload has long runners to move
         else:
             assert out["moves"] == 0
@@ -139,3 +139,47 @@ def test_age_behind_starts_the_next_turn_of_a_session_behind_the_step_on_the_tai
     assert step._behind(_Turn(3, 1, 100, 5, 0.0))  # 2 of 4 sessions have finished their second turn
     assert not step._behind(_Turn(0, 2, 100, 5, 0.0))  # nobody has finished a third
     assert not step._behind(_Turn(3, 0, 100, 5, 0.0))  # a first turn is never behind
+
+
+def test_age_kv_swap_carries_both_requests_kv_so_neither_replica_prefills_them() -> None:
+    from toolkit.router.tail.base import MoveLimits
+
+    cfg = tm.bench_config()
+    cfg.groups["tail"].max_inflight = 1
+    design = next(d for d in tm.DESIGNS if d.name == "age_kv_swap")
+    step = tm.Step(cfg, design, np.array([100, 100]), np.array([[5, 5, 5], [2000, 5, 5]]))
+    resident, runner = _running(step)
+    resident.turn, runner.produced = 2, 1000
+    step._rank(MoveLimits(50, None))
+    assert runner.replica is step.tail and resident.replica in step.bulk and step.moves == 2
+    # Each lands with nothing to prefill, once its KV has crossed the link.
+    assert step.tail.admit == [(runner, 1)] and runner.kv_ready > step.now
+    assert (resident, 1) in resident.replica.admit and resident.kv_ready > step.now
+
+
+def test_oracle_reveal_tells_the_longest_sessions_apart_only_once_few_first_turns_run() -> None:
+    """The tail replica (room for one) takes the first turn that comes; the oracle knows session 1 is the
+    longest but moves it there, trading places with session 0, only once at most one first turn runs."""
+    cfg = tm.bench_config()
+    cfg.groups["tail"].max_inflight = 1
+    design = tm.Design("reveal", "oracle", kv=True, reveal=1)
+    step = tm.Step(cfg, design, np.array([100, 100, 100]), np.array([[900, 5, 5], [1000, 800, 800], [50, 5, 5]]))
+    step.favoured = {1}
+    first, longest, other = _running(step)
+    assert first.replica is step.tail and longest.replica in step.bulk
+    step._reveal(1)
+    assert longest.replica in step.bulk and step.moves == 0  # three first turns run: it cannot tell yet
+    first.turn = other.turn = 1  # now only the longest session's first turn runs
+    step._reveal(1)
+    assert longest.replica is step.tail and first.replica in step.bulk and step.moves == 2
+    assert step.tail.admit == [(longest, 1)]  # its KV travelled: nothing to prefill
+
+
+def test_oracle_reveal_starts_the_longest_sessions_later_turns_on_the_tail_replica() -> None:
+    cfg = tm.bench_config()
+    step = tm.Step(cfg, tm.Design("reveal", "oracle", kv=True, reveal=1), np.array([100] * 3), np.full((3, 3), 5))
+    step.favoured = {1}
+    from toolkit.bench.tail_events import _Turn
+
+    assert step._target(_Turn(1, 1, 100, 5, 0.0)) is step.tail
+    assert step._target(_Turn(2, 1, 100, 5, 0.0)) in step.bulk  # not among the longest

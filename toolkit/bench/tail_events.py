@@ -106,6 +106,7 @@ class Design:
     hint: float | None = None  # ``age``: every turn carries a length hint off by a lognormal of this sigma
     swap: bool = False  # ``age``: with the tail replica full, a long runner swaps with its resident of least work left
     behind: float | None = None  # ``age``: a turn starts on the tail replica once this share of sessions is turns ahead
+    reveal: int | None = None  # ``oracle``: it tells a first turn apart only once at most this many first turns run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +200,8 @@ class Step:
         tail_first = (
             (self.policy is not None and self.policy.start_on_tail(self.record, str(t.session), "", self._hint(t)))
             or (self.design.policy == "rank" and str(t.session) in self.record.on_tail)
-            or t.session in self.favoured or self._behind(t))
+            or (t.session in self.favoured and (t.turn > 0 or self.design.reveal is None)) or self._behind(t)
+            or (self.design.reveal is not None and t.turn == 0))  # before it can tell, the first that come
         if tail_first and self._room(self.tail) > 0:
             return self.tail
         free = [r.view for r in self.pool if r.view is not None and self._room(r) > 0]
@@ -290,7 +292,7 @@ class Step:
         assert t.replica is not None
         self._leave(t, t.replica)
         self.moves += 1
-        self._place(t, to, kv=self.design.kv and to is self.tail)
+        self._place(t, to, kv=self.design.kv)
 
     def _rank(self, limits: MoveLimits | None = None) -> None:
         """``rank``: fill the tail replica's room with the running requests of most work left, then swap
@@ -314,7 +316,24 @@ class Step:
             else:
                 self._move(t, self.tail)
 
+    def _reveal(self, at_most: int) -> None:
+        """``oracle`` with ``reveal``: once at most ``at_most`` first turns run, the longest sessions' turns
+        move to the tail replica, each trading places with a resident of another session if it is full."""
+        running = [t for r in self.replicas for t in (*r.running, *(t for t, _ in r.admit))]
+        if sum(t.turn == 0 for t in running) > at_most:
+            return
+        for t in [t for r in self.bulk for t in r.running if t.session in self.favoured]:
+            if self._room(self.tail) <= 0:
+                out = next((x for x in self.tail.running if x.session not in self.favoured), None)
+                if out is None:
+                    return
+                assert t.replica is not None
+                self._move(out, t.replica)
+            self._move(t, self.tail)
+
     def _tick(self) -> None:
+        if self.design.reveal is not None:
+            self._reveal(self.design.reveal)
         if self.design.policy == "rank":
             self._rank()
         for t in self._to_move():

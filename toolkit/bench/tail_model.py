@@ -34,7 +34,15 @@ a whole step's long turn (the law's ``tail.long_quantile``, as the router takes 
 Two more uses of what a router sees, each on top of ``age``: ``age_swap``, with the tail replica full, swaps
 a long runner for its resident of least expected work left (``rank``'s rule, among long runners only);
 ``age_behind0.5`` starts a session's next turn on the tail replica once half the step's sessions have
-finished more turns than it (a session behind is the likeliest to end the step).
+finished more turns than it (a session behind is the likeliest to end the step). ``age_kv_swap`` is
+``age_swap`` whose moves carry their KV, so a swap no longer pays two recomputes.
+
+``oracle_reveal16`` puts a figure on what telling the long sessions apart *late* is worth: the tail
+replica takes the first turns that come while it has room, as ``age`` does, and the oracle knows the
+16 longest sessions only once at most 16 of the step's first turns still run (when a router that
+watches ages could hold every one of them on the tail replica). Then their turns move there with
+their KV, each trading places with a resident of another session if it is full; their later turns
+start there.
 
 ``rank`` puts a figure on knowledge. Every ``TICK_S`` it ranks the running requests by their session's
 expected work left: the current turn's tokens still to come plus the mean turn length for each turn
@@ -70,10 +78,11 @@ DESIGNS = (
     Design("age_tokens250", "age", tail={"long_tokens": 250}),
     Design("age_room32", "age", tail_room=32), Design("age_room64", "age", tail_room=64),
     Design("age_kv", "age", kv=True), Design("age_kv_room64", "age", tail_room=64, kv=True),
-    Design("age_swap", "age", swap=True), Design("age_behind0.5", "age", behind=0.5),
+    Design("age_swap", "age", swap=True), Design("age_kv_swap", "age", kv=True, swap=True),
+    Design("age_behind0.5", "age", behind=0.5),
     Design("rank", "rank"), *(Design(f"rank_foresight{f:g}", "rank", foresight=f) for f in (0.75, 0.5, 0.25, 0.0)),
     *(Design(f"age_hint{f:g}", "age", hint=f) for f in (0.5, 0.25)),
-    Design("oracle", "oracle"),
+    Design("oracle_reveal16", "oracle", kv=True, reveal=16), Design("oracle", "oracle"),
 )
 
 
