@@ -39,7 +39,7 @@ def test_fairness_bench_reports_its_fields(tmp_path: Path) -> None:
 
 def test_tail_bench_reports_its_fields(tmp_path: Path) -> None:
     r = bench("tail", tmp_path)
-    arms = ("off", "steer", "migrate", "age", "predict", "age+count")
+    arms = ("off", "steer", "migrate", "age", "predict", "age+count", "age+kv", "age+trade+kv")
     fields = {"flip_at", "expected_flip_at", "spillover", "best_policy", "speedup_best", "bound_ratio_best",
               "prefix_hit_best", "moves_per_step", "requests_not_ok",
               *(f"step_time_{a}_s" for a in arms), *(f"prefix_hit_{a}" for a in arms),

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from toolkit.config import SimEngineConfig
@@ -175,6 +176,62 @@ def test_in_place_update_switches_versions_at_a_step_boundary_and_aborts_nothing
         # An idle engine switches at once.
         await eng.update_weights_in_place(str(tmp_path), 6)
         assert (await eng.generate(gen("idle", [1, 2], 3))).weight_versions == [6]
+        await eng.close()
+
+    run(main())
+
+
+def test_a_request_that_brings_its_kv_prefills_none_of_it_and_counts_it_neither_hit_nor_miss() -> None:
+    async def main() -> None:
+        cfg = SimEngineConfig(time_scale=0.01, kv_link_bytes_per_s=1e12, block_size=16)
+        eng = SimEngine(cfg)
+        prefills: list[int] = []
+        timed = eng.step_time
+        eng.step_time = lambda context, prefill=0: (prefills.append(prefill), timed(context, prefill))[1]  # type: ignore[method-assign]
+        await eng.start()
+        prompt = list(range(1, 101))  # 100 tokens: 6 whole blocks travel, the last 4 tokens do not
+        whole = await eng.generate(gen("plain", prompt, 8))
+        assert prefills[0] == 100 and whole.cached_tokens == 0
+        eng2 = SimEngine(cfg)
+        prefills.clear()
+        eng2.step_time = eng.step_time  # type: ignore[method-assign]
+        await eng2.start()
+        moved = Generate("moved", prompt_token_ids=prompt, sampling=Sampling(max_tokens=8), kv_tokens=100)
+        res = await eng2.generate(moved)
+        assert res.status == "ok" and res.output_token_ids == whole.output_token_ids
+        assert prefills[0] == 4 and res.cached_tokens == 0
+        assert (eng2.prefix_queries, eng2.prefix_hits) == (4, 0)  # the 96 that travelled count neither way
+        # A replica that held its first 32 tokens already (a shared system prompt): those are hits.
+        eng3 = SimEngine(cfg)
+        await eng3.start()
+        await eng3.generate(gen("system", [*prompt[:32], 999], 1))
+        queries, hits = eng3.prefix_queries, eng3.prefix_hits
+        res = await eng3.generate(msgspec.structs.replace(moved, request_id="moved3"))
+        assert res.cached_tokens == 32
+        assert (eng3.prefix_queries - queries, eng3.prefix_hits - hits) == (100 - 64, 32)
+        await eng3.close()
+        await eng.close()
+        await eng2.close()
+
+    run(main())
+
+
+def test_a_request_aborted_while_its_kv_is_on_the_way_never_lands() -> None:
+    async def main() -> None:
+        # 100 tokens of 128 KiB over 1 MB/s: ~13 s on the way.
+        eng = SimEngine(SimEngineConfig(time_scale=1.0, kv_link_bytes_per_s=1e6))
+        await eng.start()
+        task = asyncio.create_task(eng.generate(
+            Generate("moved", prompt_token_ids=list(range(1, 101)), sampling=Sampling(max_tokens=8), kv_tokens=100)))
+        while "moved" not in eng.by_id:
+            await asyncio.sleep(0)
+        seq = eng.by_id["moved"]
+        assert not eng.waiting and not eng.running and eng.stats().waiting == 0  # not in the batch's way
+        await eng.abort("moved")
+        res = await task
+        assert res.status == "cancelled" and res.output_token_ids == []
+        eng._landed(seq)  # its transfer ends after all
+        assert not eng.waiting and eng.cache.match(list(range(1, 102))) == 0  # nothing landed, nothing cached
         await eng.close()
 
     run(main())

@@ -285,6 +285,14 @@ def test_each_tail_validation_error_is_reported_at_setup() -> None:
     with pytest.raises(ConfigError) as info:
         validate(compose_config(["tail.threshold=2", "groups.tail.replicas=0", "job="]))
     assert {"tail.threshold", "groups.tail.replicas", "job"} <= {e.field for e in info.value.errors}
+    # How moves take their context, and trades: each bad value named, with what is allowed.
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["tail.move=teleport", "tail.trade_margin=-5"]))
+    found = {(e.field, e.value) for e in info.value.errors}
+    assert found == {("tail.move", "teleport"), ("tail.trade_margin", -5)}
+    with pytest.raises(ConfigError, match="cannot receive a request's KV") as info:
+        validate(compose_config(["tail.move=kv", "engine=vllm", "engine.model=/m"]))
+    validate(compose_config(["tail.move=kv", "tail.policy=age", "tail.trade_margin=0"]))
     # There is always a router: the structured config refuses to drop it, at composition.
     with pytest.raises(ConfigCompositionException, match="router=null") as composed:
         compose_config(["tail.threshold=0.9", "router=null"])
@@ -310,3 +318,48 @@ def test_the_step_report_waits_for_a_flip_the_last_session_made(tmp_path: Path) 
     finally:
         writer.cancel()
     assert watch.flip_of(4, wait_s=0.1) is None  # another step's sentinel is not this step's flip
+
+
+def turn(session: str, k: int, step: int, max_tokens: int) -> Generate:
+    return Generate(f"{session}/{k}", job="j", session_id=session, step=step,
+                    prompt_token_ids=[1, 2, 3, 40 + hash(session) % 50, k], sampling=Sampling(max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize("move", ["recompute", "kv"])
+def test_a_long_runner_trades_places_with_a_session_in_its_last_turn_with_every_token_once(make_run, move: str) -> None:  # type: ignore[no-untyped-def]
+    """Step 0 shows sessions of three turns. In step 1 the tail group's 2 places hold the last turns of
+    sessions x0 and x1 (their turns stay there); session y's first turn, on the bulk, passes the
+    long-turn limit with two turns still to come: it takes x0's or x1's place, which goes on on the bulk."""
+    cfg, rd, stack = make_run(["router.heartbeat_s=0.2", "tail.policy=age", "tail.long_tokens=60",
+                               "tail.trade_margin=0", f"tail.move={move}", "groups.tail.max_inflight=2",
+                               "engine.time_scale=1.0", "engine.output_len_median=100000"])
+    stack.start()
+    sim = cfg.engine
+
+    async def body(c: RouterClient) -> None:
+        before = await begin_counting(c, 2)
+        for k in range(3):  # step 0: two sessions of three 20-token turns
+            await asyncio.gather(*(c.generate(turn(s, k, 0, 20)) for s in ("s0", "s1")))
+        await c.step_begin("j", 1, 3)
+        for k in range(2):  # the step's first turns start on the tail group; their sessions stay there
+            for res, route in await asyncio.gather(*(c.generate(turn(s, k, 1, 5)) for s in ("x0", "x1"))):
+                assert (res.status, res.group, route.moves) == ("ok", "tail", 0)
+        last = [turn(s, 2, 1, 600) for s in ("x0", "x1")]
+        runner = turn("y", 0, 1, 600)
+        tasks = [asyncio.ensure_future(c.generate(m)) for m in last]
+        await asyncio.sleep(0.3)  # both run on the tail group: it is full
+        outs = await asyncio.gather(c.generate(runner), *tasks)
+        for m, (res, _) in zip([runner, *last], outs, strict=True):
+            full, full_lp, _ = plan_output(sim, m)
+            assert res.status == "ok" and res.output_token_ids == full and res.logprobs == pytest.approx(full_lp)
+        (y, y_route), *residents = outs
+        assert (y.group, y_route.moves) == ("tail", 1)
+        # The one traded out falls behind on the bulk, a long runner there: once the other ends, it moves
+        # back into the place that frees.
+        assert sorted((res.group, route.moves) for res, route in residents) == [("tail", 0), ("tail", 2)]
+        await assert_generated_once(c, before, 6 * 20 + 4 * 5 + 3 * 600)
+
+    asyncio.run(with_client(rd, body))
+    stack.stop()
+    stats = json.loads(rd.router_stats.read_text())
+    assert stats["migrated:trade"] == 1 and stats["migrated:age"] == 2

@@ -422,3 +422,99 @@ def test_a_move_whose_abort_came_after_the_last_token_ends_ok_as_a_finished_turn
     finally:
         router.close()
         ctx.term()
+
+
+def test_work_left_is_what_the_last_step_expects_of_the_turn_and_of_the_sessions_turns_to_come() -> None:
+    from toolkit.router.tail.trade import WorkLeft
+
+    last = StepRecord(0)
+    for session, turns in {"a": [100, 300], "b": [200, 600, 1000], "c": [400]}.items():
+        for n in turns:
+            last.finished(session, "", n)
+    wl = WorkLeft.of(last)
+    assert wl is not None and wl.mean == 2600 / 6
+    # 250 tokens in: the longer turns were 300, 400, 600, 1000 -> 575 on average, 325 to come; a
+    # session with one turn done: of those that ran more than one (2 and 3 turns), 0.5 more after this.
+    assert wl(250, 1) == pytest.approx(325 + 0.5 * 2600 / 6)
+    assert wl(250, 2) == pytest.approx(325)  # only b ran three turns: none after its third
+    assert wl(5000, 3) == 0  # past everything the last step saw
+    assert WorkLeft.of(StepRecord(0)) is None and WorkLeft.of(None) is None
+
+
+def _trade_fleet(tmp_path: Path, files: FileWriter, margin: int) -> tuple[Fleet, list[Request], list[Request]]:
+    """The job's step 0 saw sessions of three turns of 100 to 1,000 tokens; in step 1 the tail replica
+    (2 places) holds two requests of 50 tokens, one in its session's last turn, and a long runner of
+    300 tokens runs on the bulk in its session's first turn."""
+    f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=200", f"tail.trade_margin={margin}")
+    rec = f.tail.records["j"]
+    for i, n in enumerate([100, 200, 300, 400, 500, 1000] * 2):
+        rec.finished(f"s{i % 4}", "", n)
+    f.tail.step_begin("j", 1, 8)
+    rec = f.tail.records["j"]
+    rec.finished("z", "", 10)  # a turn of step 1 has ended: the tail takes long runners only
+    rec.by_session.update({"last": [100, 100]})
+    residents = [request("first", "first", step=1, seq=0), request("last", "last", step=1, seq=1)]
+    for req in residents:
+        f.run(req, f.fast, 0.0)
+    runner = request("long", "long", step=1, seq=2)
+    f.run(runner, f.tp[0], 0.0)
+    f.heartbeat(f.fast, 1.0, 100)
+    f.heartbeat(f.tp[0], 1.0, 300)
+    return f, residents, [runner]
+
+
+def test_a_long_runner_trades_places_with_the_tail_resident_of_least_work_left(tmp_path: Path, files: FileWriter) -> None:
+    f, (first, last), (runner,) = _trade_fleet(tmp_path, files, 100)
+    assert f.tail.room() == 0 and f.tail.to_move(1.0) == []  # full: nothing moves into room
+    assert f.tail.to_trade(1.0) == [(runner, f.tp[0], last, f.fast)]  # the session in its last turn leaves
+    # The runner holds the place "last" leaves: none is free for anything else until then, nor after.
+    assert f.tail.room() == -1 and "long" in f.tail.inbound
+    assert "last" not in f.tail.records["j"].on_tail and "first" in f.tail.records["j"].on_tail
+    runner.migrating = last.migrating = "trade"
+    assert f.tail.to_trade(1.0) == []  # both on their way: nothing more to trade
+
+
+def test_no_trade_below_the_margin_in_a_jobs_first_step_or_after_the_flip(tmp_path: Path, files: FileWriter) -> None:
+    f, _, _ = _trade_fleet(tmp_path, files, 10**6)
+    assert f.tail.to_trade(1.0) == []  # the runner's lead is less than the margin
+    first = Fleet(tmp_path / "first", files, "tail.policy=age", "tail.long_tokens=200", "tail.trade_margin=0")
+    for i in range(2):
+        first.run(request(f"t{i}", f"t{i}", seq=i), first.fast, 0.0)
+    first.run(request("long", "long", seq=3), first.tp[0], 0.0)
+    first.heartbeat(first.tp[0], 1.0, 1000)
+    assert first.tail.to_trade(1.0) == []  # the job's first step: no last step to go on
+    f2, _, _ = _trade_fleet(tmp_path / "flip", files, 0)
+    f2.tail.flip.threshold = 0.1
+    f2.tail.session_done("j", 1, "x")
+    assert f2.tail.flipped("j", 1) and f2.tail.to_trade(1.0) == []
+
+
+@pytest.mark.parametrize(("move", "kv"), [("recompute", 0), ("kv", 5), ("auto", 5)])
+def test_a_continuation_brings_its_whole_context_as_kv_only_with_tail_move_kv(
+        tmp_path: Path, files: FileWriter, move: str, kv: int) -> None:
+    from collections import Counter
+
+    from toolkit.config import moves_carry_kv
+    from toolkit.protocol import Result
+    from toolkit.router.migration import MigrationMixin
+    from toolkit.router.queue import FairQueue
+    from toolkit.router.timeline import Timeline
+
+    class Router(MigrationMixin):
+        def __init__(self) -> None:
+            self.kv_moves = moves_carry_kv(compose_config([f"tail.move={move}"]))
+            self.queue, self.stats = FairQueue(), Counter[str]()
+            self.timeline = Timeline(RunDir(tmp_path / "run"), files)
+
+    router, req = Router(), request("r", "s")
+    router._continue(req, Result("r", status="cancelled", output_token_ids=[7, 8]), "age")
+    assert req.msg.prompt_token_ids == [1, 2, 3, 7, 8] and req.msg.resumed_tokens == 2
+    assert req.msg.kv_tokens == kv and router.queue.size == 1
+
+
+def test_auto_moves_carry_kv_only_when_every_engine_can_receive_it() -> None:
+    from toolkit.config import moves_carry_kv
+
+    assert moves_carry_kv(compose_config([]))  # the sim everywhere
+    assert not moves_carry_kv(compose_config(["engine=vllm", "engine.model=/m"]))
+    assert not moves_carry_kv(compose_config(["tail.move=recompute"]))

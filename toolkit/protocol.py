@@ -105,6 +105,9 @@ class Generate(Message):
     """A length hint: the output tokens the client expects this turn to produce (its own predictor:
     ``workload.length_hint``, or an agent's ``expected_tokens``); a tail policy starts a turn hinted
     long on the tail group. 0 = no hint. It changes where a request runs, never what it generates."""
+    kv_tokens: int = 0
+    """Tokens at the start of ``prompt_token_ids`` whose KV this request brings from the replica it left
+    (``tail.move=kv``): the engine receives them over its KV link instead of computing them."""
 
 
 class Result(Message):

@@ -29,7 +29,7 @@ from toolkit.config import (
 from toolkit.errors import ConfigError, FieldError
 from toolkit.rollout.tokenizer import tokenizer_problem
 from toolkit.router.policy import POLICIES
-from toolkit.router.tail import TAIL_POLICIES
+from toolkit.router.tail import MOVES, TAIL_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,14 @@ def validate(cfg: Config) -> None:
     need(0 < tc.long_quantile < 1, "tail.long_quantile", tc.long_quantile, "a fraction in (0, 1)")
     need(tc.long_tokens is None or tc.long_tokens >= 1, "tail.long_tokens", tc.long_tokens, "an integer >= 1, or null")
     need(tc.long_min_finished >= 1, "tail.long_min_finished", tc.long_min_finished, "an integer >= 1")
+    need(tc.move in MOVES, "tail.move", tc.move, f"one of {list(MOVES)}")
+    if tc.move == "kv":
+        # Only the sim models a KV link; the vllm backend has no KV connector wired to receive one.
+        others = {name: group_engine(cfg, name).type for name in cfg.groups if group_engine(cfg, name).type != "sim"}
+        need(not others, "tail.move", tc.move, f"'recompute' with engines of another type than sim ({others}): "
+             "they cannot receive a request's KV (no KV connector is wired)")
+    need(tc.trade_margin is None or tc.trade_margin >= 0, "tail.trade_margin", tc.trade_margin,
+         "an integer >= 0, or null")
     if threshold is not None:
         need(0 < threshold <= 1, "tail.threshold", threshold, "a fraction in (0, 1], or null for no flip")
     if tc.active:

@@ -43,7 +43,8 @@ __all__ = [
     "CONF_DIR", "OUTPUTS", "QUEUES", "UPDATE_MODES", "VLLM_OWN_ARGS", "ClusterConfig", "Config", "ConfigError",
     "ConfigSchema", "GatewayConfig", "GroupConfig", "ReplicaResources", "ReportConfig", "RolloutConfig",
     "RouterConfig", "SimEngineConfig", "SlurmClusterConfig", "TailConfig", "VllmEngineConfig", "WorkloadConfig",
-    "compose_config", "from_dictconfig", "group_engine", "load_run_config", "register_configs", "replica_devices",
+    "compose_config", "from_dictconfig", "group_engine", "load_run_config", "moves_carry_kv", "register_configs",
+    "replica_devices",
     "replica_nodes", "replica_resources", "replica_shape", "save_run_config", "typed_groups",
 ]
 
@@ -190,6 +191,13 @@ def compose_config(overrides: list[str] | None = None) -> Config:
 def group_engine(cfg: Config, group: str) -> Any:
     """The engine config of one group: ``engine`` with the group's overrides applied."""
     return dataclasses.replace(cfg.engine, **cfg.groups[group].engine)
+
+
+def moves_carry_kv(cfg: Config) -> bool:
+    """A moving request's KV travels with it (``tail.move``): ``kv``, or ``auto`` with only sim engines
+    (the one backend that can receive a request's KV today)."""
+    return cfg.tail.move == "kv" or (cfg.tail.move == "auto"
+                                     and all(group_engine(cfg, g).type == "sim" for g in cfg.groups))
 
 
 def replica_devices(cfg: Config, group: str) -> int:

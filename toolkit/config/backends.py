@@ -122,6 +122,9 @@ class SimEngineConfig:
     """Bytes/s of device memory: about what an H200 measures for device copies."""
     kv_bytes_per_token: int = 131072
     """KV bytes per token: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes."""
+    kv_link_bytes_per_s: float = 50e9
+    """Bytes/s at which a request's KV reaches this replica when it moves here with it
+    (``tail.move=kv``): a 400 Gb/s NIC."""
     step_overhead_s: float = 0.0004
     """Fixed cost of a decode step (scheduling, kernel launches, sampling)."""
     prefill_tokens_per_s: float = 30000.0

@@ -70,6 +70,17 @@ class TailConfig:
     """A fixed token count to call a turn long, instead of ``long_quantile``; null = the quantile."""
     long_min_finished: int = 8
     """Turns the step must have finished before ``long_quantile`` means anything (no move before)."""
+    move: str = "auto"
+    """How a request that moves between groups takes its context: ``recompute``: the replica it lands
+    on prefills it (but for what its prefix cache holds); ``kv``: its KV cache travels with it over the
+    replicas' KV link, as vLLM's KV connectors (NIXL) do between GPUs. Only sim engines take ``kv``
+    today (they model the link: ``engine.kv_link_bytes_per_s``); ``auto``: ``kv`` when every group's
+    engine does, else ``recompute``."""
+    trade_margin: int | None = None
+    """``age`` (other policies move nothing for their age, so trade nothing): with the tail group full, a long runner trades places with the tail group's request of
+    least expected work left once its own is larger by this many tokens; null = no trades. Expected
+    work left: what a turn that has run this long still makes, plus the turns its session has still to
+    run times the mean turn, by the job's last step (no trade in a job's first step)."""
 
     @property
     def active(self) -> bool:

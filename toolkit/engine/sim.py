@@ -20,6 +20,9 @@ rollouts. ``output_len_session_share`` of the log-variance can be drawn once per
 task is long on every turn, and ``output_len_prompt_share`` once per prompt (``Generate.prompt_key``),
 so GRPO siblings are alike (RL systems report that requests of one prompt have similar lengths). A
 request continued elsewhere (``resumed_tokens``) keeps the length and tokens planned where it began.
+A request that brings its KV (``kv_tokens``: a move with ``tail.move=kv``) waits for it to cross the
+link (``kv_bytes_per_token / kv_link_bytes_per_s`` a token) instead of prefilling it, and the batch
+runs on meanwhile.
 ``time_scale`` multiplies every duration (tests run at 0.05-0.2).
 
 The sim honours structured outputs (``sampling.structured``, the gateway's ``tool_choice`` and
@@ -252,20 +255,35 @@ class SimEngine(Engine):
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         seq = _Seq(req, future, tokens, logprobs, finish)
         self.by_id[req.request_id] = seq
-        self.waiting.append(seq)
-        self._wake.set()
+        if req.kv_tokens > 0:  # its KV crosses the link first, without holding up the running batch
+            link_s = req.kv_tokens * self.cfg.kv_bytes_per_token / self.cfg.kv_link_bytes_per_s
+            asyncio.get_running_loop().call_later(link_s * self.cfg.time_scale, self._landed, seq)
+        else:
+            self._admit(seq)
         try:
             return await future
         finally:
             self.by_id.pop(req.request_id, None)
 
+    def _admit(self, seq: _Seq) -> None:
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def _landed(self, seq: _Seq) -> None:
+        """A moved request's KV is here: its context joins the prefix cache, and it the queue."""
+        if not seq.future.done():  # aborted while its KV was on the way: nothing lands
+            seq.cached = self.cache.match(seq.req.prompt_token_ids)  # what this replica held already
+            self.cache.insert(seq.req.prompt_token_ids[: seq.req.kv_tokens])
+            self._admit(seq)
+
     async def abort(self, request_id: str) -> None:
         seq = self.by_id.get(request_id)
         if seq is None or seq.future.done():
             return
-        if seq in self.running:
+        ran = seq in self.running
+        if ran:
             self.running.remove(seq)
-        self._finish(seq, "cancelled", "abort")
+        self._finish(seq, "cancelled", "abort", computed=ran)
 
     def stats(self) -> EngineStats:
         ctx = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
@@ -340,9 +358,12 @@ class SimEngine(Engine):
                 seq.future.set_result(Result(request_id=seq.req.request_id, status="engine_dead",
                                              error="engine closed"))
 
-    def _finish(self, seq: _Seq, status: str, finish: str) -> None:
+    def _finish(self, seq: _Seq, status: str, finish: str, computed: bool = True) -> None:
+        """``computed``: it ran here, so its context is in the prefix cache (not one that never left
+        the queue, or whose KV never landed)."""
         n = seq.produced
-        self.cache.insert(seq.req.prompt_token_ids + seq.tokens[:n])
+        if computed:
+            self.cache.insert(seq.req.prompt_token_ids + seq.tokens[:n])
         if not seq.future.done():
             seq.future.set_result(Result(
                 request_id=seq.req.request_id, status=status, output_token_ids=seq.tokens[:n],
@@ -369,10 +390,14 @@ class SimEngine(Engine):
                     continue
                 prompt = seq.req.prompt_token_ids
                 self._faults(prompt)
-                seq.cached = self.cache.match(prompt)
-                self.prefix_queries += len(prompt)
+                found = self.cache.match(prompt)
+                prefill += len(prompt) - found
+                # KV that travelled with a moved request is neither a prefix-cache hit nor a miss;
+                # what the replica held of its context before it came is a hit.
+                came = max(0, found - seq.cached) if seq.req.kv_tokens > 0 else 0
+                seq.cached = found - came
+                self.prefix_queries += len(prompt) - came
                 self.prefix_hits += seq.cached
-                prefill += len(prompt) - seq.cached
                 self.running.append(seq)
             context = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
             next_t += self.step_time(context, prefill) * scale

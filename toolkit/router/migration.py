@@ -4,7 +4,8 @@ replica (``Drain`` with ``migrate``).
 
 A moving request is aborted on its replica and stays in that replica's slots until its partial Result
 (``cancelled``) comes back; then it continues on its target group from where it stopped: its prompt is
-the original prompt plus the tokens so far, its budget what is left. Its client gets one Result with
+the original prompt plus the tokens so far, its budget what is left (with ``tail.move=kv`` its
+``kv_tokens`` say that whole context arrives as KV, not to be prefilled). Its client gets one Result with
 the tokens, logprobs and weight versions of every leg, in order, so no token is lost or generated twice.
 """
 
@@ -42,6 +43,7 @@ class MigrationMixin:
     """Part of :class:`toolkit.router.server.Router` (uses its sockets, replicas, queue and completion)."""
 
     # Provided by Router.
+    kv_moves: bool  # moves_carry_kv(cfg)
     backend: Any
     replicas: dict[bytes, Replica]
     queue: FairQueue
@@ -58,6 +60,8 @@ class MigrationMixin:
 
     def _continue(self, req: Request, res: P.Result, why: str) -> None:
         out = res.output_token_ids
+        if req.first_cached < 0:
+            req.first_cached = min(res.cached_tokens, req.prompt_len)
         req.prefix_tokens.extend(out)
         req.prefix_logprobs.extend(self._leg_logprobs(req, res))
         if out:  # a leg without tokens generated nothing with its weights
@@ -68,6 +72,8 @@ class MigrationMixin:
             m, prompt_token_ids=m.prompt_token_ids + out, group=req.migrate_group,
             sampling=msgspec.structs.replace(m.sampling, max_tokens=remaining),
             resumed_tokens=m.resumed_tokens + len(out),
+            # With tail.move=kv its KV goes with it: all of its context, the replica it left computed it.
+            kv_tokens=len(m.prompt_token_ids) + len(out) if self.kv_moves else 0,
         )
         req.msg = cont
         req.replica = None  # queued again: a deadline or an abort now finds it in the queue
@@ -87,8 +93,9 @@ class MigrationMixin:
         merged = msgspec.structs.replace(
             res, output_token_ids=req.prefix_tokens + res.output_token_ids,
             logprobs=req.prefix_logprobs + lps,
-            # Cached tokens of the original prompt on the replica that finished it.
-            cached_tokens=min(res.cached_tokens, req.prompt_len),
+            # Cached tokens of the original prompt where it was prefilled: on its first leg. What a move
+            # recomputes (or brings as KV) is the move's cost, in the step's time, not the prompt's.
+            cached_tokens=req.first_cached if req.first_cached >= 0 else min(res.cached_tokens, req.prompt_len),
             weight_versions=P.join_versions(req.prefix_versions, last) or res.weight_versions,
         )
         return P._encoder.encode(merged)

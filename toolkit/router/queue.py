@@ -22,7 +22,7 @@ class Request:
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
-        "prompt_len", "est_mark", "moves", "group",
+        "prompt_len", "est_mark", "moves", "group", "first_cached",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -49,6 +49,7 @@ class Request:
         self.prefix_logprobs: list[float] = []
         self.prefix_versions: list[int] = []  # weight versions of prefix_tokens, in order
         self.prompt_len = len(msg.prompt_token_ids)
+        self.first_cached = -1  # cached tokens of its prompt where it first ran, once it has moved
         # When it was dispatched (monotonic): its tokens there are estimated from then (router/speed.py).
         self.est_mark = 0.0
         self.moves = 0

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from toolkit import protocol as P
-from toolkit.config import Config
+from toolkit.config import Config, moves_carry_kv
 from toolkit.metrics import Endpoint
 from toolkit.router.answered import Answered
 from toolkit.router.elastic import ElasticMixin
@@ -52,6 +52,7 @@ _enc = P._encoder
 class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
+        self.kv_moves = moves_carry_kv(cfg)
         self.rcfg = cfg.router
         self.run_dir = run_dir
         self.ctx = ctx or zmq.Context.instance()
@@ -273,9 +274,13 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
 
     def move_long_runners(self) -> None:
         """Move what tail routing picks (long runners; after a flip, the step's running requests)."""
-        for req, r in self.tail.to_move(time.monotonic()):
+        now = time.monotonic()
+        for req, r in self.tail.to_move(now):
             why = "tail" if self.tail.flipped(req.msg.job, req.msg.step) else self.cfg.tail.policy
             self._start_migration(req, r, why, self.tail.group)
+        for req, r, out, t in self.tail.to_trade(now):  # the tail group is full: places change hands
+            self._start_migration(out, t, "trade", None)
+            self._start_migration(req, r, self.cfg.tail.policy, self.tail.group)
 
     def dispatch(self) -> None:
         while self.queue.size and self.pool.free[None] > 0:

@@ -15,5 +15,8 @@ from toolkit.router.tail.predict import PredictPolicy
 
 TAIL_POLICIES: dict[str, type[TailPolicy]] = {p.name: p for p in (CountPolicy, AgePolicy, PredictPolicy)}
 """``tail.policy``'s choices (a new one: its module and its line here)."""
+MOVES = ("auto", "recompute", "kv")
+"""``tail.move``'s choices: how a moving request takes its context (``auto``: ``kv`` where every engine
+can receive it, else ``recompute``)."""
 
-__all__ = ["TAIL_POLICIES", "CountFlip", "TailPolicy", "flip_count"]
+__all__ = ["MOVES", "TAIL_POLICIES", "CountFlip", "TailPolicy", "flip_count"]

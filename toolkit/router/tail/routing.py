@@ -21,6 +21,7 @@ from toolkit.router.pool import BULK
 from toolkit.router.tail import TAIL_POLICIES
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord, TailPolicy
 from toolkit.router.tail.flip import CountFlip
+from toolkit.router.tail.trade import WorkLeft
 from toolkit.rundir import FileWriter, RunDir
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class TailRouting:
         """Per job: what its current step has revealed."""
         self.inbound: set[str] = set()
         """Requests moving to the tail group that do not run there yet (each holds a slot of its room)."""
+        self.work_left: dict[str, tuple[int, WorkLeft]] = {}
+        """Per job, with ``trade_margin``: (step, what its last step expects of a running request)."""
 
     @property
     def reserved(self) -> str | None:
@@ -80,6 +83,9 @@ class TailRouting:
                 last = self.policy.long_turn(rec)
                 last = rec.last_long if last is None else last
             self.records[job] = StepRecord(step, last)
+            work_left = WorkLeft.of(rec) if self.tc.trade_margin is not None else None
+            if work_left is not None:
+                self.work_left[job] = (step, work_left)
 
     def session_done(self, job: str, step: int, session_id: str) -> bool:
         """Count a finished session; True when this flipped the step."""
@@ -179,6 +185,48 @@ class TailRouting:
         for req, _ in moves:
             self.inbound.add(req.request_id)  # its session joins ``on_tail`` once it runs there
         return moves
+
+    def to_trade(self, now: float) -> list[tuple[Request, Replica, Request, Replica]]:
+        """With ``trade_margin`` and the tail group full: (a long runner elsewhere, its replica, a request
+        on the tail group, its replica) to trade places (``trade.py``), the runner of most work left
+        against the resident of least, while the runner's is larger by the margin. The runner holds the
+        place its resident leaves; the resident's session no longer prefers the tail group."""
+        if self.tc.trade_margin is None or self.policy is None or self.room() > 0:
+            return []
+        trades: list[tuple[Request, Replica, Request, Replica]] = []
+        for job, rec in self.records.items():
+            known = self.work_left.get(job)
+            limits = self.policy.move_limits(rec)
+            if known is None or known[0] != rec.step or limits is None or self.flipped(job, rec.step):
+                continue
+            work_left = known[1]
+            runners: list[tuple[float, int, Request, Replica]] = []
+            residents: list[tuple[float, int, Request, Replica]] = []
+            for r in self.pool.replicas.values():
+                if not r.serving:
+                    continue
+                on_tail = r.group == self.group
+                for req in r.inflight.values():
+                    m = req.msg
+                    if (m.job != job or m.step != rec.step or req.migrating or req.deaths or req.client_aborted
+                            or not can_continue(m) or (m.group is not None and not (on_tail and req.moves))):
+                        continue  # a request that named its group stays there; one moved there may go
+                    tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
+                    if not on_tail and limits.priority(tokens, hinted(m)) is None:
+                        continue  # not a long runner
+                    work = work_left(tokens, len(rec.by_session.get(m.session_id, ())))
+                    (residents if on_tail else runners).append((work, req.seq, req, r))
+            runners.sort(key=lambda w: (-w[0], w[1]))
+            residents.sort(key=lambda w: (w[0], w[1]))
+            for (work, _, req, r), (least, _, out, t) in zip(runners, residents, strict=False):
+                if work <= least + self.tc.trade_margin:
+                    break
+                logger.debug("trade: %s (%.0f tokens of work left) for %s (%.0f)", req.request_id, work,
+                             out.request_id, least)
+                trades.append((req, r, out, t))
+                self.inbound.add(req.request_id)
+                rec.on_tail.discard(out.msg.session_id)
+        return trades
 
     def progress(self, timeline: Timeline) -> dict[str, StepProgress]:
         """Per job: its current step as far as the router knows (``Status.steps``)."""
