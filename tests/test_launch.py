@@ -64,7 +64,7 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
         assert tail["policy"] == "age" and tail["moves"] >= tail["moved_requests"] >= 0
         assert rep["flip"] is None and rep["sessions_by_status"] == {"completed": 32}
     assert "step 1/2" in out.stdout and "step 2/2" in out.stdout and "rollout summary" in out.stdout
-    assert "x its bound" in out.stdout and "moves to the tail group" in out.stdout
+    assert "x its bound" in out.stdout and "age: " in out.stdout and " moves" in out.stdout
     # Prometheus' file_sd targets as launch last wrote them: the endpoints serving then (the ranks may
     # have ended already; tests/test_metrics.py waits for all of them), labelled with the run, on loopback.
     targets = {t["labels"]["component"]: t for t in json.loads((run / "prometheus_targets.json").read_text())}
@@ -262,7 +262,7 @@ def test_a_predictor_that_answers_garbage_fails_its_sample_alone(tmp_path: Path)
     # Turns hinted over 100 tokens (the sim's exact plan) start on the tail group while it has room.
     tails = [s["tail"] for s in json.loads((run / "report.json").read_text())["steps"]]
     assert all(t["policy"] == "age" and t["started"] > 0 for t in tails), tails
-    assert "turns started there" in out.stdout
+    assert "turns started on the tail group" in out.stdout
     assert_no_process_left(run)
 
 

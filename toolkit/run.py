@@ -411,8 +411,9 @@ def progress_line(rep: dict[str, Any], steps: int) -> str:
         parts.append(f"prefix hit {100 * rep['prefix_hit_rate']:.1f}%")
     tail = rep.get("tail")
     if tail:
-        parts.append(f"{tail['policy']}: {tail['moves']} moves to the tail group"
-                     + (f", {tail['started']} turns started there" if tail.get("started") else ""))
+        # Moves to the tail group, and with trades the residents' moves back to the bulk.
+        parts.append(f"{tail['policy']}: {tail['moves']} moves"
+                     + (f", {tail['started']} turns started on the tail group" if tail.get("started") else ""))
     flip = rep.get("flip")
     if flip and flip.get("count") is not None:
         parts.append(f"flip {flip['count']}/{rep['sessions']} at {flip['time_s']:.2f}s, "
