@@ -64,7 +64,7 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
         assert tail["policy"] == "age" and tail["moves"] >= tail["moved_requests"] >= 0
         assert rep["flip"] is None and rep["sessions_by_status"] == {"completed": 32}
     assert "step 1/2" in out.stdout and "step 2/2" in out.stdout and "rollout summary" in out.stdout
-    assert "x its bound" in out.stdout and "age: " in out.stdout and " moves" in out.stdout
+    assert "x its bound" in out.stdout and "age: " in out.stdout and " move" in out.stdout
     # Prometheus' file_sd targets as launch last wrote them: the endpoints serving then (the ranks may
     # have ended already; tests/test_metrics.py waits for all of them), labelled with the run, on loopback.
     targets = {t["labels"]["component"]: t for t in json.loads((run / "prometheus_targets.json").read_text())}

@@ -412,7 +412,7 @@ def progress_line(rep: dict[str, Any], steps: int) -> str:
     tail = rep.get("tail")
     if tail:
         # Moves to the tail group, and with trades the residents' moves back to the bulk.
-        parts.append(f"{tail['policy']}: {tail['moves']} moves"
+        parts.append(f"{tail['policy']}: {tail['moves']} move{'' if tail['moves'] == 1 else 's'}"
                      + (f", {tail['started']} turns started on the tail group" if tail.get("started") else ""))
     flip = rep.get("flip")
     if flip and flip.get("count") is not None:
