@@ -101,9 +101,14 @@ def test_a_torn_run_config_is_refused_not_read_as_defaults(tmp_path: Path) -> No
     assert load_run_config(tmp_path).steps == 7
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # written whole, then renamed
     text = rd.config.read_text()
-    for torn in ("", text[: len(text) // 3]):
+    for torn in ("", text[: text.index("\nsteps:")]):  # whole lines: YAML that lacks fields
         rd.config.write_text(torn)
         with pytest.raises(ToolkitError, match="is not a whole run config .* it lacks .*steps"):
+            load_run_config(tmp_path)
+    # Cut inside a line, wherever it falls: not YAML any more, refused just as clearly.
+    for cut in range(1, text.index("\nsteps:"), 7):  # before `steps`: never a whole config
+        rd.config.write_text(text[:cut])
+        with pytest.raises(ToolkitError, match="is not a whole run config"):
             load_run_config(tmp_path)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
@@ -244,7 +245,11 @@ def save_run_config(cfg: Config, path: Path) -> None:
 def load_run_config(run_dir: str | Path) -> Config:
     """Reload the validated config that ``launch`` wrote into the run directory."""
     path = RunDir(Path(run_dir)).config
-    raw = OmegaConf.load(path)
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as exc:  # cut inside a line: no longer YAML at all
+        raise ToolkitError(f"{path} is not a whole run config (torn, or not written by launch): it is not "
+                           f"YAML ({str(exc).splitlines()[0]})") from exc
     # launch writes every field: one missing means a torn or foreign file, which would load as defaults.
     missing = sorted(f.name for f in dataclasses.fields(Config) if not isinstance(raw, DictConfig) or f.name not in raw)
     if missing:
