@@ -42,6 +42,12 @@ def hinted(m: Generate) -> int:
     return min(m.expected_tokens, m.sampling.max_tokens + m.resumed_tokens)
 
 
+def _can_move(req: Request) -> bool:
+    """``req`` may be aborted and go on elsewhere now: not already moving, not resent after a replica
+    died, not given up by its client, and able to continue from its tokens (``can_continue``)."""
+    return not (req.migrating or req.deaths or req.client_aborted) and can_continue(req.msg)
+
+
 def make_tail_policy(tc: TailConfig) -> TailPolicy:
     cls = TAIL_POLICIES.get(tc.policy)
     if cls is None:
@@ -174,7 +180,7 @@ class TailRouting:
                 job_limit = limits.get(m.job)
                 if job_limit is None or job_limit[0] != m.step:
                     continue
-                if req.migrating or m.group is not None or req.deaths or req.client_aborted or not can_continue(m):
+                if m.group is not None or not _can_move(req):
                     continue
                 tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                 priority = job_limit[1].priority(tokens, hinted(m))
@@ -208,8 +214,8 @@ class TailRouting:
                 on_tail = r.group == self.group
                 for req in r.inflight.values():
                     m = req.msg
-                    if (m.job != job or m.step != rec.step or req.migrating or req.deaths or req.client_aborted
-                            or not can_continue(m) or (m.group is not None and not (on_tail and req.moves))):
+                    if (m.job != job or m.step != rec.step or not _can_move(req)
+                            or (m.group is not None and not (on_tail and req.moves))):
                         continue  # a request that named its group stays there; one moved there may go
                     tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                     if not on_tail and limits.priority(tokens, hinted(m)) is None:
