@@ -3,12 +3,17 @@ the step report's bound, and nothing it models beats that bound."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from toolkit.bench import tail_model as tm
 from toolkit.config import group_engine
 from toolkit.engine.sim import step_seconds
+from toolkit.rundir import RunDir
 
 
 def test_a_session_alone_on_the_tail_replica_takes_its_critical_path_plus_the_prefill_it_pays() -> None:
@@ -183,3 +188,20 @@ def test_oracle_reveal_starts_the_longest_sessions_later_turns_on_the_tail_repli
 
     assert step._target(_Turn(1, 1, 100, 5, 0.0)) is step.tail
     assert step._target(_Turn(2, 1, 100, 5, 0.0)) in step.bulk  # not among the longest
+
+
+def test_a_runs_steps_replay_with_each_sessions_own_turns(tmp_path: Path) -> None:
+    """``run_workload`` reads a step's sessions back from its Parquet file (a turn is a run of the loss
+    mask); a session with fewer turns than the step's most runs only its own in the model."""
+    run = RunDir(tmp_path)
+    run.steps.mkdir(parents=True)
+    masks = [[1] * 5 + [0] * 3 + [1] * 7, [1] * 4, [0] * 6]  # two turns; one; none (failed before a token)
+    pq.write_table(pa.table({"prompt_length": [100, 50, 80], "loss_mask": masks}), run.step_parquet(3))
+    prompts, lengths = tm.run_workload(run.step_parquet(3))
+    assert prompts.tolist() == [100, 50, 80] and lengths.tolist() == [[5, 7], [4, 0], [0, 0]]
+    for design in tm.TWINS.values():
+        step = tm.Step(tm.bench_config(), design, prompts, lengths)
+        step.run()
+        assert step.emitted == 16 and sorted((r[0], r[2]) for r in step.rows) == [(0, 5), (0, 7), (1, 4)]
+    twin = tm.twin(tm.bench_config(), run, [3], tm.TWINS)
+    assert twin["steps"] == 1 and set(twin["speedup"]) == {"age", "age+kv", "age+trade+kv"}

@@ -52,6 +52,11 @@ arm (6 for the sensitivity runs) after one warm-up step; step ``k`` has the same
 arm. ``ci95`` gives paired-bootstrap 95% intervals over the steps. ``best_policy`` is the arm with the
 lowest mean step time; ``speedup_best``, ``bound_ratio_best`` and ``prefix_hit_best`` are its figures.
 
+``model_twin`` (main workload): the fleet model (``tail_model.py``) of the arms it can run as the router
+does (``off``, ``age``, ``age+kv``, ``age+trade+kv``) on the very sessions and turn lengths these steps
+drew, read back from the ``off`` arm's Parquet files. Beside each arm's measured figures, its twin's
+tell what the design does on this workload from what the processes cost it.
+
 Sensitivity (``correlated_siblings``): GRPO groups of 8 sessions per prompt whose turn lengths share
 half their log-variance (``engine.output_len_prompt_share=0.5``), where ``predict`` can use siblings.
 Seer (arXiv:2511.14617, §2.3, Fig. 4) shows "highly correlated generation lengths" within a group but
@@ -149,7 +154,7 @@ ARMS: dict[str, tuple[str, ...]] = {
 
 def _measure(
     sessions: int, steps: int, max_tokens: int, root: Path, fleet: tuple[str, ...] = (),
-    arms: tuple[str, ...] = tuple(ARMS), name: str = "main", time_scale: float = COMPRESSED,
+    arms: tuple[str, ...] = tuple(ARMS), name: str = "main", time_scale: float = COMPRESSED, twin: bool = False,
 ) -> dict[str, Any]:
     base = [
         *fleet,
@@ -161,9 +166,7 @@ def _measure(
     ]
     tag = f"{name}-{max_tokens}-x{time_scale:g}"
     # Every arm's first step also pays for first use (imports, Parquet writer, caches): not counted.
-    results = {
-        name: _arm(f"{name}-{tag}".replace("+", "_"), [*base, *ARMS[name]], root)[WARMUP_STEPS:] for name in arms
-    }
+    results = {arm: _arm(_dir(arm, tag), [*base, *ARMS[arm]], root)[WARMUP_STEPS:] for arm in arms}
 
     def mean(arm: str, key: str) -> float:
         return statistics.fmean(s[key] for s in results[arm])
@@ -224,14 +227,25 @@ def _measure(
         "time_scale": time_scale,
         "step_times_s": {arm: [round(s["wall_s"], 3) for s in steps_] for arm, steps_ in results.items()},
     }
+    if twin:
+        # The fleet model of the arms it can run, on the sessions these steps drew (imported here:
+        # the model imports this module's arms).
+        from toolkit.bench.tail_model import twin as model_twin
+
+        counted = range(WARMUP_STEPS, WARMUP_STEPS + steps)
+        out["model_twin"] = model_twin(_config([*base, *ARMS["age"]]), RunDir(root / _dir("off", tag)), counted, arms)
     return out
+
+
+def _dir(arm: str, tag: str) -> str:
+    return f"{arm}-{tag}".replace("+", "_")
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     sessions = 32 if quick else SESSIONS
     steps = 1 if quick else 12
     with tempfile.TemporaryDirectory(prefix="bench-tail-") as tmp:
-        out = _measure(sessions, steps, 2048, Path(tmp), time_scale=COMPRESSED if quick else TIME_SCALE)
+        out = _measure(sessions, steps, 2048, Path(tmp), time_scale=COMPRESSED if quick else TIME_SCALE, twin=True)
         if not quick:
             out["compressed"] = _measure(sessions, steps, 2048, Path(tmp), name="compressed")
             out["moderate_tail"] = _measure(sessions, steps // 2, 1024, Path(tmp), name="moderate")

@@ -144,6 +144,9 @@ class Step:
     def __init__(self, cfg: Config, design: Design, prompts: np.ndarray, lengths: np.ndarray) -> None:
         self.cfg, self.design, self.lengths = cfg, design, lengths
         self.sessions, self.turns = lengths.shape
+        # A session with fewer turns than the step's most (a replayed run's) has its later ones at 0.
+        self.turns_of = (lengths > 0).sum(axis=1)
+        self.total_turns = int(self.turns_of.sum())
         self.shape = Shape.of(cfg)
         self.scale = cfg.engine.time_scale
         self.tail_group = cfg.tail.group
@@ -177,7 +180,8 @@ class Step:
             longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
             self.favoured = set(longest.tolist())
         for s in range(self.sessions):
-            self._dispatch(_Turn(s, 0, int(prompts[s]), int(lengths[s, 0]), 0.0))
+            if self.turns_of[s]:
+                self._dispatch(_Turn(s, 0, int(prompts[s]), int(lengths[s, 0]), 0.0))
 
     # ---- placement ---------------------------------------------------------------------------
     def _ring(self) -> ConsistentHash:
@@ -286,7 +290,7 @@ class Step:
         sigma = self.design.foresight
         predicted = t.predicted(sigma) if sigma is not None else 0.0
         now = predicted - t.produced if predicted > t.produced else self.law.left(t.produced)
-        return now + (self.turns - 1 - t.turn) * self.law.mean
+        return now + (self.turns_of[t.session] - 1 - t.turn) * self.law.mean
 
     def _move(self, t: _Turn, to: _Replica) -> None:
         assert t.replica is not None
@@ -372,7 +376,7 @@ class Step:
             self.rows.append((t.session, t.prompt, t.produced, t.sent, self.now))
             self.finished.append(t)
             self.record.finished(str(t.session), "", t.produced)
-            if t.turn + 1 < self.turns:
+            if t.turn + 1 < self.turns_of[t.session]:
                 following.append(_Turn(t.session, t.turn + 1, t.prompt + t.produced + self.shape.observation,
                                        int(self.lengths[t.session, t.turn + 1]), self.now))
         # The router's queue serves what already waits before a session's next turn, which a rank
@@ -392,7 +396,7 @@ class Step:
 
     def run(self) -> dict[str, Any]:
         self._push(TICK_S, "tick", None)
-        while len(self.rows) < self.lengths.size:
+        while len(self.rows) < self.total_turns:
             self.now, _, kind, what = heapq.heappop(self.events)
             if kind == "tick":
                 if not any(r.running or r.admit for r in self.replicas):

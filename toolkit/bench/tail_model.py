@@ -63,14 +63,22 @@ step report's figure.
 
 from __future__ import annotations
 
+import itertools
 import statistics
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
 
 from toolkit.bench.tail import ARMS, SESSIONS
 from toolkit.bench.tail_events import LINK_BYTES_PER_S, Design, Step, workload
 from toolkit.config import Config, compose_config
+from toolkit.rundir import RunDir
 
-__all__ = ["DESIGNS", "Design", "Step", "bench_config", "model_step", "run", "workload"]
+__all__ = ["DESIGNS", "TWINS", "Design", "Step", "bench_config", "model_step", "run", "run_workload", "twin",
+           "workload"]
 
 DESIGNS = (
     Design("off", "off"), Design("off_room64", "off", tail_room=64), Design("age", "age"),
@@ -85,6 +93,12 @@ DESIGNS = (
     Design("oracle_reveal16", "oracle", kv=True, reveal=16), Design("oracle", "oracle"),
 )
 
+TWINS: dict[str, Design] = {
+    "off": Design("off", "off"), "age": Design("age", "age"), "age+kv": Design("age_kv", "age", kv=True),
+    "age+trade+kv": Design("age_kv_swap", "age", kv=True, swap=True),
+}
+"""The tail bench's arms the model can run as the router does (the others have no twin here)."""
+
 
 def bench_config(max_tokens: int = 2048) -> Config:
     """The tail bench's config (its ``age`` arm; the designs change only placement)."""
@@ -96,6 +110,32 @@ def model_step(cfg: Config, design: Design, seed: int) -> dict[str, Any]:
     """One modelled step of ``design`` (seconds at ``cfg.engine.time_scale``)."""
     prompts, lengths = workload(cfg, seed)
     return Step(cfg, design, prompts, lengths).run()
+
+
+def run_workload(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A step's prompts and turn lengths as a run made them, from its Parquet file: a session's turns are
+    the runs of its loss mask (what the engines generated, between observations of at least a token)."""
+    rows = pq.read_table(path, columns=["prompt_length", "loss_mask"]).to_pylist()
+    turns = [[len(list(run)) for bit, run in itertools.groupby(r["loss_mask"]) if bit] for r in rows]
+    lengths = np.zeros((len(rows), max(map(len, turns), default=0)), dtype=np.int64)
+    for i, t in enumerate(turns):
+        lengths[i, : len(t)] = t
+    return np.array([r["prompt_length"] for r in rows], dtype=np.int64), lengths
+
+
+def twin(cfg: Config, run: RunDir, steps: Iterable[int], arms: Iterable[str]) -> dict[str, Any]:
+    """The model of ``arms`` (those in :data:`TWINS`, ``off`` among them) on a run's own steps: the same
+    sessions and turn lengths, placed with no process in the way. Beside a real arm's figures, its twin's
+    tell what the implementation costs from what the design does."""
+    work = [run_workload(run.step_parquet(k)) for k in steps]
+    walls = {arm: [Step(cfg, TWINS[arm], p, lengths).run() for p, lengths in work] for arm in arms if arm in TWINS}
+    off = statistics.fmean(s["wall_s"] for s in walls["off"])
+    return {
+        "steps": len(work),
+        "speedup": {arm: round(off / statistics.fmean(s["wall_s"] for s in out), 3) for arm, out in walls.items()
+                    if arm != "off"},
+        "bound_ratio": {arm: round(statistics.fmean(s["bound_ratio"] for s in out), 3) for arm, out in walls.items()},
+    }
 
 
 def _summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
