@@ -70,7 +70,7 @@ def test_a_full_fleet_makes_turns_wait_and_serves_them_oldest_first() -> None:
     assert out["waits"] > 0 and step.emitted == lengths.sum()
     first = sorted((t for t in step.finished if t.turn == 0), key=lambda t: t.session)
     started = [t.dispatched for t in first]
-    assert started.count(0.0) == 32  # the fleet's 2 x 8 + 16 slots
+    assert started.count(0.0) == 2 * 8 + cfg.groups["tail"].max_inflight  # the fleet's slots
     waited = [d for d in started if d]
     assert waited == sorted(waited)  # sent in session order at t=0: placed in that order
     # No turn is placed before one sent earlier that still waits (a next turn never jumps the queue).

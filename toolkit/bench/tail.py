@@ -21,7 +21,7 @@ throughput group per token (TP 4 at 2/3 efficiency; more than the sim's TP model
 model, whose all-reduces cost tens of microseconds per layer).
 
 Fleet (``conf/groups/default.yaml``): a throughput group of 2 replicas (TP 1, up to 64 requests in
-flight each) and a tail group of 1 replica with tensor parallel 2 (up to 16 in flight). The sim's
+flight each) and a tail group of 1 replica with tensor parallel 2 (up to 24 in flight). The sim's
 decode step reads all weights plus every running sequence's KV cache: 16 GB of bf16 weights and 128
 KiB of KV per token at 4.3 TB/s (an H200's measured copy bandwidth) gives ~3.7 ms per step; TP 2
 divides the reads over two devices at 85% efficiency (all-reduce cost), so the tail group is 1.85x

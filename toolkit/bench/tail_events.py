@@ -24,7 +24,6 @@ from toolkit.router.tail.routing import TICK_S, make_tail_policy
 
 LINK_BYTES_PER_S = 50e9
 """A 400 Gb/s NIC: what a move that carries its KV pays per byte (``kv`` designs)."""
-ORACLE_SESSIONS = 16
 SWAP_MARGIN = 200
 """``rank``: tokens of expected work by which a request must outrank the tail replica's lowest to swap."""
 LAW_DRAWS = 200_000
@@ -177,7 +176,7 @@ class Step:
             self.record.last_long = float(self.law.sorted[int(q * self.law.sorted.size)])
             self.record.hinted = True
         if design.policy == "oracle":
-            longest = np.argsort(-lengths.sum(axis=1), kind="stable")[:ORACLE_SESSIONS]
+            longest = np.argsort(-lengths.sum(axis=1), kind="stable")[: self.tail.cap]  # as many as it holds
             self.favoured = set(longest.tolist())
         for s in range(self.sessions):
             if self.turns_of[s]:

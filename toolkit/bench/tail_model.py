@@ -26,8 +26,8 @@ quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32
 ``age`` whose moves carry their KV over a 400 Gb/s link instead of recomputing it (``kv``: what vLLM's
 KV connectors such as NIXL do on GPUs; not on the CPU build); ``rank``, a scheduler that keeps on
 the tail replica the requests whose sessions have the most work left, as far as it can tell; and an
-``oracle`` no router can run, which knows every session's length when the step begins and starts the
-16 longest there; ``age_hint`` designs run the router's ``age`` with every turn carrying a length hint
+``oracle`` no router can run, which knows every session's length when the step begins and starts as
+many of the longest there as it holds; ``age_hint`` designs run the router's ``age`` with every turn carrying a length hint
 off by a lognormal factor of a sigma (as ``toolkit.rollout.hints.SimOracle`` sends it), judged against
 a whole step's long turn (the law's ``tail.long_quantile``, as the router takes it from the last step).
 
@@ -37,9 +37,9 @@ a long runner for its resident of least expected work left (``rank``'s rule, amo
 finished more turns than it (a session behind is the likeliest to end the step). ``age_kv_swap`` is
 ``age_swap`` whose moves carry their KV, so a swap no longer pays two recomputes.
 
-``oracle_reveal16`` puts a figure on what telling the long sessions apart *late* is worth: the tail
+``oracle_reveal24`` puts a figure on what telling the long sessions apart *late* is worth: the tail
 replica takes the first turns that come while it has room, as ``age`` does, and the oracle knows the
-16 longest sessions only once at most 16 of the step's first turns still run (when a router that
+longest sessions (as many as the tail replica holds, 24) only once at most 24 of the step's first turns still run (when a router that
 watches ages could hold every one of them on the tail replica). Then their turns move there with
 their KV, each trading places with a resident of another session if it is full; their later turns
 start there.
@@ -90,7 +90,7 @@ DESIGNS = (
     Design("age_behind0.5", "age", behind=0.5),
     Design("rank", "rank"), *(Design(f"rank_foresight{f:g}", "rank", foresight=f) for f in (0.75, 0.5, 0.25, 0.0)),
     *(Design(f"age_hint{f:g}", "age", hint=f) for f in (0.5, 0.25)),
-    Design("oracle_reveal16", "oracle", kv=True, reveal=16), Design("oracle", "oracle"),
+    Design("oracle_reveal24", "oracle", kv=True, reveal=24), Design("oracle", "oracle"),
 )
 
 TWINS: dict[str, Design] = {
