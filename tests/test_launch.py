@@ -113,7 +113,9 @@ def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> N
 
 def test_a_group_added_by_override_serves_the_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", "sessions_per_step=24",
+    # The tail group fills its room with the step's first turns (tail.policy=age): 8 places leave
+    # 16 sessions to the bulk groups.
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", "sessions_per_step=24", "groups.tail.max_inflight=8",
                   "+groups.mid={replicas:1,max_inflight:8}", "+groups.mid.labels.role=mid"])
     assert out.returncode == 0, out.stdout + out.stderr
     (rep,) = check_outputs(run, steps=1, sessions=24)
