@@ -142,7 +142,7 @@ class Step:
 
     def __init__(self, cfg: Config, design: Design, prompts: np.ndarray, lengths: np.ndarray) -> None:
         self.cfg, self.design, self.lengths = cfg, design, lengths
-        self.sessions, self.turns = lengths.shape
+        self.sessions = lengths.shape[0]
         # A session with fewer turns than the step's most (a replayed run's) has its later ones at 0.
         self.turns_of = (lengths > 0).sum(axis=1)
         self.total_turns = int(self.turns_of.sum())

@@ -128,13 +128,13 @@ def twin(cfg: Config, run: RunDir, steps: Iterable[int], arms: Iterable[str]) ->
     sessions and turn lengths, placed with no process in the way. Beside a real arm's figures, its twin's
     tell what the implementation costs from what the design does."""
     work = [run_workload(run.step_parquet(k)) for k in steps]
-    walls = {arm: [Step(cfg, TWINS[arm], p, lengths).run() for p, lengths in work] for arm in arms if arm in TWINS}
-    off = statistics.fmean(s["wall_s"] for s in walls["off"])
+    results = {arm: [Step(cfg, TWINS[arm], p, lengths).run() for p, lengths in work] for arm in arms if arm in TWINS}
+    off = statistics.fmean(s["wall_s"] for s in results["off"])
     return {
         "steps": len(work),
-        "speedup": {arm: round(off / statistics.fmean(s["wall_s"] for s in out), 3) for arm, out in walls.items()
+        "speedup": {arm: round(off / statistics.fmean(s["wall_s"] for s in out), 3) for arm, out in results.items()
                     if arm != "off"},
-        "bound_ratio": {arm: round(statistics.fmean(s["bound_ratio"] for s in out), 3) for arm, out in walls.items()},
+        "bound_ratio": {arm: round(statistics.fmean(s["bound_ratio"] for s in out), 3) for arm, out in results.items()},
     }
 
 
