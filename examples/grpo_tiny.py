@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from toolkit.engine.tiny import ensure_tiny
+    from toolkit.model.tiny import ensure_tiny
     from toolkit.samples import wait_step
     from toolkit.weights import publish
 

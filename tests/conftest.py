@@ -16,9 +16,9 @@ import pytest
 
 from toolkit.client import RouterClient
 from toolkit.config import CONF_DIR, Config, compose_config, register_configs
-from toolkit.rundir import RunDir
-from toolkit.stack import LocalStack
-from toolkit.validation import validate
+from toolkit.core.rundir import RunDir
+from toolkit.launch.stack import LocalStack
+from toolkit.launch.validation import validate
 
 CONF = CONF_DIR
 register_configs()
@@ -100,7 +100,7 @@ def ranks_started(run: Path) -> bool:
 def lose_node_rank(run: Path, timeout_s: float, replica: str = "replica-throughput-0", node: int = 1) -> list[int]:
     """Once the run's first step is written and node rank ``node`` of ``replica`` runs (its process and
     its engine worker: two pid files), SIGKILL all of them at once, as when that node is lost; their pids."""
-    from toolkit.lifecycle import read_pidfiles
+    from toolkit.core.lifecycle import read_pidfiles
 
     def procs() -> list:  # type: ignore[type-arg]
         return [r for r in read_pidfiles(run / "pids") if r.name.startswith(f"{replica}-node{node}") and r.alive()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from toolkit.errors import RouterUnavailable
+from toolkit.core.errors import RouterUnavailable
 from toolkit.rollout.envs import EnvStep, SingleTurnEnv
 from toolkit.rollout.prompts import Prompt
 

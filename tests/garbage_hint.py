@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolkit.protocol import Generate
+from toolkit.core.protocol import Generate
 from toolkit.rollout.hints import SimOracle
 
 

@@ -15,12 +15,12 @@ import numpy as np
 from mpi4py import MPI
 
 from toolkit import samples as api
-from toolkit.protocol import Result
-from toolkit.rollout.columns import STAT_COLUMNS, gather_columns, pack, to_table
-from toolkit.rollout.sample import Sample
+from toolkit.core.protocol import Result
+from toolkit.core.rundir import RunDir
+from toolkit.model.tokenizer import ByteTokenizer
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
-from toolkit.rollout.tokenizer import ByteTokenizer
-from toolkit.rundir import RunDir
+from toolkit.session.columns import STAT_COLUMNS, gather_columns, pack, to_table
+from toolkit.session.sample import Sample
 
 GROUPS = ["tail", "throughput"]
 

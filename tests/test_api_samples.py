@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from toolkit import samples as api
-from toolkit.protocol import Result
-from toolkit.rollout.columns import pack, to_table, write_parquet
-from toolkit.rollout.sample import Sample
+from toolkit.core.protocol import Result
+from toolkit.core.rundir import RunDir
+from toolkit.model.tokenizer import ByteTokenizer
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
-from toolkit.rollout.tokenizer import ByteTokenizer
-from toolkit.rundir import RunDir
+from toolkit.session.columns import pack, to_table, write_parquet
+from toolkit.session.sample import Sample
 
 GROUPS = ["tail", "throughput"]
 N = 11

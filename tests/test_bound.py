@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from toolkit.config import compose_config, group_engine
+from toolkit.core.protocol import GroupStatus, Result
 from toolkit.engine.sim import step_seconds
-from toolkit.protocol import GroupStatus, Result
 from toolkit.rollout.bound import step_bound
-from toolkit.rollout.stepreport import RequestLog
+from toolkit.session.requests import RequestLog
 
 
 def alone(c, prompt: int, cached: int, out: int) -> float:  # type: ignore[no-untyped-def]
@@ -65,7 +65,7 @@ def test_many_short_sessions_on_one_replica_are_bound_by_throughput() -> None:
     two = step_bound(compose_config(["groups=single", "groups.throughput.replicas=2", "engine.time_scale=1.0",
                                      "engine.max_num_seqs=8"]), req, wall_s=5.0)
     assert two is not None and two["bound"]["throughput_s"] == pytest.approx(b["bound_s"] / 2)
-    # So do two serving at the step's end when the config says one (toolkit.scale added one).
+    # So do two serving at the step's end when the config says one (toolkit.launch.scale added one).
     scaled = step_bound(cfg, req, wall_s=5.0, measured={"throughput": GroupStatus(registered=2, ready=2)})
     assert scaled is not None and scaled["bound"]["throughput_s"] == pytest.approx(b["bound_s"] / 2)
 
@@ -84,7 +84,7 @@ def test_no_bound_without_a_time_model_or_without_tokens() -> None:
 
 
 def test_other_engines_are_bound_by_the_speeds_the_router_measured() -> None:
-    from toolkit.protocol import GroupStatus
+    from toolkit.core.protocol import GroupStatus
 
     cfg = compose_config(["engine=vllm", "model=tiny"])
     req = log_of([(0, 0.0, [(10, 0, 100)]), (0, 1.0, [(120, 0, 300)]), (1, 0.0, [(10, 0, 50), (10, 0, 80)])])

@@ -10,7 +10,7 @@ from hydra.errors import MissingConfigException
 import toolkit.config
 from tests.conftest import CONF, compose_config, launch
 from toolkit.config import ConfigError, backends, sections
-from toolkit.validation import validate
+from toolkit.launch.validation import validate
 
 
 def all_group_options() -> list[str]:

@@ -14,10 +14,11 @@ import pytest
 
 from toolkit.bench.gateway import RecordingClient
 from toolkit.config import group_engine
-from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
+from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import SESSION_CALLS, Gateway, gateway_settings
 from toolkit.gateway.types import ChatRequest, GatewayError
-from toolkit.rollout.stepreport import RequestLog
+from toolkit.model.tokenizer import chat_tokenizer_dir
+from toolkit.session.requests import RequestLog
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.core.protocol import Result
 from toolkit.gateway.session import GatewaySession
 from toolkit.gateway.types import Choice, ToolCall
-from toolkit.protocol import Result
 
 pytest.importorskip("transformers")
 
-from toolkit.engine.tiny import ensure_tiny_tokenizer  # noqa: E402
 from toolkit.gateway.chat import ChatTokenizer  # noqa: E402
+from toolkit.model.tiny import ensure_tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_a_failed_session_keeps_what_it_generated(chat: ChatTokenizer) -> None:
 
 
 def test_a_sessions_outcome_is_its_last_row_wherever_columns_travel(chat: ChatTokenizer) -> None:
-    from toolkit.rollout.columns import final_rows, pack
+    from toolkit.session.columns import final_rows, pack
 
     a = GatewaySession(0, "job/0/0", chat)
     reply, _ = _turn(chat, a, [{"role": "user", "content": "hi"}], _generated(chat, 30))

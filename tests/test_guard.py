@@ -132,9 +132,9 @@ def test_sync_agents_that_hang_hold_only_their_own_threads() -> None:
 
 
 def test_the_failure_budget_names_the_lowest_failed_sessions_whatever_order_they_ended_in() -> None:
-    from toolkit.rollout.columns import pack
     from toolkit.rollout.guard import FailureBudgetExceeded, check_failure_budget
-    from toolkit.rollout.sample import Sample
+    from toolkit.session.columns import pack
+    from toolkit.session.sample import Sample
 
     samples = []
     for index in (7, 3, 9, 1, 5):  # the order the sessions ended in
@@ -159,7 +159,7 @@ def test_sigterm_in_the_users_code_ends_the_rank_instead_of_failing_the_session(
     script = tmp_path / "rank.py"
     script.write_text(
         "import asyncio, sys, time\n"
-        "from toolkit.lifecycle import exit_on_sigterm\n"
+        "from toolkit.core.lifecycle import exit_on_sigterm\n"
         "from toolkit.rollout import guard\n"
         "async def env_step():\n"
         "    print('ready', flush=True)\n"
@@ -207,7 +207,7 @@ def test_a_sync_environment_that_hangs_is_bounded_and_never_holds_the_loop() -> 
 
 
 def test_a_toolkit_error_from_the_users_code_fails_its_session_not_the_rank() -> None:
-    from toolkit.errors import RouterUnavailable, ToolkitError
+    from toolkit.core.errors import RouterUnavailable, ToolkitError
 
     def step() -> None:
         raise RouterUnavailable("the user's code let a toolkit error through")

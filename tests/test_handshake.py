@@ -18,9 +18,9 @@ from tests.conftest import finish, launch, start_launch
 from tests.test_api_samples import write_run
 from toolkit import samples
 from toolkit.config import compose_config
-from toolkit.errors import ConfigError
-from toolkit.rundir import RunDir, read_json
-from toolkit.validation import validate
+from toolkit.core.errors import ConfigError
+from toolkit.core.rundir import RunDir, read_json
+from toolkit.launch.validation import validate
 from toolkit.weights import (
     IN_PROGRESS,
     MARKER,
@@ -36,7 +36,7 @@ from toolkit.weights import (
 
 # ---- publish: the layout vLLM reloads ----------------------------------------------------------
 def tiny_llama_state_dict(tie: bool = False) -> tuple[dict, dict]:
-    """A random Llama with the tiny model's shapes (``toolkit/engine/tiny.py``), no tokenizer needed."""
+    """A random Llama with the tiny model's shapes (``toolkit/model/tiny.py``), no tokenizer needed."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from toolkit.engine import tiny
@@ -364,7 +364,7 @@ def test_a_load_that_cannot_finish_while_a_step_runs_ends_the_run_at_once(tmp_pa
     replicas still loading, rather than after every session of the step has ended."""
     from tests.conftest import wait_for
     from toolkit.client import router_status
-    from toolkit.security import client_curve
+    from toolkit.core.security import client_curve
 
     run, weights, checkpoint = tmp_path / "run", tmp_path / "weights", tmp_path / "checkpoint"
     checkpoint.mkdir()

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from toolkit.config import compose_config
+from toolkit.core.errors import ConfigError
+from toolkit.core.protocol import Generate, Sampling, Structured
 from toolkit.engine.sim import plan_output
-from toolkit.errors import ConfigError
-from toolkit.protocol import Generate, Sampling, Structured
+from toolkit.launch.validation import validate
 from toolkit.rollout.hints import HintFailed, LengthHint, SimOracle, ask
-from toolkit.validation import validate
 
 ORACLE = "{_target_:toolkit.rollout.hints.SimOracle,sigma:%s,engine:${engine}}"
 
@@ -84,7 +84,7 @@ def test_every_bad_length_hint_setting_is_reported_at_setup() -> None:
 
 
 def test_a_predictor_no_tail_policy_reads_is_accepted_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="toolkit.validation"):
+    with caplog.at_level("WARNING", logger="toolkit.launch.validation"):
         validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25, "tail.policy=age"]))
         assert not caplog.records
         validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25, "tail.policy=count", "tail.threshold=0.95"]))

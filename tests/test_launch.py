@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import finish, launch, ranks_started, start_launch, wait_for
-from toolkit.lifecycle import read_pidfiles
-from toolkit.rundir import RunDir
+from toolkit.core.lifecycle import read_pidfiles
+from toolkit.core.rundir import RunDir
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -104,7 +104,7 @@ def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> N
     timelines = sorted(p.name for p in RunDir(run).timelines.iterdir())
     assert timelines == [f"rollout.step_{s:05d}.json" for s in range(3)]
     RunDir(run).timeline_png.unlink()
-    out = subprocess.run([sys.executable, "-m", "toolkit.report", str(run)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "toolkit.report.run_report", str(run)], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, COLUMNS="200"))
     assert out.returncode == 0, out.stderr
     assert "18/18" in out.stdout and RunDir(run).timeline_png.exists()
@@ -338,7 +338,7 @@ def test_kill_9_of_launch_leaves_no_orphan(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-        from toolkit.lifecycle import stop_processes
+        from toolkit.core.lifecycle import stop_processes
 
         stop_processes(read_pidfiles(run / "pids"))
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PRINT_STDOUT_FILE = "import sys; from toolkit.lifecycle import stdout_file; print(stdout_file(), file=sys.stderr)"
+PRINT_STDOUT_FILE = "import sys; from toolkit.core.lifecycle import stdout_file; print(stdout_file(), file=sys.stderr)"
 
 
 def test_stdout_file_names_the_log_a_job_prints_to_and_nothing_else(tmp_path: Path) -> None:
@@ -22,7 +22,7 @@ def test_stdout_file_names_the_log_a_job_prints_to_and_nothing_else(tmp_path: Pa
 
 def test_a_pid_recorded_without_its_start_time_is_never_signalled() -> None:
     """Its process was gone when it was recorded: the pid may be anyone's now (here, a live sleeper)."""
-    from toolkit.lifecycle import ProcessRef, stop_processes
+    from toolkit.core.lifecycle import ProcessRef, stop_processes
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import finish, start_launch, wait_for, with_client
 from toolkit.client import RouterClient
-from toolkit.protocol import Generate, Sampling
+from toolkit.core.protocol import Generate, Sampling
 from toolkit.weights import publish
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,8 +40,8 @@ def test_two_sweeps_runs_of_the_same_name_stay_apart_in_prometheus(tmp_path: Pat
     target carries ``job`` (Prometheus' scrape job; it would rename the series' own ``job``)."""
     from prometheus_client import CollectorRegistry
 
-    from toolkit.metrics import Endpoint, write_targets
-    from toolkit.rundir import RunDir
+    from toolkit.core.metrics import Endpoint, write_targets
+    from toolkit.core.rundir import RunDir
 
     runs = [RunDir(tmp_path / sweep / "0") for sweep in ("sweep-a", "sweep-b")]
     labels = []
@@ -218,9 +218,9 @@ def test_a_component_off_the_routers_node_serves_its_metrics_on_its_own(tmp_path
     """router.host names the router's node: a replica or rank elsewhere binding it would fail (EADDRNOTAVAIL)."""
     from prometheus_client import CollectorRegistry
 
-    from toolkit.metrics import Endpoint
-    from toolkit.rundir import RunDir
-    from toolkit.sockets import node_address, own_bind_host
+    from toolkit.core.metrics import Endpoint
+    from toolkit.core.rundir import RunDir
+    from toolkit.core.sockets import node_address, own_bind_host
 
     assert own_bind_host("127.0.0.1", "local") == "127.0.0.1" and own_bind_host(None, "local") == "127.0.0.1"
     host = own_bind_host("192.0.2.7", "slurm")  # TEST-NET-1: no interface of this machine has it

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from toolkit.errors import ConfigError
+from toolkit.core.errors import ConfigError
 from toolkit.router.policy import ConsistentHash, LeastLoaded, PowerOfTwo, Replica, RoundRobin, make_policy
 
 

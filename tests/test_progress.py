@@ -11,8 +11,8 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import launch
-from toolkit import protocol as P
-from toolkit.progress import Progress
+from toolkit.core import protocol as P
+from toolkit.launch.progress import Progress
 
 
 def status(done: int, generated: int, flip_at: float = 0.0) -> P.Status:

@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import compose_config
-from toolkit.errors import ConfigError
+from toolkit.core.errors import ConfigError
+from toolkit.launch.validation import validate
+from toolkit.model.tokenizer import ByteTokenizer, load_tokenizer
 from toolkit.rollout.envs import SingleTurnEnv
 from toolkit.rollout.prompts import FilePrompts, Prompt, SyntheticPrompts
-from toolkit.rollout.tokenizer import ByteTokenizer, load_tokenizer
-from toolkit.validation import validate
 
 ROOT = Path(__file__).resolve().parent.parent
-BYTE = {"_target_": "toolkit.rollout.tokenizer.ByteTokenizer"}
+BYTE = {"_target_": "toolkit.model.tokenizer.ByteTokenizer"}
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

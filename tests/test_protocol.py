@@ -3,7 +3,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from toolkit import protocol as P
+from toolkit.core import protocol as P
 
 EXAMPLES = [
     P.Register("r1", "throughput", {"group": "throughput"}, "m", 8, 4096, 32000),

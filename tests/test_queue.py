@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from toolkit.protocol import Generate
+from toolkit.core.protocol import Generate
 from toolkit.router.queue import FairQueue, Request
 
 _seq = 0

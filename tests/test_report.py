@@ -1,4 +1,4 @@
-"""``python -m toolkit.report``: the step table reads whole at 80 columns (a default terminal, a Slurm
+"""``python -m toolkit.report.run_report``: the step table reads whole at 80 columns (a default terminal, a Slurm
 log), a step per row when it fits, a step per column when it does not; numbers carry their units."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from toolkit.report import report_tables, si, summary_table
+from toolkit.report.run_report import report_tables, si, summary_table
 
 
 def step(i: int) -> dict:
@@ -65,7 +65,7 @@ def test_the_summary_is_a_table_and_json_is_for_machines(tmp_path: Path) -> None
     assert "mean step time" in text and "3.51s" in text and "812,345" in text and "timeout 5" in text
     assert "{" not in text
     (tmp_path / "report.json").write_text(json.dumps(REPORT))
-    out = subprocess.run([sys.executable, "-m", "toolkit.report", str(tmp_path), "--json"],
+    out = subprocess.run([sys.executable, "-m", "toolkit.report.run_report", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == REPORT
@@ -75,10 +75,11 @@ def test_the_step_reports_tokens_are_the_engines_not_the_rows(tmp_path: Path) ->
     """A gateway session's n=2 turn makes two rows that share the first turn: the engines made 120
     tokens, the rows hold 220."""
     from toolkit.config import compose_config
-    from toolkit.protocol import Result
-    from toolkit.rollout.columns import ColumnBuilder
-    from toolkit.rollout.sample import Sample
-    from toolkit.rollout.stepreport import RequestLog, step_report
+    from toolkit.core.protocol import Result
+    from toolkit.rollout.stepreport import step_report
+    from toolkit.session.columns import ColumnBuilder
+    from toolkit.session.requests import RequestLog
+    from toolkit.session.sample import Sample
 
     cfg = compose_config([])
     groups = list(cfg.groups)
@@ -102,8 +103,8 @@ def test_the_step_reports_tokens_are_the_engines_not_the_rows(tmp_path: Path) ->
 
 
 def test_the_timeline_draws_the_last_steps_of_a_long_run(tmp_path: Path) -> None:
-    from toolkit.report import TIMELINE_STEPS, draw_timeline
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
+    from toolkit.report.run_report import TIMELINE_STEPS, draw_timeline
 
     rd = RunDir(tmp_path)
     rd.timelines.mkdir(parents=True)
@@ -119,8 +120,8 @@ def test_the_timeline_draws_the_last_steps_of_a_long_run(tmp_path: Path) -> None
 
 
 def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path) -> None:
-    from toolkit.report import current_report
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
+    from toolkit.report.run_report import current_report
 
     rd = RunDir(tmp_path)
     rd.steps.mkdir(parents=True)
@@ -130,7 +131,7 @@ def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path) -> 
     rd.lease.write_text(json.dumps({"epoch": 1, "released": False}))
     live = current_report(rd)
     assert live is not None and live["status"] == "running" and [s["step"] for s in live["steps"]] == [0, 1]
-    out = subprocess.run([sys.executable, "-m", "toolkit.report", str(tmp_path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "toolkit.report.run_report", str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "step" in out.stdout, out.stderr
     # The launch ended and wrote its report: that one, whole.

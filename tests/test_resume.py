@@ -18,11 +18,11 @@ import pytest
 from tests.conftest import finish, launch, start_launch, wait_for
 from tests.test_launch import check_outputs
 from toolkit.config import compose_config
-from toolkit.errors import RunDirInUse
-from toolkit.lease import EPOCH_ENV, Lease, LeaseRecord, LeaseWatch, holder_gone
-from toolkit.lifecycle import ProcessRef, read_pidfiles
-from toolkit.resume import config_changes
-from toolkit.rundir import RunDir, atomic_write
+from toolkit.core.errors import RunDirInUse
+from toolkit.core.lease import EPOCH_ENV, Lease, LeaseRecord, LeaseWatch, holder_gone
+from toolkit.core.lifecycle import ProcessRef, read_pidfiles
+from toolkit.core.rundir import RunDir, atomic_write
+from toolkit.launch.resume import config_changes
 from toolkit.weights import latest, publish
 
 PLACEMENT = {"num_replicas", "cached_tokens", "groups", "replicas"}
@@ -264,7 +264,7 @@ def test_sigusr1_without_grace_abandons_the_step_in_flight_cleanly(tmp_path: Pat
 
 def test_prepare_clears_what_would_mislead_the_resumed_step(tmp_path: Path) -> None:
     from toolkit.config import save_run_config
-    from toolkit.resume import prepare
+    from toolkit.launch.resume import prepare
 
     rd = RunDir(tmp_path)
     rd.make()
@@ -306,7 +306,7 @@ def test_two_launches_taking_a_run_at_once_never_share_an_epoch(tmp_path: Path, 
     next epoch, the other is refused, instead of both running as that epoch."""
     import threading
 
-    from toolkit import lease as lease_mod
+    from toolkit.core import lease as lease_mod
 
     rd = RunDir(tmp_path)
     first = Lease(rd, 60)
@@ -412,7 +412,7 @@ def test_a_launch_suspended_past_its_lease_leaves_the_run_that_took_over_alone(t
 
 
 def test_a_component_of_a_dead_launch_does_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from toolkit.lease import watch_lease
+    from toolkit.core.lease import watch_lease
 
     rd = RunDir(tmp_path)
     atomic_write(rd.lease, json.dumps(LeaseRecord(epoch=3, seq=7, renewed_at=time.time() - 600).__dict__))
@@ -428,7 +428,7 @@ def test_a_component_of_a_dead_launch_does_not_start(tmp_path: Path, monkeypatch
     import logging
 
     from toolkit.config import save_run_config
-    from toolkit.entry import enter_component
+    from toolkit.config.entry import enter_component
 
     save_run_config(compose_config([]), rd.config)
     handlers, sigterm = list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import launch
 from toolkit import samples as api
-from toolkit.rollout.tokenizer import ByteTokenizer
+from toolkit.model.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent

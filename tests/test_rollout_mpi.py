@@ -17,11 +17,11 @@ from tests.conftest import compose_config, wait_for
 from toolkit import samples as api
 from toolkit.cluster.local import find_mpiexec
 from toolkit.config import save_run_config
-from toolkit.lifecycle import read_pidfiles
-from toolkit.rollout.tokenizer import ByteTokenizer
-from toolkit.rundir import RunDir, read_json
-from toolkit.stack import LocalStack
-from toolkit.validation import validate
+from toolkit.core.lifecycle import read_pidfiles
+from toolkit.core.rundir import RunDir, read_json
+from toolkit.launch.stack import LocalStack
+from toolkit.launch.validation import validate
+from toolkit.model.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +98,7 @@ def test_one_rank_raising_ends_the_step_on_every_rank(stack: LocalStack, tmp_pat
 def test_shards_with_decoded_responses(stack: LocalStack, tmp_path: Path, n: int) -> None:
     rd = run_dir(tmp_path / "run", [f"ranks={n}", "steps=2", "sessions_per_step=10", f"job=shards{n}",
                                     "rollout.output=shards", "rollout.decode_responses=true",
-                                    "+workload.tokenizer._target_=toolkit.rollout.tokenizer.ByteTokenizer"], stack)
+                                    "+workload.tokenizer._target_=toolkit.model.tokenizer.ByteTokenizer"], stack)
     code, out = ranks(rd, n)
     assert code == 0, out
     assert api.steps(rd.root) == [0, 1]

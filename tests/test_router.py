@@ -13,7 +13,7 @@ import zmq
 
 from tests.conftest import wait_for, with_client
 from toolkit.client import RouterClient, router_status
-from toolkit.protocol import Generate, Sampling
+from toolkit.core.protocol import Generate, Sampling
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2", "router.missed_heartbeats=5"]
 
@@ -284,7 +284,7 @@ def test_jobs_take_turns_on_a_busy_replica(make_run) -> None:  # type: ignore[no
 
 
 def test_a_closed_client_says_so_and_closing_never_hides_the_error_being_handled(make_run) -> None:  # type: ignore[no-untyped-def]
-    from toolkit.errors import RouterUnavailable
+    from toolkit.core.errors import RouterUnavailable
 
     cfg, rd, stack = make_run([])
     stack.start(timeout_s=30)
@@ -311,7 +311,7 @@ def test_a_router_address_file_that_cannot_be_read_leaves_the_link_where_it_is(t
     """RouterLink.follow runs in the task that reads the socket: if it raised, nothing would read it."""
     import zmq.asyncio
 
-    from toolkit.sockets import RouterLink
+    from toolkit.core.sockets import RouterLink
 
     async def main() -> list[bool]:
         ctx = zmq.asyncio.Context()

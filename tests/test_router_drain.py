@@ -17,15 +17,15 @@ import pytest
 import zmq
 
 from tests.conftest import compose_config, wait_for, with_client
-from toolkit import protocol as P
 from toolkit.client import RouterClient, router_status, send_drain
 from toolkit.config import Config
+from toolkit.core import protocol as P
+from toolkit.core.protocol import Generate, Sampling
+from toolkit.core.rundir import RunDir
 from toolkit.engine.sim import plan_output
-from toolkit.protocol import Generate, Sampling
-from toolkit.rollout.stepreport import RequestLog
+from toolkit.launch.validation import validate
 from toolkit.router.server import Router
-from toolkit.rundir import RunDir
-from toolkit.validation import validate
+from toolkit.session.requests import RequestLog
 
 FAST = ["router.heartbeat_s=0.2", "router.missed_heartbeats=5"]
 # Every request runs its whole budget (a huge median length), spread evenly over the replicas.

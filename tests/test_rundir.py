@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.rundir import RunDir, atomic_write, read_json
+from toolkit.core.rundir import RunDir, atomic_write, read_json
 
 
 def test_read_json_retries_a_half_written_file(tmp_path: Path) -> None:
@@ -35,7 +35,7 @@ def test_read_json_absent_is_none_and_atomic_write_leaves_no_temp(tmp_path: Path
 
 def test_file_writer_never_blocks_its_caller_and_keeps_the_latest_content_in_order(tmp_path: Path,
                                                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import toolkit.rundir as rundir
+    import toolkit.core.rundir as rundir
 
     release = threading.Event()
     started = threading.Event()
@@ -71,7 +71,7 @@ def test_file_writer_never_blocks_its_caller_and_keeps_the_latest_content_in_ord
 
 
 def test_file_writer_logs_a_failed_write_and_goes_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    from toolkit.rundir import FileWriter
+    from toolkit.core.rundir import FileWriter
 
     (tmp_path / "file").write_text("")
     bad = tmp_path / "file" / "x.json"
@@ -92,8 +92,8 @@ def test_file_writer_logs_a_failed_write_and_goes_on(tmp_path: Path, caplog) -> 
 
 def test_a_torn_run_config_is_refused_not_read_as_defaults(tmp_path: Path) -> None:
     from toolkit.config import compose_config, load_run_config, save_run_config
-    from toolkit.errors import ToolkitError
-    from toolkit.rundir import RunDir
+    from toolkit.core.errors import ToolkitError
+    from toolkit.core.rundir import RunDir
 
     rd = RunDir(tmp_path)
     cfg = compose_config(["steps=7"])
@@ -113,7 +113,7 @@ def test_a_torn_run_config_is_refused_not_read_as_defaults(tmp_path: Path) -> No
 
 
 def test_clear_steps_from_reads_step_numbers_of_any_width(tmp_path: Path) -> None:
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
 
     rd = RunDir(tmp_path)
     rd.steps.mkdir(parents=True)
@@ -129,7 +129,7 @@ def test_launch_follows_a_router_that_moved_on_its_own(tmp_path: Path) -> None:
     """A router Slurm requeued (preemption) comes back on new ports and writes its new address; launch,
     which did not restart it, finds it there once the old address stops answering."""
     from toolkit.config import compose_config
-    from toolkit.run import Run
+    from toolkit.launch.run import Run
 
     rd = RunDir(tmp_path / "run")
     rd.make()

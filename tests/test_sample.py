@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit import samples as api
-from toolkit.protocol import Result, join_versions
-from toolkit.rollout.columns import ColumnBuilder, final_rows, pack, to_table, write_parquet
-from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
-from toolkit.rollout.tokenizer import ByteTokenizer
+from toolkit.core.protocol import Result, join_versions
+from toolkit.model.tokenizer import ByteTokenizer
+from toolkit.session.columns import ColumnBuilder, final_rows, pack, to_table, write_parquet
+from toolkit.session.sample import NonPrefixTurn, Sample, merge
 
 tokens = st.lists(st.integers(1, 30000), min_size=0, max_size=40)
 
@@ -242,7 +242,7 @@ def test_a_merged_sample_round_trips_through_parquet(tmp_path_factory, case, dec
 
 
 def test_write_parquet_sorts_by_index_one_row_group_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import toolkit.rollout.columns as columns
+    import toolkit.session.columns as columns
 
     monkeypatch.setattr(columns, "ROW_GROUP_TOKENS", 20)  # a few rows per group
     batch = [build(i, [1 + i] * (3 + i % 4), [([7] * (1 + i % 3), [8])]) for i in range(30)]

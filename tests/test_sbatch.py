@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.cluster.allocation import mem_mb, plan_allocation
-from toolkit.cluster.sbatch import SLURM_DIR, TEMPLATES, compose, render_sbatch, render_template
+from toolkit.cluster.sbatch import render_sbatch
+from toolkit.launch.sbatch import SLURM_DIR, TEMPLATES, compose, render_template
 
 DATA = Path(__file__).resolve().parent / "data" / "sbatch"
 # Regenerate the stored files after a deliberate change: TOOLKIT_UPDATE_STORED=1 pytest tests/test_sbatch.py

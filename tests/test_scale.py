@@ -1,4 +1,4 @@
-"""Elastic groups: ``python -m toolkit.scale`` on a running run (real launch, router, sim replicas)."""
+"""Elastic groups: ``python -m toolkit.launch.scale`` on a running run (real launch, router, sim replicas)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from tests.conftest import finish, start_launch, wait_for
 from tests.test_launch import assert_no_process_left, check_outputs
 from toolkit.cluster import Cluster, Component
 from toolkit.config import compose_config, save_run_config
-from toolkit.errors import ConfigError, ToolkitError
-from toolkit.rundir import RunDir
-from toolkit.scale import _parse, request, settled
+from toolkit.core.errors import ConfigError, ToolkitError
+from toolkit.core.rundir import RunDir
+from toolkit.launch.scale import _parse, request, settled
 
 
 def _scale(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "toolkit.scale", str(run), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "toolkit.launch.scale", str(run), *args], capture_output=True, text=True,
                           timeout=150)
 
 
@@ -122,10 +122,10 @@ class _Allocation(Cluster):
 
 def test_an_allocation_reuses_a_slot_only_once_its_draining_replica_left(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from toolkit import replicas as replicas_mod
-    from toolkit.lifecycle import ProcessRef
-    from toolkit.replicas import ReplicaSet
-    from toolkit.rundir import atomic_write
+    from toolkit.core.lifecycle import ProcessRef
+    from toolkit.core.rundir import atomic_write
+    from toolkit.launch import replicas as replicas_mod
+    from toolkit.launch.replicas import ReplicaSet
 
     drains: list[list[str]] = []
     monkeypatch.setattr(replicas_mod, "send_drain", lambda addr, names, migrate, **kw: drains.append(names))

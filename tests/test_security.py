@@ -11,11 +11,11 @@ from pathlib import Path
 import zmq
 
 from tests.conftest import wait_for
-from toolkit import protocol as P
 from toolkit.client import RouterClient, router_status
-from toolkit.rundir import read_json
-from toolkit.security import ClientCurve, client_curve, gateway_token, generate_keys, keys_dir
-from toolkit.sockets import make_socket
+from toolkit.core import protocol as P
+from toolkit.core.rundir import read_json
+from toolkit.core.security import ClientCurve, client_curve, gateway_token, generate_keys, keys_dir
+from toolkit.core.sockets import make_socket
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2", "router.curve=true", "groups=single"]
 

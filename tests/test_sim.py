@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from toolkit.config import SimEngineConfig
+from toolkit.core.protocol import Generate, Sampling
 from toolkit.engine.sim import PrefixCache, SimEngine, plan_output
-from toolkit.protocol import Generate, Sampling
 
 
 def gen(rid: str, prompt: list[int], max_tokens: int = 64, seed: int | None = None) -> Generate:

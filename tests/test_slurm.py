@@ -28,7 +28,7 @@ import pytest
 from tests.conftest import finish, launch, lose_node_rank, start_launch, wait_for
 from tests.test_launch import assert_no_process_left, check_outputs
 from toolkit.cluster.storage import check_shared
-from toolkit.lifecycle import read_pidfiles
+from toolkit.core.lifecycle import read_pidfiles
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -162,7 +162,7 @@ def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, s
 
 
 def test_killing_a_replica_job_mid_step_loses_no_session(run: tuple[Path, str]) -> None:
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
     from toolkit.weights import publish
 
     d, job = run

@@ -14,14 +14,14 @@ from toolkit.cluster.storage import mount_of, node_local_reason
 from toolkit.config import (
     ConfigError,
     SlurmClusterConfig,
+    curve_enabled,
     load_run_config,
     replica_nodes,
     replica_resources,
     save_run_config,
 )
-from toolkit.security import curve_enabled
-from toolkit.sockets import advertised, bind_host
-from toolkit.validation import validate
+from toolkit.core.sockets import advertised, bind_host
+from toolkit.launch.validation import validate
 
 MOUNTS = """\
 /dev/vda / ext4 rw,relatime 0 0
@@ -151,8 +151,8 @@ def test_a_replica_shape_that_does_not_divide_the_nodes_is_a_setup_error() -> No
 def test_a_group_on_its_own_preemptible_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from toolkit import cluster as cluster_pkg
     from toolkit.cluster import slurm as slurm_mod
-    from toolkit.lifecycle import ProcessRef
-    from toolkit.rundir import RunDir
+    from toolkit.core.lifecycle import ProcessRef
+    from toolkit.core.rundir import RunDir
 
     cfg = compose_config(["cluster=slurm", "cluster.partition=gpu", "+cluster.group_resources.tail.partition=spot",
                           "+cluster.group_resources.tail.requeue=false"])
@@ -193,7 +193,7 @@ def test_submitting_hides_the_job_it_runs_in_but_keeps_the_users_sbatch_settings
 
 
 class FakeSlurm:
-    """squeue/sacct/scancel answers for toolkit.cluster.slurmctl, set per test step."""
+    """squeue/sacct/scancel answers for toolkit.core.slurmctl, set per test step."""
 
     def __init__(self) -> None:
         self.squeue: str | None = ""  # None: the controller does not answer (a timeout)
@@ -224,7 +224,7 @@ class FakeSlurm:
 
 @pytest.fixture
 def slurm(monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
-    import toolkit.cluster.slurmctl as ctl
+    import toolkit.core.slurmctl as ctl
 
     fake = FakeSlurm()
     monkeypatch.setattr(ctl.subprocess, "run", fake.run)
@@ -236,7 +236,7 @@ def test_a_controller_that_does_not_answer_changes_no_jobs_state(slurm: FakeSlur
     """A squeue past its timeout, or failing, is a hiccup: a running job stays running (it used to be
     UNKNOWN, which counted as pending, and ended a healthy run as 'did not start'), and a job that
     finished stays finished once squeue forgets it, where there is no accounting."""
-    from toolkit.cluster.slurmctl import JobStates
+    from toolkit.core.slurmctl import JobStates
 
     states = JobStates(poll_s=0)
     for job in ("1", "2", "3"):
@@ -261,7 +261,7 @@ def test_a_controller_that_does_not_answer_changes_no_jobs_state(slurm: FakeSlur
 def test_a_slow_controller_is_asked_once_a_poll_for_every_job(slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
     """squeue and sacct taking longer than ``poll_s`` (a loaded slurmctld) must not make every job's
     look-up query them again: a pass over the run's jobs costs one squeue, not one per job."""
-    import toolkit.cluster.slurmctl as ctl
+    import toolkit.core.slurmctl as ctl
 
     clock = [100.0]
     monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
@@ -281,7 +281,7 @@ def test_a_requeue_the_controller_answered_late_is_not_asked_again(slurm: FakeSl
     restart count tells; a requeue that was not done is asked again, and a refusal is the answer."""
     import subprocess
 
-    import toolkit.cluster.slurmctl as ctl
+    import toolkit.core.slurmctl as ctl
 
     monkeypatch.setattr(ctl.time, "sleep", lambda s: None)
     restarts, asked = [2], []
@@ -313,7 +313,7 @@ def test_a_requeue_the_controller_answered_late_is_not_asked_again(slurm: FakeSl
 
 def test_teardown_never_takes_a_failed_squeue_for_jobs_gone_and_cancels_again(slurm: FakeSlurm,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import toolkit.cluster.slurmctl as ctl
+    import toolkit.core.slurmctl as ctl
 
     clock = [0.0]
     monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])
@@ -333,7 +333,7 @@ def test_ranks_that_slurm_ended_interrupt_the_run_rather_than_fail_it(slurm: Fak
     from types import SimpleNamespace
 
     from toolkit.cluster.slurm import SlurmJobComponent
-    from toolkit.cluster.slurmctl import JobStates
+    from toolkit.core.slurmctl import JobStates
 
     states = JobStates(poll_s=0)
     ranks = SlurmJobComponent("ranks", SimpleNamespace(job_id="5"), states)
@@ -348,7 +348,7 @@ def test_ranks_that_slurm_ended_interrupt_the_run_rather_than_fail_it(slurm: Fak
 def test_a_signal_grace_the_time_limit_cannot_hold_is_a_setup_error() -> None:
     """``--signal=B:USR1@N`` with N at or past the job's limit signals at the start (an endless requeue);
     sbatch refuses N above 65535."""
-    from toolkit.errors import ConfigError
+    from toolkit.core.errors import ConfigError
 
     for over in (["cluster.job_timeout_min=2", "cluster.signal_grace_s=180"], ["cluster.signal_grace_s=70000"]):
         with pytest.raises(ConfigError, match=r"cluster.signal_grace_s = \d+: below cluster.job_timeout_min"):
@@ -361,8 +361,8 @@ def test_a_signal_grace_the_time_limit_cannot_hold_is_a_setup_error() -> None:
 def test_a_resume_forgets_the_earlier_launches_job_ids_once_they_are_gone(slurm: FakeSlurm, tmp_path: Path) -> None:
     """Slurm reuses job ids (a wrap, a wiped state): ids kept forever would have a later resume cancel
     someone else's job."""
-    from toolkit.resume import cancel_leftovers
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
+    from toolkit.launch.resume import cancel_leftovers
 
     rd = RunDir(tmp_path / "run")
     rd.make()
@@ -383,9 +383,9 @@ def test_ranks_that_cannot_be_stopped_are_reported_not_doubled(slurm: FakeSlurm,
     write the same steps beside them."""
     from types import SimpleNamespace
 
-    import toolkit.cluster.slurmctl as ctl
+    import toolkit.core.slurmctl as ctl
     from toolkit.cluster.slurm import SlurmJobComponent
-    from toolkit.cluster.slurmctl import JobStates
+    from toolkit.core.slurmctl import JobStates
 
     clock = [100.0]  # the time module's own clock and sleep (Component.stop's waits)
     monkeypatch.setattr(ctl.time, "monotonic", lambda: clock[0])

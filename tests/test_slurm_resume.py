@@ -137,14 +137,14 @@ def test_scaling_and_a_preempted_replica_lose_and_duplicate_no_session(slurm_run
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=40", "router.heartbeat_s=0.2"])
     try:
         wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
-        up = subprocess.run([sys.executable, "-m", "toolkit.scale", str(r), "throughput=3", "--wait", "180"],
+        up = subprocess.run([sys.executable, "-m", "toolkit.launch.scale", str(r), "throughput=3", "--wait", "180"],
                             capture_output=True, text=True, timeout=200)
         assert up.returncode == 0, up.stdout + up.stderr
         # Slurm preempts (requeues) a replica mid-step: the step goes on with the others.
         victim = job_id(job, "replica-throughput", array_index=1)
         subprocess.run(["scontrol", "requeue", victim], check=True, timeout=30)
         wait_for(lambda: any(e["kind"] == "replica_preempted" for e in _events(r)), 60, "the preemption to be seen")
-        down = subprocess.run([sys.executable, "-m", "toolkit.scale", str(r), "throughput=2"], capture_output=True,
+        down = subprocess.run([sys.executable, "-m", "toolkit.launch.scale", str(r), "throughput=2"], capture_output=True,
                               text=True, timeout=60)
         assert down.returncode == 0, down.stdout + down.stderr
         wait_for(lambda: any(e["kind"] == "replica_removed" for e in _events(r)), 120, "throughput-2 to leave")
@@ -166,9 +166,9 @@ def test_a_requeue_that_slurm_refuses_ends_the_trainers_wait(tmp_path: Path, mon
 
     from rich.console import Console
 
-    from toolkit import launch as launch_mod
     from toolkit.config import compose_config
-    from toolkit.rundir import RunDir, atomic_write
+    from toolkit.core.rundir import RunDir, atomic_write
+    from toolkit.launch import app as launch_mod
     from toolkit.samples import RunEnded, wait_step
 
     rd = RunDir(tmp_path)
@@ -191,8 +191,8 @@ def test_a_run_whose_job_slurm_requeued_is_waited_for_until_the_job_is_gone(tmp_
     """The launch of a preempted (requeued) job was stopped by Slurm's SIGTERM, so its report says
     interrupted with no requeue event of its own: while Slurm still queues the job, a trainer waits."""
     from toolkit import samples
-    from toolkit.cluster.slurmctl import scancel, wait_gone
-    from toolkit.rundir import RunDir, atomic_write
+    from toolkit.core.rundir import RunDir, atomic_write
+    from toolkit.core.slurmctl import scancel, wait_gone
     from toolkit.samples import RunEnded, StepTimeout, wait_step
 
     _, name = slurm_run

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import with_client
 from toolkit.client import RouterClient, router_status
-from toolkit.protocol import Generate, Sampling
+from toolkit.core.protocol import Generate, Sampling
 from toolkit.router.speed import ALPHA, SpeedMeter
 
 

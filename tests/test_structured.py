@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from toolkit.config import SimEngineConfig
+from toolkit.core.errors import ToolkitError
+from toolkit.core.protocol import Generate, Sampling, Structured
 from toolkit.engine.sim import SimEngine, plan_output
 from toolkit.engine.structured import instance_text, schema_instance
-from toolkit.errors import ToolkitError
-from toolkit.protocol import Generate, Sampling, Structured
-from toolkit.rollout.tokenizer import ByteTokenizer
+from toolkit.model.tokenizer import ByteTokenizer
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
         "required": ["city", "days"], "additionalProperties": False}
@@ -206,7 +206,7 @@ def test_sim_engine_structured_requests() -> None:
         assert (await bare.generate(Generate("b", prompt_token_ids=[1, 2]))).status == "ok"
         await bare.close()
 
-        spec = {"_target_": "toolkit.rollout.tokenizer.ByteTokenizer", "offset": 5}
+        spec = {"_target_": "toolkit.model.tokenizer.ByteTokenizer", "offset": 5}
         eng = SimEngine(SimEngineConfig(time_scale=0.01, tokenizer=spec))
         await eng.start()
         res = await eng.generate(sgen("c", CITY_S, seed=3))

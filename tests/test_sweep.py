@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import launch
-from toolkit.sweep import SUMMARY_FILE, collect, short_names, summary_table, write_summary
+from toolkit.report.sweep import SUMMARY_FILE, collect, short_names, summary_table, write_summary
 
 
 @pytest.mark.mpi
@@ -73,7 +73,7 @@ def test_a_sweep_whose_points_ran_elsewhere_exits_with_their_reports_worst(tmp_p
     (the others run on): the sweep's exit code comes from the reports the summary reads."""
     from omegaconf import OmegaConf
 
-    from toolkit import sweep
+    from toolkit.report.run_report import sweep
 
     monkeypatch.setattr(sweep, "SWEEP_EXIT", [0])
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})

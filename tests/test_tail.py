@@ -16,10 +16,10 @@ from hydra.errors import ConfigCompositionException
 from tests.conftest import compose_config, wait_for, with_client
 from toolkit.client import RouterClient
 from toolkit.config import ConfigError
+from toolkit.core.protocol import Generate, Sampling
 from toolkit.engine.sim import plan_output
-from toolkit.protocol import Generate, Sampling
+from toolkit.launch.validation import validate
 from toolkit.router.tail import flip_count
-from toolkit.validation import validate
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
 # The count flip alone (the seed's behaviour): every group serves a step until its flip.
@@ -304,8 +304,8 @@ def test_the_step_report_waits_for_a_flip_the_last_session_made(tmp_path: Path) 
     reads the sentinel afresh and waits for the router's write instead of missing the flip."""
     import threading
 
+    from toolkit.core.rundir import RunDir, atomic_write
     from toolkit.rollout.coordination import TailWatch
-    from toolkit.rundir import RunDir, atomic_write
 
     rd = RunDir(tmp_path)
     watch = TailWatch(rd, "j", "tail", enabled=True)

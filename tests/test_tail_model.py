@@ -12,8 +12,8 @@ import pytest
 
 from toolkit.bench import tail_model as tm
 from toolkit.config import group_engine
+from toolkit.core.rundir import RunDir
 from toolkit.engine.sim import step_seconds
-from toolkit.rundir import RunDir
 
 
 def test_a_session_alone_on_the_tail_replica_takes_its_critical_path_plus_the_prefill_it_pays() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from toolkit.config import compose_config
-from toolkit.protocol import Generate, Sampling
+from toolkit.core.protocol import Generate, Sampling
+from toolkit.core.rundir import FileWriter, RunDir
 from toolkit.router.policy import ConsistentHash, Replica
 from toolkit.router.pool import BULK, ReplicaPool
 from toolkit.router.queue import Request
@@ -19,7 +20,6 @@ from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.predict import PredictPolicy
 from toolkit.router.tail.routing import TailRouting, reserved_group
-from toolkit.rundir import FileWriter, RunDir
 
 
 def tail_cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -319,7 +319,7 @@ def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
 
     import zmq
 
-    from toolkit import protocol as P
+    from toolkit.core import protocol as P
     from toolkit.router.server import Router
 
     cfg = compose_config(["tail.policy=age", "tail.long_tokens=10", "groups.tail.max_inflight=1",
@@ -356,7 +356,7 @@ def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_moved_request_waiting_for_room_expires_cleanly_and_frees_nothing_twice(tmp_path: Path) -> None:
-    from toolkit import protocol as P
+    from toolkit.core import protocol as P
 
     router, ctx, tp, tl = router_with_a_move(tmp_path)
     try:
@@ -389,7 +389,7 @@ def test_a_move_whose_replica_dies_gives_back_the_tail_room(tmp_path: Path) -> N
 
 
 def test_a_request_that_cannot_go_on_elsewhere_never_moves(tmp_path: Path, files: FileWriter) -> None:
-    from toolkit.protocol import Structured
+    from toolkit.core.protocol import Structured
 
     f = Fleet(tmp_path, files, "tail.policy=age", "tail.long_tokens=10")
     a = f.tp[0]
@@ -408,7 +408,7 @@ def test_a_request_that_cannot_go_on_elsewhere_never_moves(tmp_path: Path, files
 
 
 def test_a_move_whose_abort_came_after_the_last_token_ends_ok_as_a_finished_turn(tmp_path: Path) -> None:
-    from toolkit import protocol as P
+    from toolkit.core import protocol as P
 
     router, ctx, tp, tl = router_with_a_move(tmp_path)
     try:
@@ -495,7 +495,7 @@ def test_a_continuation_brings_its_whole_context_as_kv_only_with_tail_move_kv(
     from collections import Counter
 
     from toolkit.config import moves_carry_kv
-    from toolkit.protocol import Result
+    from toolkit.core.protocol import Result
     from toolkit.router.migration import MigrationMixin
     from toolkit.router.queue import FairQueue
     from toolkit.router.timeline import Timeline

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from toolkit.engine.tiny import SPECIAL_TOKENS, VOCAB, ensure_tiny_tokenizer  # noqa: E402
 from toolkit.gateway.toolcalls import get_parser  # noqa: E402
+from toolkit.model.tiny import SPECIAL_TOKENS, VOCAB, ensure_tiny_tokenizer  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -125,7 +125,7 @@ def test_tokenizer_only_needs_no_torch(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from toolkit.engine.tiny import ensure_tiny_tokenizer; "
+    code = ("import sys; from toolkit.model.tiny import ensure_tiny_tokenizer; "
             f"ensure_tiny_tokenizer({str(tmp_path)!r}); assert 'torch' not in sys.modules, 'torch imported'")
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)

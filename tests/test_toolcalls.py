@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 from toolkit.gateway.toolcalls import PARSERS, get_parser, parse_constrained_call, tool_call_schema
 from toolkit.gateway.types import GatewayError
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_config, launch
-from toolkit.errors import ConfigError
-from toolkit.rundir import RunDir
-from toolkit.trackers import Tracker, Trackers, flatten
-from toolkit.validation import validate
+from toolkit.core.errors import ConfigError
+from toolkit.core.rundir import RunDir
+from toolkit.launch.validation import validate
+from toolkit.report.trackers import Tracker, Trackers, flatten
 
 
 def test_a_step_report_flattens_to_its_numbers() -> None:
@@ -24,7 +24,7 @@ def test_a_step_report_flattens_to_its_numbers() -> None:
 
 
 def test_unknown_trackers_and_missing_libraries_fail_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("toolkit.trackers.PACKAGES", {"wandb": ("no_such_module_here", "wandb")})
+    monkeypatch.setattr("toolkit.report.trackers.PACKAGES", {"wandb": ("no_such_module_here", "wandb")})
     with pytest.raises(ConfigError) as info:
         validate(compose_config(["report.trackers=[wandb,mlflow,wandb]", "report.wandb_mode=maybe"]))
     text = str(info.value)

@@ -21,14 +21,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import finish, ranks_started, start_launch, wait_for, with_client
-from toolkit import protocol as P
 from toolkit import samples
 from toolkit.client import RouterClient, router_status
 from toolkit.config import compose_config
+from toolkit.core import protocol as P
+from toolkit.core.rundir import RunDir
 from toolkit.engine.base import Engine, EngineInfo, EngineStats
 from toolkit.engine.replica import ReplicaServer
-from toolkit.rundir import RunDir
-from toolkit.validation import validate
+from toolkit.launch.validation import validate
 from toolkit.weights import publish
 
 # Every request runs to its budget (lognormal lengths far above it), at >= 10 ms per engine step.

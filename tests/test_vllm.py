@@ -34,12 +34,12 @@ import pyarrow.parquet as pq  # noqa: E402
 import zmq  # noqa: E402
 
 from tests.conftest import compose_config, launch, wait_for  # noqa: E402
-from toolkit import protocol as P  # noqa: E402
 from toolkit.client import RouterClient, WeightsUpdateFailed  # noqa: E402
-from toolkit.lifecycle import read_pidfiles  # noqa: E402
-from toolkit.rundir import RunDir, atomic_write  # noqa: E402
-from toolkit.stack import LocalStack  # noqa: E402
-from toolkit.validation import validate  # noqa: E402
+from toolkit.core import protocol as P  # noqa: E402
+from toolkit.core.lifecycle import read_pidfiles  # noqa: E402
+from toolkit.core.rundir import RunDir, atomic_write  # noqa: E402
+from toolkit.launch.stack import LocalStack  # noqa: E402
+from toolkit.launch.validation import validate  # noqa: E402
 from toolkit.weights import publish  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -50,7 +50,7 @@ PROMPT = [(7 * i) % 500 + 3 for i in range(70)]  # 70 tokens: two full 32-token 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny model as ``model=tiny`` builds it (into ``cache``), another checkpoint, a LoRA adapter."""
-    from toolkit.engine.tiny import build_all, ensure_tiny
+    from toolkit.model.tiny import build_all, ensure_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     built = build_all(root / "models")

@@ -7,12 +7,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_config
-from toolkit.config import ConfigError, VllmEngineConfig, group_engine
-from toolkit.engine.base import ENGINES
+from toolkit.config import ENGINES, ConfigError, VllmEngineConfig, group_engine
 from toolkit.engine.vllm import VllmEngine
 from toolkit.engine.vllm_lora import adapter_present
 from toolkit.engine.vllm_setup import cpu_thread_binding
-from toolkit.validation import validate
+from toolkit.launch.validation import validate
 
 
 def test_model_tiny_picks_vllm_and_fits_the_rollout_into_the_model() -> None:

@@ -16,8 +16,8 @@ from tests.test_vllm import models, routed  # noqa: F401  (fixtures)
 from toolkit.bench.gateway import RecordingClient
 from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import Gateway, Settings
-from toolkit.rollout.stepreport import RequestLog
-from toolkit.stack import LocalStack
+from toolkit.launch.stack import LocalStack
+from toolkit.session.requests import RequestLog
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 openai = pytest.importorskip("openai")

@@ -13,9 +13,9 @@ import msgspec
 import pytest
 
 from tests.test_vllm import gen, models, routed, with_client  # noqa: F401  (fixtures: models, routed)
-from toolkit import protocol as P
 from toolkit.client import RouterClient
-from toolkit.stack import LocalStack
+from toolkit.core import protocol as P
+from toolkit.launch.stack import LocalStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

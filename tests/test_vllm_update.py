@@ -19,11 +19,11 @@ else:
     pytest.importorskip("vllm")
 
 from tests.conftest import compose_config, with_client  # noqa: E402
-from toolkit import protocol as P  # noqa: E402
 from toolkit.client import RouterClient, router_status  # noqa: E402
-from toolkit.lifecycle import read_pidfiles  # noqa: E402
-from toolkit.stack import LocalStack  # noqa: E402
-from toolkit.validation import validate  # noqa: E402
+from toolkit.core import protocol as P  # noqa: E402
+from toolkit.core.lifecycle import read_pidfiles  # noqa: E402
+from toolkit.launch.stack import LocalStack  # noqa: E402
+from toolkit.launch.validation import validate  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,7 +33,7 @@ PROMPTS = [[(7 * i + k) % 500 + 3 for i in range(40)] for k in range(6)]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from toolkit.engine.tiny import build_all
+    from toolkit.model.tiny import build_all
 
     root = tmp_path_factory.mktemp("tiny")
     models = build_all(root / "models")  # "ckpt": seed 1, the engine's model (model=tiny) is seed 0

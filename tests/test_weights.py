@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import launch, wait_for
-from toolkit import protocol as P
 from toolkit.client import RouterClient, router_status
-from toolkit.protocol import Generate, Sampling
+from toolkit.core import protocol as P
+from toolkit.core.protocol import Generate, Sampling
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
 
@@ -131,7 +131,7 @@ def fake_router(tmp_path: Path, overrides: tuple[str, ...] = ("router.heartbeat_
     """A router in this process, one ready fake replica and a raw client socket."""
     from tests.test_router_drain import FakeReplica, RouterThread
     from toolkit.config import compose_config
-    from toolkit.validation import validate
+    from toolkit.launch.validation import validate
 
     cfg = compose_config(["groups=single", *overrides])
     validate(cfg)
@@ -150,7 +150,7 @@ def fake_router(tmp_path: Path, overrides: tuple[str, ...] = ("router.heartbeat_
 @contextlib.contextmanager
 def one_replica(tmp_path: Path, monkeypatch, disk: Callable[[Path, bytes | str], None]):  # type: ignore[no-untyped-def]
     """:func:`fake_router` whose ``atomic_write`` is ``disk``."""
-    import toolkit.rundir as rundir
+    import toolkit.core.rundir as rundir
 
     monkeypatch.setattr(rundir, "atomic_write", disk)
     with fake_router(tmp_path) as (_, replica, client):
@@ -186,7 +186,7 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
 @contextlib.contextmanager
 def weights_record_hung(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped-def]
     """:func:`one_replica` whose router's write of ``weights.json`` hangs until the event it yields is set."""
-    import toolkit.rundir as rundir
+    import toolkit.core.rundir as rundir
 
     release = threading.Event()
     real = rundir.atomic_write
@@ -207,7 +207,7 @@ def weights_record_hung(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped
 def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A failed write of ``weights.json`` (a full disk) is the client's error, naming the file; updating
     again writes it again."""
-    import toolkit.rundir as rundir
+    import toolkit.core.rundir as rundir
     from tests.test_router_drain import recv
 
     full = [True]
@@ -266,7 +266,7 @@ def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path:
     """A replica that never acknowledges (a hung file system under its checkpoint) ends the update after
     ``rollout.load_timeout_s`` with an error that names it; status lists it while it loads."""
     from toolkit.client import WeightsUpdateFailed
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
 
     with fake_router(tmp_path) as (rt, replica, client):
 
@@ -291,7 +291,7 @@ def test_a_load_past_its_bound_fails_naming_the_replicas_still_loading(tmp_path:
 def test_a_load_whose_record_hangs_says_so(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Every replica loaded the weights, but the router's write of weights.json hangs (the shared file
     system under the run dir): the timeout says that, rather than 'still loading: none'."""
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
 
     with weights_record_hung(tmp_path, monkeypatch) as (replica, _, _):
 
@@ -400,8 +400,8 @@ def restarted_router(tmp_path: Path, recorded: dict[str, Any]):  # type: ignore[
     restarted router of the run is; yields it and the run dir."""
     from tests.test_router_drain import RouterThread
     from toolkit.config import compose_config
-    from toolkit.rundir import RunDir
-    from toolkit.validation import validate
+    from toolkit.core.rundir import RunDir
+    from toolkit.launch.validation import validate
 
     cfg = compose_config(["groups=single", "router.heartbeat_s=5"])
     validate(cfg)

@@ -14,11 +14,11 @@ import time
 import zmq
 import zmq.asyncio
 
-from toolkit import protocol as P
-from toolkit.errors import RouterUnavailable, ToolkitError
-from toolkit.rundir import RunDir
-from toolkit.security import ClientCurve, client_curve
-from toolkit.sockets import RouterLink, make_socket
+from toolkit.core import protocol as P
+from toolkit.core.errors import RouterUnavailable, ToolkitError
+from toolkit.core.rundir import RunDir
+from toolkit.core.security import ClientCurve, client_curve
+from toolkit.core.sockets import RouterLink, make_socket
 
 logger = logging.getLogger(__name__)
 

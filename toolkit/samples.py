@@ -32,13 +32,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from toolkit.errors import ToolkitError
-from toolkit.rollout.columns import pack
-from toolkit.rollout.columns import to_table as _to_table
-from toolkit.rollout.columns import write_parquet as _write_parquet
-from toolkit.rollout.sample import NonPrefixTurn, Sample, merge
-from toolkit.rollout.tokenizer import Tokenizer
-from toolkit.rundir import RunDir, read_json
+from toolkit.core.errors import ToolkitError
+from toolkit.core.rundir import RunDir, read_json
+from toolkit.model.tokenizer import Tokenizer
+from toolkit.session.columns import pack
+from toolkit.session.columns import to_table as _to_table
+from toolkit.session.columns import write_parquet as _write_parquet
+from toolkit.session.sample import NonPrefixTurn, Sample, merge
 
 __all__ = ["NonPrefixTurn", "RunEnded", "Sample", "StepTimeout", "StepUnavailable", "from_row", "iter_samples",
            "merge", "merge_all", "read_step", "step_files", "steps", "to_samples", "to_table", "wait_step",
@@ -131,7 +131,7 @@ def _slurm_job_queued(job: str) -> bool:
         return queued
     if shutil.which("squeue") is None:
         return False
-    from toolkit.cluster.slurmctl import queued_states
+    from toolkit.core.slurmctl import queued_states
 
     listed = queued_states({job})
     queued = listed is None or job in listed  # squeue failed: nothing says the run is over

@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkit.errors import ToolkitError
-from toolkit.rundir import atomic_write
+from toolkit.core.errors import ToolkitError
+from toolkit.core.rundir import atomic_write
 
 __all__ = ["MARKER", "CheckpointExists", "WeightsTimeout", "checkpoint_dir", "latest", "publish", "published",
            "versions", "wait_for_version"]

@@ -19,8 +19,8 @@ from typing import Any
 
 from toolkit.client import RouterClient
 from toolkit.config import Config, GroupConfig, RouterConfig, SimEngineConfig
-from toolkit.protocol import Generate, Sampling
-from toolkit.stack import LocalStack
+from toolkit.core.protocol import Generate, Sampling
+from toolkit.launch.stack import LocalStack
 
 PROMPT = 64
 MAX_TOKENS = 128

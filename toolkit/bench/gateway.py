@@ -45,10 +45,10 @@ import numpy as np
 
 from toolkit.client import RouterClient
 from toolkit.config import compose_config, group_engine
-from toolkit.lifecycle import quiet_gc
-from toolkit.protocol import Generate, Result, Route
-from toolkit.stack import LocalStack
-from toolkit.validation import validate
+from toolkit.core.lifecycle import quiet_gc
+from toolkit.core.protocol import Generate, Result, Route
+from toolkit.launch.stack import LocalStack
+from toolkit.launch.validation import validate
 
 SESSIONS_PER_RANK = 256
 RANKS = 2
@@ -101,10 +101,11 @@ async def _gateway_rank(run_dir: Path, rank: int, n: int, harness: str, tool_s: 
     import openai
 
     from toolkit.config import load_run_config
-    from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
+    from toolkit.core.rundir import RunDir
+    from toolkit.gateway.chat import ChatTokenizer
     from toolkit.gateway.server import Gateway, gateway_settings
-    from toolkit.rollout.stepreport import RequestLog
-    from toolkit.rundir import RunDir
+    from toolkit.model.tokenizer import chat_tokenizer_dir
+    from toolkit.session.requests import RequestLog
 
     rd = RunDir(run_dir)
     cfg = load_run_config(run_dir)
@@ -188,8 +189,8 @@ async def _gateway_rank(run_dir: Path, rank: int, n: int, harness: str, tool_s: 
 async def _direct_rank(run_dir: Path, rank: int, replay: list[list[tuple[list[int], int]]],
                        tool_s: float) -> dict[str, Any]:
     from toolkit.config import load_run_config
-    from toolkit.protocol import Sampling, Structured
-    from toolkit.rundir import RunDir
+    from toolkit.core.protocol import Sampling, Structured
+    from toolkit.core.rundir import RunDir
 
     cfg = load_run_config(run_dir)
     client = RouterClient(RunDir(run_dir))
@@ -241,7 +242,7 @@ def _unloaded(pool: Any, run_dir: Path, sessions: int) -> dict[str, Any]:
 async def _cold_caches(run_dir: Path) -> None:
     """Every arm starts with empty prefix caches (a weight update empties them): the arms replay the
     same prompts, and a later arm must not find the earlier one's prefixes cached."""
-    from toolkit.rundir import RunDir
+    from toolkit.core.rundir import RunDir
 
     client = RouterClient(RunDir(run_dir))
     await client.connect(30)

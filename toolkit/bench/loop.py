@@ -26,14 +26,14 @@ from typing import Any
 from rich.console import Console
 
 from toolkit.config import compose_config
-from toolkit.rundir import RunDir, read_json
+from toolkit.core.rundir import RunDir, read_json
+from toolkit.launch.validation import validate
 from toolkit.samples import read_step, wait_step
-from toolkit.validation import validate
 from toolkit.weights import publish
 
 
 def _rollout(overrides: list[str], run: Path) -> None:
-    from toolkit.launch import run as launch_run
+    from toolkit.launch.app import run as launch_run
 
     cfg = compose_config(overrides)
     validate(cfg)

@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from toolkit.protocol import Result
-from toolkit.rollout.columns import ColumnBuilder, gather_columns, to_table, write_parquet
-from toolkit.rollout.sample import Sample
+from toolkit.core.protocol import Result
+from toolkit.session.columns import ColumnBuilder, gather_columns, to_table, write_parquet
+from toolkit.session.sample import Sample
 
 RANKS = 4
 SESSIONS_PER_RANK = 1600

@@ -36,10 +36,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from toolkit import protocol as P
 from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
-from toolkit.sockets import make_socket
-from toolkit.stack import LocalStack
+from toolkit.core import protocol as P
+from toolkit.core.sockets import make_socket
+from toolkit.launch.stack import LocalStack
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 16
@@ -276,8 +276,8 @@ def throughput(n: int, window: int, replicas: int, rounds: int) -> tuple[float, 
 def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000, jobs: int = 8,
                   policy: str = "consistent_hash") -> tuple[float, float]:
     """p50 and p99 of one dispatch decision, in microseconds."""
+    from toolkit.core.rundir import RunDir
     from toolkit.router.server import Router
-    from toolkit.rundir import RunDir
 
     max_inflight = 4
     cfg = bench_config(replicas, max_inflight, policy)

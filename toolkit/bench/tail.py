@@ -77,9 +77,9 @@ import numpy as np
 from rich.console import Console
 
 from toolkit.config import Config, compose_config
+from toolkit.core.rundir import RunDir
+from toolkit.launch.validation import validate
 from toolkit.router.tail import flip_count
-from toolkit.rundir import RunDir
-from toolkit.validation import validate
 
 THRESHOLD = 0.95
 SESSIONS = 128
@@ -111,7 +111,7 @@ def _config(overrides: list[str]) -> Config:
 
 
 def _arm(name: str, overrides: list[str], root: Path) -> list[dict[str, Any]]:
-    from toolkit.launch import run
+    from toolkit.launch.app import run
 
     cfg = _config(overrides)
     run(cfg, RunDir(root / name), Console(quiet=True))

@@ -75,7 +75,7 @@ import pyarrow.parquet as pq
 from toolkit.bench.tail import ARMS, SESSIONS
 from toolkit.bench.tail_events import LINK_BYTES_PER_S, Design, Step, workload
 from toolkit.config import Config, compose_config
-from toolkit.rundir import RunDir
+from toolkit.core.rundir import RunDir
 
 __all__ = ["DESIGNS", "TWINS", "Design", "Step", "bench_config", "model_step", "run", "run_workload", "twin",
            "workload"]

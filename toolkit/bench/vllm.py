@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from toolkit.protocol import Generate, Result, Sampling
+from toolkit.core.protocol import Generate, Result, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ IDLE_S = 1.5  # vLLM's worker busy-polls its queue for 1 s after its last step
 def bench_config(cache_dir: str) -> Any:
     """``model=tiny`` as launch composes it, one group of one replica."""
     from toolkit.config import compose_config
-    from toolkit.validation import validate
+    from toolkit.launch.validation import validate
 
     cfg = compose_config(["model=tiny", "groups=single", "groups.throughput.replicas=1",
                           f"engine.cache_dir={cache_dir}"])
@@ -104,7 +104,7 @@ async def _compare(stack: Any, cfg: Any, batches: list[list[Generate]]) -> dict[
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from toolkit.stack import LocalStack
+    from toolkit.launch.stack import LocalStack
 
     n, prompt_tokens, max_tokens, rounds = (64, 64, 32, 1) if quick else (256, 64, 64, 5)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:

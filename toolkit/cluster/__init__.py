@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.cluster.base import CLUSTERS, Cluster, Component
-from toolkit.config import Config, SlurmClusterConfig
-from toolkit.errors import ConfigError, FieldError
-from toolkit.lifecycle import ProcessRef
-from toolkit.rundir import RunDir
+from toolkit.cluster.base import Cluster, Component
+from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
+from toolkit.core.errors import ConfigError, FieldError
+from toolkit.core.lifecycle import ProcessRef
+from toolkit.core.rundir import RunDir
 
 __all__ = ["Cluster", "Component", "make_cluster", "preflight"]
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 from toolkit.cluster.base import Cluster, Component
 from toolkit.cluster.local import ProcessGroupComponent
-from toolkit.cluster.slurmctl import hostnames, need, scancel, step_ids
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
-from toolkit.errors import ComponentFailed
-from toolkit.lifecycle import ProcessRef, popen_logged
-from toolkit.rundir import RunDir
+from toolkit.core.errors import ComponentFailed
+from toolkit.core.lifecycle import ProcessRef, popen_logged
+from toolkit.core.rundir import RunDir
+from toolkit.core.slurmctl import hostnames, need, scancel, step_ids
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class AllocationCluster(Cluster):
         self.plan = plan_allocation(cfg)
         if self.plan.nodes > len(self.hosts):
             raise ComponentFailed(f"the plan needs {self.plan.nodes} node(s) but the allocation has {len(self.hosts)} "
-                                  f"({nodelist}); render a script for this config: python -m toolkit.cluster.sbatch ...")
+                                  f"({nodelist}); render a script for this config: python -m toolkit.launch.sbatch ...")
         self.python = self.c.python or sys.executable
         from toolkit.cluster.slurm import cache_dir, cache_env
 

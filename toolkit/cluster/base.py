@@ -6,9 +6,8 @@ import logging
 from abc import ABC, abstractmethod
 
 from toolkit.config import Config
-from toolkit.lifecycle import ProcessRef, read_pidfiles, stop_processes, write_pidfile
-from toolkit.registry import Backend, Registry
-from toolkit.rundir import RunDir
+from toolkit.core.lifecycle import ProcessRef, read_pidfiles, stop_processes, write_pidfile
+from toolkit.core.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +116,3 @@ class Cluster(ABC):
         refs = [r for r in refs if r.pid != self.owner.pid]
         return stop_processes(refs, grace_s=2.0)
 
-
-CLUSTERS = Registry("cluster", {
-    "local": Backend("toolkit.config.backends:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
-    "slurm": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster"),
-    "allocation": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster"),
-})
-"""Cluster backends by ``cluster.type``."""

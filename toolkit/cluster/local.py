@@ -16,9 +16,9 @@ import submitit
 from toolkit import router
 from toolkit.cluster.base import Cluster, Component
 from toolkit.config import replica_nodes
+from toolkit.core.errors import ComponentFailed
+from toolkit.core.lifecycle import ProcessRef, popen_logged
 from toolkit.engine import replica
-from toolkit.errors import ComponentFailed
-from toolkit.lifecycle import ProcessRef, popen_logged
 
 
 def free_port() -> int:

@@ -4,39 +4,15 @@
 the overrides it was composed from. The allocation is sized from the same layout the backend uses
 (:func:`toolkit.cluster.allocation.plan_allocation`); inside it ``launch`` starts the router, the
 replicas and the ranks as srun steps. The scripts in ``slurm/`` are renderings of :data:`TEMPLATES`
-(a test keeps them equal)::
-
-    python -m toolkit.cluster.sbatch groups.throughput.replicas=8 > my.sbatch   # any config
-    python -m toolkit.cluster.sbatch --write-templates                          # refresh slurm/*.sbatch
-    sbatch slurm/rollout.sbatch steps=10 tail.threshold=0.9                     # run it
+(``toolkit/launch/sbatch.py``, which a test keeps equal to them).
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
-import sys
-from pathlib import Path
 
 from toolkit.cluster.allocation import Plan, plan_allocation
 from toolkit.config import Config, SlurmClusterConfig
-
-ROOT = Path(__file__).resolve().parents[2]
-SLURM_DIR = ROOT / "slurm"
-
-# slurm/<name>.sbatch -> the overrides it is rendered from.
-TEMPLATES: dict[str, list[str]] = {
-    "rollout": [],
-    # vLLM on 8-GPU nodes: throughput replicas of tensor parallel 2 packed 4 to a node, and a tail replica
-    # of tensor parallel 8 x pipeline parallel 2 = 16 GPUs across two nodes (cluster.gpus_per_node places
-    # them); the model comes on the sbatch line (engine.model=/shared/models/...).
-    "rollout-multinode": [
-        "engine=vllm", "engine.tensor_parallel_size=2", "groups.tail.engine.tensor_parallel_size=8",
-        "+groups.tail.engine.pipeline_parallel_size=2", "cluster.gpus_per_node=8", "cluster.replica.cpus=16",
-        "cluster.replica.mem=128G", "groups.throughput.replicas=8", "ranks=8", "cluster.ranks_per_node=8",
-        "cluster.rank_mem=4G", "cluster.router_cpus=4", "cluster.router_mem=8G", "cluster.job_timeout_min=240",
-    ],
-}
 
 
 def _layout(plan: Plan) -> list[str]:
@@ -81,9 +57,9 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
     lines = [
         "#!/bin/bash",
         f"# {name}: a whole rollout inside one allocation; router, replicas and ranks run as srun steps.",
-        "# Rendered by toolkit/cluster/sbatch.py; do not edit, re-render after changing replicas or",
+        "# Rendered by toolkit/launch/sbatch.py; do not edit, re-render after changing replicas or",
         "# resources (the allocation is sized from them):",
-        f"#   {shlex.join(['python', '-m', 'toolkit.cluster.sbatch', *overrides])} > {name}.sbatch",
+        f"#   {shlex.join(['python', '-m', 'toolkit.launch.sbatch', *overrides])} > {name}.sbatch",
         "# Run it (more overrides may follow; hydra.run.dir must be on a shared file system):",
         f"#   sbatch {name}.sbatch steps=10 tail.threshold=0.9"
         + (" engine.model=/shared/models/<model>" if cfg.engine.type == "vllm" else ""),
@@ -107,37 +83,3 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
         "",
     ]
     return "\n".join(lines)
-
-
-def compose(overrides: list[str]) -> Config:
-    """The config ``launch`` would run inside the allocation for these overrides."""
-    from toolkit.config import compose_config
-    from toolkit.validation import validate
-
-    cfg = compose_config(["cluster=allocation", *overrides])
-    validate(cfg)
-    return cfg
-
-
-def render_template(name: str) -> str:
-    return render_sbatch(compose(TEMPLATES[name]), TEMPLATES[name], name)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m toolkit.cluster.sbatch",
-                                description="Render an sbatch script that runs the config inside one allocation.")
-    p.add_argument("overrides", nargs="*", help="config overrides, as for python -m toolkit.launch")
-    p.add_argument("--name", default="rollout", help="the script's name (in its comments)")
-    p.add_argument("--write-templates", action="store_true", help="rewrite slurm/*.sbatch from TEMPLATES")
-    args = p.parse_args(argv)
-    if args.write_templates:
-        for name in TEMPLATES:
-            (SLURM_DIR / f"{name}.sbatch").write_text(render_template(name))
-            print(f"wrote {SLURM_DIR / name}.sbatch")
-        return 0
-    sys.stdout.write(render_sbatch(compose(args.overrides), args.overrides, args.name))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,12 +28,12 @@ from typing import Any
 import submitit
 
 from toolkit.cluster.base import Cluster, Component
-from toolkit.cluster.slurmctl import JobStates, hostnames, need, scancel, wait_gone
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
-from toolkit.errors import ComponentFailed
-from toolkit.lease import current_epoch
-from toolkit.lifecycle import ProcessRef
-from toolkit.rundir import RunDir
+from toolkit.core.errors import ComponentFailed
+from toolkit.core.lease import current_epoch
+from toolkit.core.lifecycle import ProcessRef
+from toolkit.core.rundir import RunDir
+from toolkit.core.slurmctl import JobStates, hostnames, need, scancel, wait_gone
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 YAML under ``conf/`` picks defaults; these dataclasses give every field a type and a docstring.
 The entry point converts Hydra's DictConfig to these plain objects once (:func:`from_dictconfig`),
-validates them (:func:`toolkit.validation.validate`, every error at once) and writes ``config.yaml``
+validates them (:func:`toolkit.launch.validation.validate`, every error at once) and writes ``config.yaml``
 into the run directory, from which every other process reloads the same objects (:func:`load_run_config`).
 """
 
@@ -18,6 +18,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from toolkit.config.backends import (
+    CLUSTERS,
+    ENGINES,
     VLLM_OWN_ARGS,
     ClusterConfig,
     GroupConfig,
@@ -37,8 +39,8 @@ from toolkit.config.sections import (
     TailConfig,
     WorkloadConfig,
 )
-from toolkit.errors import ConfigError, FieldError, ToolkitError
-from toolkit.rundir import RunDir, atomic_write
+from toolkit.core.errors import ConfigError, FieldError, ToolkitError
+from toolkit.core.rundir import RunDir, atomic_write
 
 __all__ = [
     "CONF_DIR", "OUTPUTS", "QUEUES", "UPDATE_MODES", "VLLM_OWN_ARGS", "ClusterConfig", "Config", "ConfigError",
@@ -83,7 +85,7 @@ class Config:
     resume: bool = False
     """Continue the run in ``hydra.run.dir`` at its first step without a step report (a fresh run if
     the directory holds none). The config must equal the stored one except for run settings
-    (``toolkit/resume.py``: steps, timeouts, cluster, replica counts...)."""
+    (``toolkit/launch/resume.py``: steps, timeouts, cluster, replica counts...)."""
 
 
 @dataclass
@@ -133,9 +135,6 @@ def typed_groups(raw: Any) -> dict[str, GroupConfig]:
 def register_configs() -> None:
     """The schemas the YAML in ``conf/`` builds on: the whole config, each backend's (from the
     registries beside the engine and cluster base classes) and the workload's."""
-    from toolkit.cluster.base import CLUSTERS
-    from toolkit.engine.base import ENGINES
-
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=ConfigSchema)
     for group, registry in (("cluster", CLUSTERS), ("engine", ENGINES)):
@@ -145,14 +144,10 @@ def register_configs() -> None:
 
 
 def engine_schema(type_name: str) -> type:
-    from toolkit.engine.base import ENGINES
-
     return ENGINES.schema(type_name)
 
 
 def cluster_schema(type_name: str) -> type:
-    from toolkit.cluster.base import CLUSTERS
-
     return CLUSTERS.schema(type_name)
 
 
@@ -256,3 +251,10 @@ def load_run_config(run_dir: str | Path) -> Config:
         raise ToolkitError(f"{path} is not a whole run config (torn, or not written by launch): it lacks "
                            f"{', '.join(missing)}")
     return from_dictconfig(raw)
+
+
+def curve_enabled(cfg: Config) -> bool:
+    """``router.curve``, or by default: on for Slurm clusters, off for ``cluster=local``."""
+    if cfg.router.curve is not None:
+        return cfg.router.curve
+    return cfg.cluster.type != "local"

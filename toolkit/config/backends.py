@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.core.registry import Backend, Registry
+
 
 @dataclass
 class ClusterConfig:
@@ -25,7 +27,7 @@ class ClusterConfig:
     """Start a new router when the router dies; clients and replicas follow it and resend."""
     lease_s: float = 60.0
     """Every component exits when launch has not renewed its lease (``<run dir>/lease.json``) for this
-    long: the jobs of a launch that was killed end (``toolkit/lease.py``)."""
+    long: the jobs of a launch that was killed end (``toolkit/core/lease.py``)."""
     gpus_per_node: int = 0
     """Devices of one node (GPUs; on vLLM's CPU build, engine worker processes). 0: every replica fits on
     one node (``cluster.replica.nodes`` says otherwise on Slurm). N: a replica whose tensor x pipeline
@@ -172,7 +174,7 @@ class VllmEngineConfig:
     """Engine backend: ``vllm``."""
     model: str = "tiny"
     """Model directory on the shared file system (or a hub name where a hub is reachable). ``tiny`` is
-    the built-in random-weight test model (``toolkit/engine/tiny.py``), built into ``cache_dir`` on first use."""
+    the built-in random-weight test model (``toolkit/model/tiny.py``), built into ``cache_dir`` on first use."""
     cache_dir: str = "~/.cache/rollout-toolkit"
     """Where ``model: tiny`` is built (once; replicas that start together wait on a file lock)."""
     max_model_len: int = 1024
@@ -224,3 +226,17 @@ class GroupConfig:
     """Extra labels the replicas register with (``group`` is always set)."""
     engine: dict[str, Any] = field(default_factory=dict)
     """Overrides of ``engine.*`` fields for this group (e.g. ``tensor_parallel_size: 2``)."""
+
+
+ENGINES = Registry("engine", {
+    "sim": Backend("toolkit.config.backends:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
+    "vllm": Backend("toolkit.config.backends:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine"),
+})
+"""Engine backends by ``engine.type``."""
+
+CLUSTERS = Registry("cluster", {
+    "local": Backend("toolkit.config.backends:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
+    "slurm": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster"),
+    "allocation": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster"),
+})
+"""Cluster backends by ``cluster.type``."""

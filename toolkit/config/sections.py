@@ -146,7 +146,7 @@ class WorkloadConfig:
     """Nucleus sampling."""
     tokenizer: Any = None
     """For text prompts and ``rollout.decode_responses``: null, a path to a ``tokenizer.json`` (HF
-    ``tokenizers`` library), or a Hydra ``_target_`` with ``encode``/``decode`` (``toolkit/rollout/tokenizer.py``).
+    ``tokenizers`` library), or a Hydra ``_target_`` with ``encode``/``decode`` (``toolkit/model/tokenizer.py``).
     With ``agent``: the model's directory (tokenizer files and chat template), or ``tiny``."""
     agent: dict[str, Any] = field(default_factory=dict)
     """Agents over HTTP instead of ``env``: a Hydra ``_target_`` of ``async def solve(base_url, task) ->
@@ -192,7 +192,7 @@ class ReportConfig:
     step this often (on a terminal the display is redrawn every second)."""
     metrics: bool = True
     """The router, every replica and every rank serve Prometheus metrics on ``/metrics``
-    (``toolkit/metrics.py``); launch lists the endpoints in ``<run dir>/prometheus_targets.json`` (file_sd)."""
+    (``toolkit/core/metrics.py``); launch lists the endpoints in ``<run dir>/prometheus_targets.json`` (file_sd)."""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers that log every step report (flattened, keyed by step) with the run's config:
     ``wandb`` (needs ``pip install wandb``), ``tensorboard`` (``pip install tensorboardX``); files under

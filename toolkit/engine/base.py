@@ -7,18 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from toolkit.errors import ToolkitError
-from toolkit.protocol import Generate, Result
-from toolkit.registry import Backend, Registry
+from toolkit.config.backends import ENGINES
+from toolkit.core.errors import ToolkitError
+from toolkit.core.protocol import Generate, Result
 
 if TYPE_CHECKING:
     from toolkit.engine.nodes import NodeRole
 
-ENGINES = Registry("engine", {
-    "sim": Backend("toolkit.config.backends:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
-    "vllm": Backend("toolkit.config.backends:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine"),
-})
-"""Engine backends by ``engine.type``."""
 
 
 class EngineGone(ToolkitError):

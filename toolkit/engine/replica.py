@@ -38,16 +38,16 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from toolkit import protocol as P
 from toolkit.config import Config, SimEngineConfig, group_engine
+from toolkit.config.entry import enter_component
+from toolkit.core import protocol as P
+from toolkit.core.lifecycle import ProcessRef, stdout_file, write_pidfile
+from toolkit.core.metrics import Endpoint
+from toolkit.core.rundir import RunDir, atomic_write
+from toolkit.core.security import client_curve
+from toolkit.core.sockets import RouterLink, own_bind_host
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.engine.metrics import ReplicaMetrics
-from toolkit.entry import enter_component
-from toolkit.lifecycle import ProcessRef, stdout_file, write_pidfile
-from toolkit.metrics import Endpoint
-from toolkit.rundir import RunDir, atomic_write
-from toolkit.security import client_curve
-from toolkit.sockets import RouterLink, own_bind_host
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ def engine_config(cfg: Config, group: str) -> Any:
     if isinstance(ecfg, SimEngineConfig) and cfg.workload.agent and ecfg.tokenizer is None:
         from tokenizers import Tokenizer
 
-        from toolkit.gateway.chat import chat_tokenizer_dir
+        from toolkit.model.tokenizer import chat_tokenizer_dir
 
         path = chat_tokenizer_dir(cfg)
         vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)

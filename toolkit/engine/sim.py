@@ -56,11 +56,11 @@ import msgspec
 import numpy as np
 
 from toolkit.config import SimEngineConfig
+from toolkit.core.errors import ToolkitError
+from toolkit.core.protocol import Generate, Result, Structured
 from toolkit.engine.base import Engine, EngineInfo, EngineStats
 from toolkit.engine.structured import instance_text
-from toolkit.errors import ToolkitError
-from toolkit.protocol import Generate, Result, Structured
-from toolkit.rollout.tokenizer import Tokenizer, load_tokenizer
+from toolkit.model.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

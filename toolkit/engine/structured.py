@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.errors import ToolkitError
-from toolkit.protocol import Structured
+from toolkit.core.errors import ToolkitError
+from toolkit.core.protocol import Structured
 
 UNSUPPORTED = frozenset({
     "pattern", "patternProperties", "not", "allOf", "if", "then", "else", "dependentRequired",

@@ -3,7 +3,7 @@ reason out. vLLM is imported only when this backend starts (the sim never pays f
 
 - Engine arguments: ``engine.args`` go to ``AsyncEngineArgs`` unchanged; ``model``, ``max_model_len``,
   ``tensor_parallel_size`` and ``kv_cache_gib`` have their own fields. ``model: tiny`` builds the
-  built-in test model into ``engine.cache_dir`` first (``toolkit/engine/tiny.py``).
+  built-in test model into ``engine.cache_dir`` first (``toolkit/model/tiny.py``).
 - Sampling maps one to one (``n``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``;
   ``logprobs`` asks for the sampled token's logprob); outputs come back once, final (no per-token streaming),
   and are never detokenized.
@@ -47,11 +47,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
+from toolkit.core.protocol import Completion, Generate, Result, Sampling, Structured
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, EngineStats
 from toolkit.engine.nodes import NodeRole
 from toolkit.engine.vllm_lora import Adapters
 from toolkit.engine.vllm_setup import Counters, cpu_environment, engine_args, stat_logger_factory
-from toolkit.protocol import Completion, Generate, Result, Sampling, Structured
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class VllmEngine(Engine):
         self.v = await asyncio.to_thread(_vllm)
         self.adapters.request_cls = self.v.LoRARequest
         if self.cfg.model == "tiny":
-            from toolkit.engine.tiny import ensure_tiny
+            from toolkit.model.tiny import ensure_tiny
 
             self.model_path = str(await asyncio.to_thread(ensure_tiny, self.cfg.cache_dir))
         return await self._boot()

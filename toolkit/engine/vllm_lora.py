@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
-from toolkit.protocol import Generate, Result
+from toolkit.core.protocol import Generate, Result
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
+from toolkit.core.lifecycle import exit_on_sigterm
 from toolkit.engine.nodes import NodeRole
-from toolkit.lifecycle import exit_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[
 
     model = cfg.model
     if model == "tiny":
-        from toolkit.engine.tiny import ensure_tiny
+        from toolkit.model.tiny import ensure_tiny
 
         model = str(ensure_tiny(cfg.cache_dir))
     cpu = current_platform.is_cpu()

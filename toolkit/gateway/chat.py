@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 from toolkit.gateway.types import Message
 
 logger = logging.getLogger(__name__)
@@ -27,42 +27,6 @@ logger = logging.getLogger(__name__)
 _SPACE = "\u2581"
 """SentencePiece's mark for a space in its token strings."""
 _PLACEHOLDER = "\u2063TOOLKIT-ASSISTANT-CONTENT\u2063"
-
-
-def resolve_chat_tokenizer(spec: Any, cache_dir: str = "~/.cache/rollout-toolkit") -> Path:
-    """The directory a ``workload.tokenizer`` names for chat: a model/tokenizer directory, or ``tiny``
-    (the built-in test model's tokenizer, built into ``cache_dir`` once)."""
-    if spec == "tiny":
-        from toolkit.engine.tiny import ensure_tiny_tokenizer
-
-        return ensure_tiny_tokenizer(cache_dir)
-    return Path(str(spec)).expanduser()
-
-
-def chat_tokenizer_dir(cfg: Any) -> Path:
-    """The agent workload's tokenizer directory (``workload.tokenizer``; ``tiny`` is built into the
-    engine's ``cache_dir``, or the default cache for engines without one)."""
-    return resolve_chat_tokenizer(cfg.workload.tokenizer, getattr(cfg.engine, "cache_dir", "~/.cache/rollout-toolkit"))
-
-
-def chat_tokenizer_problem(spec: Any) -> str | None:
-    """Why ``spec`` cannot be the agent workload's tokenizer, checked without loading it."""
-    if spec == "tiny":
-        return None
-    if not isinstance(spec, str | Path):
-        return "a model or tokenizer directory with a chat template (tokenizer_config.json), or tiny"
-    p = Path(str(spec)).expanduser()
-    if not (p / "tokenizer_config.json").is_file():
-        return f"a directory holding tokenizer_config.json (and the tokenizer files); {p} has none"
-    has_template = (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file()
-    if not has_template:
-        try:
-            has_template = bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
-        except (OSError, ValueError) as exc:
-            return f"a readable tokenizer_config.json ({exc})"
-    if not has_template:
-        return f"a tokenizer with a chat template: {p} has no chat_template in tokenizer_config.json"
-    return None
 
 
 def _hf_message(m: Message) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import importlib
 import socket
 from typing import TYPE_CHECKING
 
-from toolkit.errors import FieldError
+from toolkit.core.errors import FieldError
 
 if TYPE_CHECKING:
     from toolkit.config import Config
@@ -22,8 +22,8 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def validate_agent(cfg: Config, errors: list[FieldError]) -> None:
-    from toolkit.gateway.chat import chat_tokenizer_problem
     from toolkit.gateway.toolcalls import PARSERS
+    from toolkit.model.tokenizer import chat_tokenizer_problem
 
     w, g = cfg.workload, cfg.gateway
     target = w.agent.get("_target_")

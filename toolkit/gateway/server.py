@@ -33,6 +33,9 @@ from jinja2 import TemplateError
 
 from toolkit.client import RouterClient
 from toolkit.config import Config
+from toolkit.core.protocol import Generate, Result, Sampling, Structured
+from toolkit.core.rundir import RunDir
+from toolkit.core.security import gateway_token
 from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.protocols import PROTOCOLS
 from toolkit.gateway.protocols.base import Protocol
@@ -40,10 +43,7 @@ from toolkit.gateway.session import GatewaySession
 from toolkit.gateway.stream import Stream, answer
 from toolkit.gateway.toolcalls import get_parser, parse_constrained_call, tool_call_schema
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError
-from toolkit.protocol import Generate, Result, Sampling, Structured
-from toolkit.rollout.stepreport import RequestLog
-from toolkit.rundir import RunDir
-from toolkit.security import gateway_token
+from toolkit.session.requests import RequestLog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """One agent session as the gateway sees it: the token ids so far and the messages they stand for.
 
-A session has a *line*: a :class:`~toolkit.rollout.sample.Sample` (ids, loss mask, logprobs) and the
+A session has a *line*: a :class:`~toolkit.session.sample.Sample` (ids, loss mask, logprobs) and the
 canonical messages whose rendering those ids are, the last assistant messages being the engine's
 own ids verbatim. A request whose messages extend the line's messages gets as prompt the line's ids
 plus the ids of the template's rendering of the new messages only (and the rest of the closing of
@@ -17,10 +17,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.core.protocol import Result
 from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.types import Choice, Message
-from toolkit.protocol import Result
-from toolkit.rollout.sample import Sample
+from toolkit.session.sample import Sample
 
 
 def _norm_arguments(text: str) -> Any:

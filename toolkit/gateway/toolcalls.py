@@ -24,7 +24,7 @@ import secrets
 from abc import ABC, abstractmethod
 from typing import Any
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 from toolkit.gateway.types import GatewayError, ToolCall
 
 

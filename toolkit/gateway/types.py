@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 
 Message = dict[str, Any]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from toolkit.errors import ToolkitError
+from toolkit.core.errors import ToolkitError
 
 logger = logging.getLogger(__name__)
 

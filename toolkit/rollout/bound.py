@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import Config, SimEngineConfig, group_engine
+from toolkit.core.protocol import GroupStatus
 from toolkit.engine.sim import step_seconds
-from toolkit.protocol import GroupStatus
-from toolkit.rollout.columns import Columns
+from toolkit.session.columns import Columns
 
 
 class _Costs:
@@ -77,7 +77,7 @@ def has_time_model(cfg: Config) -> bool:
 def step_bound(cfg: Config, req: Columns, wall_s: float,
                measured: dict[str, GroupStatus] | None = None) -> dict[str, Any] | None:
     """The step's bound from its requests: from the sim's time model if every group runs the sim (with
-    as many replicas per group as ``measured`` says serve at the step's end: ``toolkit.scale`` may
+    as many replicas per group as ``measured`` says serve at the step's end: ``toolkit.launch.scale`` may
     have changed the configured counts), else from ``measured``'s learned speeds, else None."""
     ran = req["output_tokens"] > 0  # requests that never ran (client errors, timeouts in the queue) cost nothing
     if not ran.any():

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.rundir import RunDir, read_json
+from toolkit.core.rundir import RunDir, read_json
 
 
 class TailWatch:

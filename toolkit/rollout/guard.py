@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.errors import Terminated, ToolkitError
-from toolkit.rollout.columns import Columns, final_rows
-from toolkit.rollout.sample import SAMPLE_STATUSES
+from toolkit.core.errors import Terminated, ToolkitError
+from toolkit.session.columns import Columns, final_rows
+from toolkit.session.sample import SAMPLE_STATUSES
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from toolkit.config import SimEngineConfig
-from toolkit.errors import ConfigError, FieldError
-from toolkit.protocol import MAX_EXPECTED_TOKENS, Generate
+from toolkit.core.errors import ConfigError, FieldError
+from toolkit.core.protocol import MAX_EXPECTED_TOKENS, Generate
 
 
 class LengthHint(ABC):

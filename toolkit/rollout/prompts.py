@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from toolkit.rollout.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
+from toolkit.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 
 # (argument, value, what is allowed): the problems ``check_spec`` reports; config.validate names the field.
 SpecProblem = tuple[str, object, str]

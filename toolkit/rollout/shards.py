@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from toolkit.rollout.columns import write_parquet
-from toolkit.rundir import RunDir, atomic_write
+from toolkit.core.rundir import RunDir, atomic_write
+from toolkit.session.columns import write_parquet
 
 LAYOUT = "shards"
 

@@ -23,19 +23,14 @@ from hydra.utils import instantiate
 
 from toolkit.client import RouterClient
 from toolkit.config import Config, group_engine
-from toolkit.entry import enter_component
-from toolkit.errors import RouterUnavailable, ToolkitError
-from toolkit.lifecycle import ProcessRef, quiet_gc
-from toolkit.metrics import Endpoint
-from toolkit.protocol import Generate, GroupStatus, Sampling
-from toolkit.rollout.columns import (
-    STAT_COLUMNS,
-    ColumnBuilder,
-    Columns,
-    gather_columns,
-    to_table,
-    write_parquet,
-)
+from toolkit.config.entry import enter_component
+from toolkit.core.errors import RouterUnavailable, ToolkitError
+from toolkit.core.lifecycle import ProcessRef, quiet_gc
+from toolkit.core.metrics import Endpoint
+from toolkit.core.protocol import Generate, GroupStatus, Sampling
+from toolkit.core.rundir import RunDir, atomic_write
+from toolkit.core.sockets import own_bind_host
+from toolkit.model.tokenizer import load_tokenizer
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.guard import (
@@ -51,13 +46,19 @@ from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.loopwatch import LoopWatch
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
-from toolkit.rollout.sample import NonPrefixTurn, Sample
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
-from toolkit.rollout.stepreport import RequestLog, step_report, write_step_report
+from toolkit.rollout.stepreport import step_report, write_step_report
 from toolkit.rollout.stepweights import StepWeights
-from toolkit.rollout.tokenizer import load_tokenizer
-from toolkit.rundir import RunDir, atomic_write
-from toolkit.sockets import own_bind_host
+from toolkit.session.columns import (
+    STAT_COLUMNS,
+    ColumnBuilder,
+    Columns,
+    gather_columns,
+    to_table,
+    write_parquet,
+)
+from toolkit.session.requests import RequestLog
+from toolkit.session.sample import NonPrefixTurn, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,9 @@ class RankRunner:
                 endpoint.close()
 
     async def _start_gateway(self) -> None:
-        from toolkit.gateway.chat import ChatTokenizer, chat_tokenizer_dir
+        from toolkit.gateway.chat import ChatTokenizer
         from toolkit.gateway.server import Gateway, gateway_settings
+        from toolkit.model.tokenizer import chat_tokenizer_dir
 
         cfg = self.cfg
         chat = await asyncio.to_thread(ChatTokenizer, chat_tokenizer_dir(cfg))

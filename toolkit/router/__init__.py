@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 
-from toolkit.lifecycle import ProcessRef
+from toolkit.core.lifecycle import ProcessRef
 
 logger = logging.getLogger(__name__)
 
 
 def serve(run_dir: str, owner: ProcessRef | None = None) -> None:
     """Entry point of the router process (a submitit job or ``python -m toolkit.router RUN_DIR``)."""
-    from toolkit.entry import enter_component
+    from toolkit.config.entry import enter_component
+    from toolkit.core.sockets import bind_host
     from toolkit.router.server import Router
-    from toolkit.sockets import bind_host
 
     rd, cfg = enter_component(run_dir, "router", owner)
     router = Router(cfg, rd)

@@ -18,11 +18,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from toolkit import protocol as P
+from toolkit.core import protocol as P
+from toolkit.core.sockets import send_msg
 from toolkit.router.migration import can_continue
 from toolkit.router.pool import BULK
 from toolkit.router.queue import FairQueue, Request
-from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from toolkit.config import RouterConfig

@@ -11,10 +11,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from toolkit import protocol as P
+from toolkit.core import protocol as P
+from toolkit.core.sockets import send_msg
 from toolkit.router.policy import Replica
 from toolkit.router.queue import FairQueue, Request
-from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from collections import Counter

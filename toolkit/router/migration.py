@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from toolkit import protocol as P
+from toolkit.core import protocol as P
+from toolkit.core.sockets import send_msg
 from toolkit.router.queue import FairQueue, Request
-from toolkit.sockets import send_msg
 
 if TYPE_CHECKING:
     from collections import Counter

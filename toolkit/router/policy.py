@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from toolkit.errors import ConfigError, FieldError
+from toolkit.core.errors import ConfigError, FieldError
 from toolkit.router.speed import SpeedMeter
 
 if TYPE_CHECKING:

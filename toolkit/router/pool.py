@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from toolkit import protocol as P
 from toolkit.config import RouterConfig
+from toolkit.core import protocol as P
 from toolkit.router.policy import Policy, Replica, make_policy
 from toolkit.router.queue import Request
 

@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator
 from typing import TypeVar
 
-from toolkit.protocol import Generate
+from toolkit.core.protocol import Generate
 
 T = TypeVar("T")
 

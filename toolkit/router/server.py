@@ -19,9 +19,12 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from toolkit import protocol as P
-from toolkit.config import Config, moves_carry_kv
-from toolkit.metrics import Endpoint
+from toolkit.config import Config, curve_enabled, moves_carry_kv
+from toolkit.core import protocol as P
+from toolkit.core.metrics import Endpoint
+from toolkit.core.rundir import FileWriter, RunDir, atomic_write
+from toolkit.core.security import server_curve
+from toolkit.core.sockets import advertised, make_socket, recv_frames, send_frames, send_msg
 from toolkit.router.answered import Answered
 from toolkit.router.elastic import ElasticMixin
 from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
@@ -33,9 +36,6 @@ from toolkit.router.queue import FairQueue, Request
 from toolkit.router.tail.routing import TICK_S, TailRouting, reserved_group
 from toolkit.router.timeline import Timeline
 from toolkit.router.weights import WeightsMixin
-from toolkit.rundir import FileWriter, RunDir, atomic_write
-from toolkit.security import server_curve
-from toolkit.sockets import advertised, make_socket, recv_frames, send_frames, send_msg
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.run_dir = run_dir
         self.ctx = ctx or zmq.Context.instance()
         # CURVE (router.curve): encrypted sockets that admit only the run's own replicas and ranks.
-        self.curve = server_curve(cfg, self.ctx, run_dir.root)
+        self.curve = server_curve(curve_enabled(cfg), self.ctx, run_dir.root)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
         self.backend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
         self.queue = FairQueue()

@@ -2,7 +2,7 @@
 
 The router records one event per dispatch and per completion of a request that belongs to a
 (job, step), and writes ``timeline/<job>.step_XXXXX.json`` when the job's next step begins or the
-router stops. ``toolkit.report`` draws ``timeline.png`` from these files.
+router stops. ``toolkit.report.run_report`` draws ``timeline.png`` from these files.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.rundir import FileWriter, RunDir
+from toolkit.core.rundir import FileWriter, RunDir
 
 
 @dataclass

@@ -8,9 +8,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from toolkit import protocol as P
-from toolkit.rundir import read_json
-from toolkit.sockets import send_msg
+from toolkit.core import protocol as P
+from toolkit.core.rundir import read_json
+from toolkit.core.sockets import send_msg
 
 if TYPE_CHECKING:
     from toolkit.router.policy import Replica

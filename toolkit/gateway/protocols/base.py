@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
+from toolkit.core.protocol import MAX_EXPECTED_TOKENS
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, Message
-from toolkit.protocol import MAX_EXPECTED_TOKENS
 
 SSE_CONTENT_TYPE = "text/event-stream"
 TOOLKIT_FIELDS = frozenset({"expected_tokens"})

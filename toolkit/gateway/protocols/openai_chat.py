@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from toolkit.core.protocol import SEED_RANGE
 from toolkit.gateway.protocols.base import (
     TOOLKIT_FIELDS,
     Fields,
@@ -35,7 +36,6 @@ from toolkit.gateway.protocols.base import (
     token_logprobs,
 )
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError, Message
-from toolkit.protocol import SEED_RANGE
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "response_format", "max_tokens", "max_completion_tokens",
          "temperature", "top_p", "n", "seed", "logprobs", "stream", "stream_options", "user", "metadata",

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from toolkit.rundir import FileWriter, RunDir, read_json
+from toolkit.core.rundir import FileWriter, RunDir, read_json
 
 logger = logging.getLogger(__name__)
 

@@ -14,18 +14,18 @@ import logging
 from typing import TYPE_CHECKING
 
 from toolkit.config import TailConfig
-from toolkit.errors import ConfigError, FieldError
-from toolkit.protocol import StepProgress
+from toolkit.core.errors import ConfigError, FieldError
+from toolkit.core.protocol import StepProgress
+from toolkit.core.rundir import FileWriter, RunDir
 from toolkit.router.migration import can_continue
 from toolkit.router.pool import BULK
 from toolkit.router.tail import TAIL_POLICIES
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord, TailPolicy
 from toolkit.router.tail.flip import CountFlip
 from toolkit.router.tail.trade import WorkLeft
-from toolkit.rundir import FileWriter, RunDir
 
 if TYPE_CHECKING:
-    from toolkit.protocol import Generate
+    from toolkit.core.protocol import Generate
     from toolkit.router.policy import Replica
     from toolkit.router.pool import ReplicaPool
     from toolkit.router.queue import Request

@@ -1,0 +1,175 @@
+"""ZMQ sockets the way every component needs them, and the router's addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from pathlib import Path
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from toolkit.core import protocol as P
+from toolkit.core.errors import RouterUnavailable
+
+logger = logging.getLogger(__name__)
+
+# On hot paths pyzmq's send_multipart/recv_multipart (enum flags, copies) cost more than the socket
+# calls themselves: the backend's send/recv/get with plain int flags.
+_MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+_raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_raw_get = zmq.backend.Socket.get
+
+
+def send_frames(sock: zmq.Socket, *frames: bytes) -> None:
+    """One multipart message (the router's hot path)."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _raw_send(sock, f, _MORE if i < last else 0)
+
+
+def send_msg(sock: zmq.Socket, ident: bytes, msg: P.Message) -> None:
+    """One message to the peer ``ident`` of a ROUTER socket."""
+    send_frames(sock, ident, *P.encode(msg))
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """One whole multipart message without blocking, or zmq.Again."""
+    frames = [_raw_recv(sock, _NOBLOCK)]
+    while _raw_get(sock, _RCVMORE):
+        frames.append(_raw_recv(sock, _NOBLOCK))
+    return frames
+
+
+class CurveSide(Protocol):
+    """CURVE settings of one side (``toolkit.core.security.ServerCurve`` or ``ClientCurve``)."""
+
+    def apply(self, sock: zmq.Socket) -> None: ...
+
+
+def make_socket(ctx: zmq.Context, kind: int, routing_id: str | None = None,
+                curve: CurveSide | None = None) -> zmq.Socket:
+    """A socket with ``linger`` 0 (closing never blocks on unsent frames) and no high-water mark:
+    the router queues requests itself, so ZMQ must never drop or block on a frame. With ``curve``
+    the socket is encrypted and authenticated (set before bind/connect, as ZMQ requires)."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+    if curve is not None:
+        curve.apply(s)
+    return s
+
+
+def bind_host(host: str | None, cluster_type: str) -> str:
+    """``router.host``, or by default: loopback for a local run, every interface on a cluster
+    (replicas and ranks connect from other nodes)."""
+    if host is not None:
+        return host
+    return "127.0.0.1" if cluster_type == "local" else "0.0.0.0"
+
+
+def own_bind_host(host: str | None, cluster_type: str) -> str:
+    """Where a component other than the router listens (its ``/metrics``): ``router.host`` names the
+    router's node, so it binds here only when it is loopback (everything on one machine); any other
+    address binds every interface, which is this node's on whichever node the component landed."""
+    if host is not None and host not in ("127.0.0.1", "localhost", "::1"):
+        return "0.0.0.0"
+    return bind_host(host, cluster_type)
+
+
+def node_address() -> str:
+    """This node's name as other nodes reach it: the hostname if it resolves, else the address of
+    the interface that routes outwards."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent, it only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            logger.warning("no routable address found for %s; advertising 127.0.0.1", name)
+            return "127.0.0.1"
+
+
+def advertised(endpoint: str) -> str:
+    """The endpoint to write into router.json: a wildcard bind becomes this node's address."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{node_address()}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
+class RouterLink:
+    """A DEALER to one of the router's two sockets (``side``: ``frontend`` or ``backend``) that
+    follows the router to a new address when the address file changes (a restarted router)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address_file: Path, side: str, curve: CurveSide | None = None,
+                 routing_id: str | None = None) -> None:
+        self.ctx = ctx
+        self.address_file = address_file
+        self.side = side
+        self.curve = curve
+        self.routing_id = routing_id
+        self.sock: zmq.asyncio.Socket | None = None
+        self.address = ""
+
+    def connect(self, address: str) -> None:
+        self.close()
+        s = make_socket(self.ctx, zmq.DEALER, self.routing_id, curve=self.curve)
+        s.connect(address)
+        self.sock = s  # type: ignore[assignment]
+        self.address = address
+
+    async def follow(self) -> bool:
+        """Reconnect if the router has moved; True if it did. A file that cannot be read now (a shared
+        file system's hiccup) leaves the link as it is until the next look: the caller is the task
+        that reads the socket, and nothing would read it if this raised."""
+        from toolkit.core.rundir import read_json
+
+        try:
+            info = await asyncio.to_thread(read_json, self.address_file)
+            address = info.get(self.side) if isinstance(info, dict) else None
+        except (OSError, ValueError) as exc:
+            logger.warning("could not read %s (%s); the link stays at %s", self.address_file, exc, self.address)
+            return False
+        if not isinstance(address, str) or not address or address == self.address:
+            return False
+        self.connect(address)
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self.sock is None
+
+    def _open(self) -> zmq.asyncio.Socket:
+        if self.sock is None:
+            # Not connected yet, or closed by its owner while another task still used it.
+            raise RouterUnavailable(f"the link to the router's {self.side} is closed")
+        return self.sock
+
+    async def send(self, frames: list[bytes]) -> None:
+        await self._open().send_multipart(frames)
+
+    async def recv(self, timeout_s: float) -> list[bytes] | None:
+        """The next message, or None if none came within ``timeout_s``."""
+        sock = self._open()
+        if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        return await sock.recv_multipart()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
