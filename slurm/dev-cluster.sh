@@ -20,6 +20,10 @@
 # directory, not just one part: slurmctld restarts job ids at 1 when its state is gone, and
 # the accounting database would then hold two jobs under the same id.
 #
+# Temporary files: each daemon gets a directory of its own, owned by the user it runs as
+# ($SPOOL/tmp/<daemon>), whatever the caller's TMPDIR is: MariaDB runs as mysql and cannot create
+# its temporary files in a TMPDIR only root can write.
+#
 # Environment: DEV_CLUSTER_CPUS (default 16) CPUs the node advertises, more than the machine
 # has, so several jobs run side by side; DEV_CLUSTER_TIMEOUT (default 60) seconds to wait
 # for each daemon.
@@ -63,6 +67,21 @@ comm_of() {
         slurmd | slurmd_*) echo slurmd ;;
         *) echo "$1" ;;
     esac
+}
+user_of() {
+    case $1 in
+        munged) echo munge ;;
+        mariadb) echo mysql ;;
+        *) echo root ;;
+    esac
+}
+# The daemon's own temporary directory, created (mode 700, its user's) when missing.
+tmpdir_of() {
+    local dir=$SPOOL/tmp/$1 user
+    user=$(user_of "$1")
+    install -d -m 755 "$SPOOL/tmp"
+    install -d -m 700 -o "$user" -g "$user" "$dir"
+    echo "$dir"
 }
 logfile_of() {
     case $1 in
@@ -289,7 +308,7 @@ start_mariadb() {
     if [[ ! -e $DB_DIR/.slurm-dev-initialised ]]; then
         rm -rf "$DB_DIR"
         install -d -m 750 -o mysql -g mysql "$DB_DIR"
-        mariadb-install-db --no-defaults --user=mysql --datadir="$DB_DIR" \
+        TMPDIR=$DAEMON_TMP mariadb-install-db --no-defaults --user=mysql --datadir="$DB_DIR" --tmpdir="$DAEMON_TMP" \
             --auth-root-authentication-method=socket --skip-test-db || return 1
         touch "$DB_DIR/.slurm-dev-initialised"
     fi
@@ -298,7 +317,7 @@ start_mariadb() {
     # InnoDB values are the least slurmdbd accepts without logging an error (the pool is
     # reserved, not used, until the database grows).
     setsid nohup mariadbd --no-defaults --user=mysql --datadir="$DB_DIR" \
-        --socket="$DB_SOCK" --pid-file="$(pidfile_of mariadb)" --skip-networking \
+        --socket="$DB_SOCK" --pid-file="$(pidfile_of mariadb)" --skip-networking --tmpdir="$DAEMON_TMP" \
         --log-error="$(logfile_of mariadb)" \
         --innodb-buffer-pool-size=512M --innodb-lock-wait-timeout=900 </dev/null &
 }
@@ -332,8 +351,9 @@ ensure_running() {
     fi
     rm -f "$(pidfile_of "$name")"
     [[ $name != slurmdbd ]] || setup_database
+    DAEMON_TMP=$(tmpdir_of "$name")
     # 9>&-: a daemon must not inherit (and so keep holding) our lock.
-    "start_$name" >>"$(logfile_of "$name")" 2>&1 9>&- || die_with_logs "$name failed to start" "$name"
+    TMPDIR=$DAEMON_TMP "start_$name" >>"$(logfile_of "$name")" 2>&1 9>&- || die_with_logs "$name failed to start" "$name"
     wait_until "$TIMEOUT" running "$name" ||
         die_with_logs "$name did not come up within ${TIMEOUT}s (no live pid in $(pidfile_of "$name"))" "$name"
     say "$name started (pid $(pid_of "$name"))"

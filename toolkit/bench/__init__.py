@@ -2,6 +2,7 @@
 
 Each benchmark measures the toolkit against a baseline *in the same run* and writes one JSON object
 with the fields its issue names. Benchmarks are not tests: nothing asserts on their timings.
+Every benchmark's method, fields and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``python -m toolkit.bench fairness``: a small job behind a big one, fair turns against FIFO.
 
-4 sim replicas (32 requests in flight each) behind the router. Job A submits 5,000 requests, then
-job B submits 50; B's completion time (from its first submission to its last result) is divided by
-B's time when it runs alone. Measured under this router (``router.queue=fair``) and under plain
-FIFO (``router.queue=fifo``), each with its own alone-baseline, in one run.
-
-Requests: 64-token prompts, outputs lognormal (median 64, sigma 0.6) cut at 128 tokens, the sim's
-default 8B/H200 step-time model at ``time_scale`` 1.
+Job A submits 5,000 requests to 4 sim replicas, then job B submits 50. The bench reports B's
+slowdown against B alone, under ``router.queue=fair`` and under ``router.queue=fifo``.
+Method: docs/benchmarks.md#fairness.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """``python -m toolkit.bench gateway``: agents over HTTP through the gateway vs the same sessions straight
 through ``RouterClient``.
 
-One router and three sim replicas (the default fleet: two throughput replicas, one TP-2 tail replica,
-the 8B/H200 step model at ``time_scale`` 1). Two rank processes, each with 256 concurrent sessions
-(512 in all) of 4 turns: three forced tool calls (``tool_choice=required``, generated under the
-call's JSON schema), each answered by a tool that takes ``TOOL_S`` = 1 s (agent tools take seconds),
-then a free answer of up to 256 tokens. Arms, each on cold prefix caches and fresh request ids:
-
-- ``openai``: in each rank process a :class:`~toolkit.gateway.server.Gateway` on 127.0.0.1 and 256
-  agents on the real ``openai`` SDK (``AsyncOpenAI``, Chat Completions with tools, one client per
-  session over plain HTTP) in the same event loop, as ``workload=agent`` runs them;
-- ``http``: the same agents with a plain aiohttp client (what the gateway costs without the SDK's own
-  request building and response models);
-- ``direct``: the same sessions replayed token for token through ``RouterClient``: every turn's prompt
-  ids as the gateway sent them (the sim answers a prompt deterministically, so the engines do the same
-  work), the same tool latency: what a user who did the token bookkeeping in-process would run.
-
-The arms alternate twice. ``sessions_per_s_*`` = sessions / (last session end - first session start)
-over both ranks, averaged over the rounds; ``ratio`` = openai / direct. ``added_latency_ms_*`` per turn
-= the client's call duration minus the time the gateway waited for the router (its
-``x-toolkit-generate-ms`` header): parsing, rendering, tokenizing, decoding, tool-call parsing, HTTP,
-the SDK, and the wait for the rank's one core when many sessions' turns end together (all sessions
-start at the step's start, so their turns come in waves). ``unloaded`` gives the same per turn with
-one session at a time. ``rank_cpu_ms_per_turn`` is the rank processes' CPU time per turn,
-``machine_cpu_busy`` the share of the machine's CPU in use during each arm. ``token_mismatches`` =
-turns whose ids in the merged samples differ from the Result the engine returned (recorded by the
-rank's client), over every turn of every gateway round; the tokenizer is the tiny model's byte-level
-BPE, on which ``roundtrip_failures`` of those turns' outputs do not survive decode + encode (the free
-answers; a schema-constrained call is plain JSON, which does). ``fast_tools``: one round with 50 ms tools.
+512 concurrent 4-turn tool-calling sessions on 2 rank processes and sim engines, run three ways:
+agents on the ``openai`` SDK through each rank's gateway, the same agents on plain HTTP, and the same
+token ids replayed through ``RouterClient``. It reports sessions/s, the latency the gateway adds per
+turn, the ranks' CPU per turn and token mismatches. Method and fields: docs/benchmarks.md#gateway.
 """
 
 from __future__ import annotations

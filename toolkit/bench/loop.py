@@ -2,16 +2,8 @@
 one step of overlap (``=1``), with sim engines and a trainer stand-in whose step takes as long as a
 rollout step.
 
-The stand-in is the handshake a real trainer uses: ``wait_step`` for step s's samples, "train" (sleep
-for the rollout's measured step time), ``publish`` the weights for step s+1. With k=0 every step
-waits for the weights of the step before, so a step costs rollout + training; with k=1 the rollout of
-step s overlaps training on step s-1 and a step costs about the longer of the two: the ratio's ceiling
-is 2. Rates are measured between the first and the last step's samples becoming available (startup
-excluded). Reported: ``steps_per_s_sync``, ``steps_per_s_async``, ``ratio``, ``aborted_requests`` (any
-request that did not end ``ok`` on its first dispatch: cancelled, retried, migrated; over every arm),
-``mean_staleness`` (per row: the step minus the oldest weight version that generated it). A third arm,
-``async_mid_step``, has the stand-in train in half the time, so that its updates land in the middle of
-the steps (in place, ``update_mode=pause``): its ``updates_mid_step`` and ``aborted_requests``.
+The stand-in runs the trainer handshake: ``wait_step``, "train", ``publish``. A third arm has updates
+land mid-step. Method and fields: docs/benchmarks.md#loop.
 """
 
 from __future__ import annotations

@@ -1,37 +1,9 @@
 """``python -m toolkit.bench merge``: rank 0's cost when it merges every session vs when ranks merge their own.
 
-The benchmark starts 4 MPI ranks with ``mpiexec`` (oversubscribed on small machines) once per arm,
-so each arm's peak RSS is its own process's ``ru_maxrss``. Both arms start from the same per-turn
-records and write the same Parquet step file (checked: ``outputs_identical``).
-
-Workload (full run): 4 ranks x 1,600 sessions = 6,400 multi-turn sessions, generated
-deterministically per session (seed, index): a first prompt of 256-768 tokens, 3 turns of 256-1,024
-generated tokens (with logprobs), an observation of 64-192 tokens after each turn but the last;
-about 2,690 merged tokens per session, about 17.2M merged tokens in all (``tokens_total``). A
-per-turn record is what a rank holds after a turn: a dict of Python lists (as msgspec decodes a
-``Result``) with the turn's whole-context prompt, its output tokens and logprobs, the observation,
-reward and serving facts; the records add up to about 2.2x the merged tokens (``record_tokens_total``).
-``--quick``: 32 sessions per rank, same shapes.
-
-Arms:
-
-- ``central`` (the usual rollout-manager design): every rank ships its raw per-turn records to
-  rank 0, pickled (what ``comm.gather`` does with Python objects); rank 0 unpickles them one source
-  at a time, merges every session (prefix check, tokens, mask, logprobs) and writes the file. The
-  ranks pickle *before* the barrier so rank 0 is not charged for spinning while they do.
-- ``distributed`` (this toolkit): each rank merges its sessions as their turns arrive
-  (``Sample.add_turn``), packs them into flat columns (``ColumnBuilder``), and rank 0 receives
-  already-merged arrays with ``Gather`` + ``Gatherv`` per column (``gather_columns``) and writes
-  them sorted by index one row group at a time.
-
-Fields: ``rank0_cpu_s_<arm>`` (rank 0's process CPU time from "records in hand" to "file written",
-minus the CPU spent generating the synthetic records), ``rank0_cpu_ratio`` (distributed / central),
-``rank0_peak_rss_mb_<arm>`` (rank 0's ``ru_maxrss``, whole process), ``output_mb`` (the Parquet step
-file), ``output_arrow_mb`` (the same table in memory), ``merge_tokens_per_s`` (merged tokens per
-CPU-second of merging and packing on one rank: tokens into ``Sample`` into columns; R ranks on R
-cores merge R times that), ``rss_target_mb`` (2.5 x output_mb + 300). Rank-side collectives are
-entered through a sleeping non-blocking barrier, so no rank's CPU time includes spinning while
-another rank is still working.
+4 MPI ranks, 6,400 three-turn sessions. Arm ``central`` ships pickled per-turn records to rank 0,
+which merges them all; arm ``distributed`` merges on each rank and gathers packed columns with
+``Gatherv``. Both write the same Parquet file. It reports rank 0's CPU time and peak RSS per arm.
+Workload, arms and fields: docs/benchmarks.md#merge.
 """
 
 from __future__ import annotations

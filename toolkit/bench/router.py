@@ -1,22 +1,8 @@
 """``python -m toolkit.bench router``: the router's cost against a minimal pyzmq broker.
 
-Throughput: one client process keeps ``window`` requests outstanding against (a) the toolkit router
-with instant-answer replicas and (b) a minimal broker with the same sockets (ROUTER front, ROUTER
-back), the same payloads (msgspec Generate in, Result out, decoded and encoded on both sides) and no
-policy (hash of the session id picks the worker). Arms alternate, best of ``rounds`` each.
-
-Metrics: the same client against two routers with instant-answer replicas, one serving Prometheus
-metrics (``report.metrics``) and scraped once a second by a thread of this process, one with metrics
-off. Each of 13 rounds runs both, in alternating order, and the median of the rounds' paired on / off
-ratios is taken (a drift of the machine's speed does not move it the way it moves a ratio of two
-bests); the whole comparison runs twice, each router started first once (the first-started one runs a
-few percent slower here whatever its config), and ``ratio_metrics_on`` is the geometric mean of the two
-(target >= 0.95; ``ratio_metrics_on_by_start_order``: both); ``router_rps_metrics_on``/``_off`` are the
-best rounds.
-
-Decision cost: a router in this process with 512 registered replicas (no engines: the point is
-the router's own work) and 50,000 queued requests from 8 jobs; each sample frees one slot (a
-Result) and times one ``dispatch()``: queue pop with fair turns, policy choice, send.
+Three measures: throughput against a broker with the same sockets and payloads and no policy; the
+throughput cost of serving Prometheus metrics; and the cost of one dispatch decision with 512
+replicas and 50,000 queued requests. Method: docs/benchmarks.md#router.
 """
 
 from __future__ import annotations

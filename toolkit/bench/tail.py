@@ -1,69 +1,11 @@
-"""``python -m toolkit.bench tail``: the same long-tail step run off, steered, and steered + migrated.
+"""``python -m toolkit.bench tail``: the same long-tail step run with each tail routing setting.
 
-Workload (seeded, identical in every arm): 128 multi-turn sessions per step (the built-in tool-call
-task, 3 turns, 24-token observations), prompts of 64-384 tokens behind a shared 32-token system
-prompt. Turn lengths are lognormal with median 180 tokens and sigma 1.0 (p90 ~650, p99 ~1,850),
-cut at 2,048 = 11x the median (RL runs set the cap far above the typical answer: Seer's
-production workloads cap at 40k-98k tokens), turns independent of each other (a conservative
-choice: a session-level share, ``engine.output_len_session_share``, makes the tail heavier). Why it is realistic:
-it is calibrated on the one published measure of the long tail we know, Seer (Moonshot AI,
-arXiv:2511.14617): in a synchronous baseline the last 10% of requests take up to ~50% of the rollout
-time. The bench reports the same measure for its own ``off`` arm (``tail10_share_requests_off``; the
-step report's ``done_s``), 0.5-0.6 here; the sessions' (``tail10_share_sessions_off``) is lower, as a
-session sums three independent turns. Scaled down so a step takes seconds on a CPU.
-
-Sensitivity (``moderate_tail``): the same three arms with the cut at 1,024 = 5.7x the median, a
-thinner tail (last 10% of requests ~40-45% of the step); the flip then comes later in the step and
-leaves less to speed up.
-
-Sensitivity (``tail_at_cap``): the main workload with the tail group at the issue's cap, 3x the
-throughput group per token (TP 4 at 2/3 efficiency; more than the sim's TP model would credit an 8B
-model, whose all-reduces cost tens of microseconds per layer).
-
-Fleet (``conf/groups/default.yaml``): a throughput group of 2 replicas (TP 1, up to 64 requests in
-flight each) and a tail group of 1 replica with tensor parallel 2 (up to 24 in flight). The sim's
-decode step reads all weights plus every running sequence's KV cache: 16 GB of bf16 weights and 128
-KiB of KV per token at 4.3 TB/s (an H200's measured copy bandwidth) gives ~3.7 ms per step; TP 2
-divides the reads over two devices at 85% efficiency (all-reduce cost), so the tail group is 1.85x
-faster per token at equal batch size (the issue's cap is 3x). The main workload runs at ``time_scale``
-1.0: in modelled real time, so what the router itself takes (its 50 ms look for long runners, the
-heartbeats its token estimates come from, a move's round trips, the processes' CPU on this machine)
-weighs on a step as it would beside GPUs. Compressed 4x (``time_scale`` 0.25), each of those weighs 4x
-as much against the requests' progress: ``compressed`` is the main workload so, the measure of what
-the router's own latency costs, and the sensitivities below run compressed too, to keep the bench
-within the hour. A migrated request continues exactly the output it was planned to produce
-(``Generate.resumed_tokens``): moving it changes where it runs, never how long it is.
-
-Arms, each a full ``launch`` run (router, sim replicas, 2 MPI ranks) in this process, one after
-another: ``off`` (no tail routing: every group serves the whole step under consistent hashing),
-``steer`` (the count flip at 0.95: after ceil(0.95 * 128) = 122 sessions, every request of the step,
-queued ones included, goes to the tail group), ``migrate`` (steer + ``tail.migrate_inflight``: the
-step's requests running elsewhere move to the tail group with their tokens, as it has room), ``age``
-(``tail.policy=age``: the tail group takes the step's first turns while it has room, then only long
-runners, moved with their tokens the moment they pass the step's 0.9 quantile of finished turn
-lengths, oldest first, while it has room),
-``predict`` (``tail.policy=predict``: a session whose earlier turn was long starts its next turn on
-the tail group), ``age+count`` (age, then the flip at 0.95 with migration), ``age+kv`` (age whose moves
-carry their KV over the sim's modelled 400 Gb/s link, ``tail.move=kv``, instead of prefilling it again)
-and ``age+trade+kv`` (that, and with the tail group full a long runner trades places with its resident
-of least expected work left, ``tail.trade_margin=200``). Step time is the
-step report's ``wall_s`` (step begin to the step's Parquet file written), averaged over 12 steps per
-arm (6 for the sensitivity runs) after one warm-up step; step ``k`` has the same sessions in every
-arm. ``ci95`` gives paired-bootstrap 95% intervals over the steps. ``best_policy`` is the arm with the
-lowest mean step time; ``speedup_best``, ``bound_ratio_best`` and ``prefix_hit_best`` are its figures.
-
-``model_twin`` (main workload): the fleet model (``tail_model.py``) of the arms it can run as the router
-does (``off``, ``age``, ``age+kv``, ``age+trade+kv``) on the very sessions and turn lengths these steps
-drew, read back from the ``off`` arm's Parquet files. Beside each arm's measured figures, its twin's
-tell what the design does on this workload from what the processes cost it.
-
-Sensitivity (``correlated_siblings``): GRPO groups of 8 sessions per prompt whose turn lengths share
-half their log-variance (``engine.output_len_prompt_share=0.5``), where ``predict`` can use siblings.
-Seer (arXiv:2511.14617, §2.3, Fig. 4) shows "highly correlated generation lengths" within a group but
-publishes no number; 0.5 is an assumption, and the main workload (no correlation) is the zero point.
-For scale, not for RL: the answer lengths Zheng et al. (arXiv:2305.13144) published for Vicuna-7B on
-Alpaca (one sample at each of three temperatures per prompt) share 0.84 of their log-variance within a
-prompt (ICC(1), computed from their ``alpaca-val-10k-length.json``).
+One seeded workload (128 three-turn sessions per step, lognormal turn lengths with a long tail) runs
+on the default fleet as a full ``launch`` per arm: ``off``, ``steer``, ``migrate``, ``age``,
+``predict``, ``age+count``, ``age+kv``, ``age+trade+kv``. Then sensitivities: compressed time, a
+thinner tail, a faster tail group, correlated siblings, length hints. ``model_twin`` runs the fleet
+model (``tail_model.py``) on the same sessions. Workload, fleet and arms: docs/benchmarks.md#tail;
+results: docs/tail-routing.md.
 """
 
 from __future__ import annotations

@@ -1,64 +1,11 @@
 """``python -m toolkit.bench tail_model``: how close placement could bring the tail bench's steps to
 their lower bound, on a model of its fleet with no process in it.
 
-``python -m toolkit.bench tail`` runs real processes on a small machine, so its figures mix what a
-policy decides with what the processes cost (sockets, heartbeats, a shared CPU). This bench replays
-the same kind of step on the same fleet as a discrete-event model (``tail_events.py``), to tell a
-limit of scheduling from one of the implementation, and to put a figure on designs the router cannot
-run today:
-
-- each replica steps as ``toolkit/engine/sim.py`` times it (:func:`step_seconds`: weights and every
-  running context read once a step, the step's prefill added to it), at the bench's fleet
-  (``conf/groups/default.yaml``) and ``time_scale``; its prefix cache holds, in whole blocks, what
-  finished or left there (the system prompt once a first request has finished);
-- a request that moves recomputes its whole context where it lands, as the router's migration does
-  (unless the design says its KV travels with it);
-- new turns are placed by the router's own :class:`~toolkit.router.policy.ConsistentHash` (bounded
-  loads, rings weighted by each replica's full-batch decode rate, as the router learns it); what
-  cannot be placed waits, oldest first, ahead of a session's next turn;
-- ``age`` is the router's own :class:`~toolkit.router.tail.age.AgePolicy` over its own
-  :class:`~toolkit.router.tail.base.StepRecord`, asked every ``TICK_S`` with exact token counts;
-- the bound is the step report's (:func:`~toolkit.rollout.bound.step_bound`) over the modelled requests.
-
-Designs (``DESIGNS``): ``off`` (also with room for 64 requests on the tail replica, so that a bigger
-room is not credited to a policy alone); ``age``, also with a lower bar for a long turn (the 0.8
-quantile, or a fixed 250 tokens); ``age`` with more room on the tail replica (32, 64 requests);
-``age`` whose moves carry their KV over a 400 Gb/s link instead of recomputing it (``kv``: what vLLM's
-KV connectors such as NIXL do on GPUs; not on the CPU build); ``rank``, a scheduler that keeps on
-the tail replica the requests whose sessions have the most work left, as far as it can tell; and an
-``oracle`` no router can run, which knows every session's length when the step begins and starts as
-many of the longest there as it holds; ``age_hint`` designs run the router's ``age`` with every turn carrying a length hint
-off by a lognormal factor of a sigma (as ``toolkit.rollout.hints.SimOracle`` sends it), judged against
-a whole step's long turn (the law's ``tail.long_quantile``, as the router takes it from the last step).
-
-Two more uses of what a router sees, each on top of ``age``: ``age_swap``, with the tail replica full, swaps
-a long runner for its resident of least expected work left (``rank``'s rule, among long runners only);
-``age_behind0.5`` starts a session's next turn on the tail replica once half the step's sessions have
-finished more turns than it (a session behind is the likeliest to end the step). ``age_kv_swap`` is
-``age_swap`` whose moves carry their KV, so a swap no longer pays two recomputes.
-
-``oracle_reveal24`` puts a figure on what telling the long sessions apart *late* is worth: the tail
-replica takes the first turns that come while it has room, as ``age`` does, and the oracle knows the
-longest sessions (as many as the tail replica holds, 24) only once at most 24 of the step's first turns still run (when a router that
-watches ages could hold every one of them on the tail replica). Then their turns move there with
-their KV, each trading places with a resident of another session if it is full; their later turns
-start there.
-
-``rank`` puts a figure on knowledge. Every ``TICK_S`` it ranks the running requests by their session's
-expected work left: the current turn's tokens still to come plus the mean turn length for each turn
-the session has left. It fills the tail replica's room from the top and, once the room is full, swaps
-its lowest-ranked request back to the bulk for a higher one (by ``SWAP_MARGIN`` tokens: a swap pays
-two recomputes). Without foresight a turn's tokens still to come are what the law of turn lengths
-expects of a turn that has run this long (all a router that watches ages knows); with
-``foresight=sigma`` a predictor names each turn's length as it starts, off by a lognormal factor of
-that sigma (0: exact; the turn lengths' own sigma is 1.0, so 0.5 explains three quarters of their
-log-variance), and once a turn outruns its prediction the law takes over.
-
-The workload draws the tail bench's distributions (128 sessions of 3 turns, prompts of 64-384 tokens
-behind a 32-token system prompt, 24-token observations, lognormal turns cut at 2,048), not its exact
-tokens; steps are seeded, and every design runs the same steps. ``prefix_hit`` counts every leg of a
-request (a moved request's recompute included; KV that travels counts neither way), so it is not the
-step report's figure.
+It replays the tail bench's workload and fleet as a discrete-event model (``tail_events.py``), with
+the router's own hashing and ``age`` policy, to tell a limit of scheduling from one of the
+implementation. ``DESIGNS`` adds designs the router cannot run today: more room, KV moves, trades,
+``rank`` with and without a predictor, oracles. The model and the designs: docs/benchmarks.md#tail_model;
+results: docs/tail-routing.md.
 """
 
 from __future__ import annotations

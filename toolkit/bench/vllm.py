@@ -1,20 +1,9 @@
 """``python -m toolkit.bench vllm``: real vLLM engines behind the toolkit against the same engine called
 directly.
 
-Both arms run the ``model=tiny`` config (the built-in random-weight model and its engine arguments)
-on this machine with the same requests: ``requests`` prompts of ``prompt_tokens`` random token ids,
-each ``max_tokens`` tokens long (``ignore_eos``), sampled with a seed, with logprobs. Arm ``router``
-goes through the toolkit: a client (``RouterClient``) -> the router process -> one replica process ->
-its AsyncLLM; the router keeps ``max_inflight`` = 2 x ``max_num_seqs`` requests in the replica so the
-engine refills its batch without a round trip. Arm ``direct`` submits the same requests straight into
-an ``AsyncLLM`` in this process, built by the same backend code (same arguments, same warm-up).
-
-Both engines are up for the whole run and the arms alternate round by round (the order flips every
-round; a pause lets the idle engine's worker stop polling), so machine noise hits both alike. Every
-round has its own prompts, identical across arms, so the prefix cache helps neither. Tokens/s count
-output tokens from the first submission to the last result. After one warm-up round each arm
-reports its best round (``ratio`` = best over best); ``ratio_median_paired`` is the median of the
-round-by-round ratios (the two arms of a round run back to back).
+Both arms run ``model=tiny`` with the same seeded requests: arm ``router`` through a client, the
+router and one replica; arm ``direct`` straight into an ``AsyncLLM`` in this process. The arms
+alternate round by round and report output tokens/s. Method: docs/benchmarks.md#vllm.
 """
 
 from __future__ import annotations

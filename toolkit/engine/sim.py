@@ -1,44 +1,10 @@
 """``sim``: a simulator of a continuous-batching LLM engine, for CPU runs, tests and policy sweeps.
 
-It is a named simulator, not a model: tokens are pseudo-random ids, seeded by the prompt (or the
-request's sampling seed), so the same request always gets the same tokens and logprobs.
-
-Time model (one decode step emits one token for every running sequence). Decoding is memory-bound:
-a step reads all weights plus every running sequence's KV cache from device memory::
-
-    step = overhead + (weight_bytes + sum(context_len) * kv_bytes_per_token) / (bandwidth * tp_speedup)
-    tp_speedup = 1 + (tensor_parallel_size - 1) * tp_efficiency
-
-With the defaults (8B bf16 = 16 GB of weights, 128 KiB of KV per token, 4.3 TB/s as an H200
-measures for device copies) that is about 3.7 ms plus about 0.06 ms per running sequence at 2k
-context. Newly admitted sequences add ``uncached_prompt_tokens / prefill_tokens_per_s`` to the step
-(prefill is compute-bound: ~16 GFLOP per token for 8B at ~50% of ~1 PFLOP/s gives ~30k tokens/s).
-An LRU cache over ``block_size``-token blocks (chained hashes, as vLLM's prefix caching) decides
-how many prompt tokens are cached. Output lengths are lognormal (median ``output_len_median``,
-sigma ``output_len_sigma``) cut at ``max_tokens`` and ``max_model_len``: the heavy tail of RL
-rollouts. ``output_len_session_share`` of the log-variance can be drawn once per session, so a hard
-task is long on every turn, and ``output_len_prompt_share`` once per prompt (``Generate.prompt_key``),
-so GRPO siblings are alike (RL systems report that requests of one prompt have similar lengths). A
-request continued elsewhere (``resumed_tokens``) keeps the length and tokens planned where it began.
-A request that brings its KV (``kv_tokens``: a move with ``tail.move=kv``) waits for it to cross the
-link (``kv_bytes_per_token / kv_link_bytes_per_s`` a token) instead of prefilling it, and the batch
-runs on meanwhile.
-``time_scale`` multiplies every duration (tests run at 0.05-0.2).
-
-The sim honours structured outputs (``sampling.structured``, the gateway's ``tool_choice`` and
-``response_format``): the output is ``engine.tokenizer``'s encoding of a seeded instance of the JSON
-Schema (a subset: ``toolkit/engine/structured.py``) or of one of the choices, with seeded logprobs;
-it ends there (``stop``), or is cut at the budget (``length``). Without ``engine.tokenizer`` such a
-request is a ``client_error``.
-
-Weights: the sim has none, but keeps versions as an engine does. ``load_weights`` (an idle engine)
-and ``update_weights_in_place`` (requests running: it takes effect at the next step boundary, empties
-the prefix cache and prefills the running contexts again) change the version; every Result lists the
-versions of its tokens, exactly, step by step (``Result.weight_versions``).
-
-Fault hooks for tests: ``fault_crash_token`` makes the process exit when a prompt holding that
-token is scheduled (a poison request), ``fault_hang_token`` stops all generation from then on while
-heartbeats continue (a hung engine that looks healthy), and SIGUSR1 makes it crash at once.
+It is a named simulator, not a model: tokens and logprobs are pseudo-random, seeded by the prompt, so
+a request always gets the same ones. A decode step reads all weights plus every running sequence's KV
+cache; prefill costs uncached tokens; an LRU prefix cache over token blocks decides what is cached;
+output lengths are lognormal. It also honours structured outputs, keeps weight versions and has fault
+hooks for tests. The time model, its defaults and every knob: docs/engines.md#the-sim-engine.
 """
 
 from __future__ import annotations

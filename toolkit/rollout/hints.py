@@ -1,7 +1,6 @@
 """Length hints: a client's guess of how long a turn will run, sent with it (``Generate.expected_tokens``).
 
-A router that sees only ages cannot tell a long turn from a short one until it has run (README, "Long
-tail"); a turn hinted long starts on the tail group instead (``TailPolicy.start_on_tail``, with
+A router that sees only ages cannot tell a long turn from a short one until it has run (docs/tail-routing.md); a turn hinted long starts on the tail group instead (``TailPolicy.start_on_tail``, with
 ``tail.policy=age`` or ``predict``). ``workload.length_hint`` names the predictor: a Hydra ``_target_``
 of a :class:`LengthHint` (a model of your own, the lengths of a prompt in the last epoch...).
 
