@@ -10,6 +10,7 @@ results: docs/tail-routing.md.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -18,13 +19,14 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from toolkit.bench.tail_arms import ARMS, SESSIONS, THRESHOLD
+from toolkit.bench.tail_model import twin as model_twin
 from toolkit.config import Config, compose_config
 from toolkit.core.rundir import RunDir
+from toolkit.launch.app import run as launch_run
 from toolkit.launch.validation import validate
 from toolkit.router.tail import flip_count
 
-THRESHOLD = 0.95
-SESSIONS = 128
 TIME_SCALE = 1.0
 """The main workload's ``engine.time_scale``: modelled real time."""
 COMPRESSED = 0.25
@@ -35,8 +37,6 @@ TAIL_AT_CAP = ("groups.tail.engine.tensor_parallel_size=4", "+groups.tail.engine
 # GRPO groups of 8 sessions per prompt whose lengths share half their log-variance (an assumption: Seer
 # shows strongly correlated sibling lengths, Fig. 4, but publishes no figure we could cite).
 SIBLINGS = ("+workload.prompts.samples_per_prompt=8", "engine.output_len_prompt_share=0.5")
-TRADE_MARGIN = 200
-"""``age+trade+kv``: tokens of expected work by which a long runner must outrank a tail resident to trade."""
 HINT_SIGMAS = (0.25, 0.5)
 """``length_hints``: the sigma of the length predictor's lognormal miss (the turn lengths' own is 1.0)."""
 
@@ -53,12 +53,8 @@ def _config(overrides: list[str]) -> Config:
 
 
 def _arm(name: str, overrides: list[str], root: Path) -> list[dict[str, Any]]:
-    from toolkit.launch.app import run
-
     cfg = _config(overrides)
-    run(cfg, RunDir(root / name), Console(quiet=True))
-    import json
-
+    launch_run(cfg, RunDir(root / name), Console(quiet=True))
     return json.loads((root / name / "report.json").read_text())["steps"]
 
 
@@ -75,23 +71,6 @@ def _ci95(a: np.ndarray, b: np.ndarray, stat: Any, resamples: int = 4000) -> lis
     idx = np.random.default_rng(0).integers(0, a.size, size=(resamples, a.size))
     lo, hi = np.percentile(stat(a[idx], b[idx]), [2.5, 97.5])
     return [round(float(lo), 4), round(float(hi), 4)]
-
-
-# Moves recompute and nothing trades unless an arm says otherwise (the default fleet's YAML turns both on).
-_RECOMPUTE = ("tail.move=recompute", "tail.trade_margin=null")
-ARMS: dict[str, tuple[str, ...]] = {
-    "off": ("tail.policy=count", "tail.threshold=null", *_RECOMPUTE),
-    "steer": ("tail.policy=count", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=false", *_RECOMPUTE),
-    "migrate": ("tail.policy=count", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true", *_RECOMPUTE),
-    "age": ("tail.policy=age", "tail.threshold=null", "tail.migrate_inflight=false", *_RECOMPUTE),
-    "predict": ("tail.policy=predict", "tail.threshold=null", "tail.migrate_inflight=false", *_RECOMPUTE),
-    "age+count": ("tail.policy=age", f"tail.threshold={THRESHOLD}", "tail.migrate_inflight=true", *_RECOMPUTE),
-    "age+kv": ("tail.policy=age", "tail.threshold=null", "tail.migrate_inflight=false", "tail.move=kv",
-               "tail.trade_margin=null"),
-    "age+trade+kv": ("tail.policy=age", "tail.threshold=null", "tail.migrate_inflight=false", "tail.move=kv",
-                     f"tail.trade_margin={TRADE_MARGIN}"),
-}
-"""Each arm's tail settings (the rest of the config is the same in every arm)."""
 
 
 def _measure(
@@ -170,10 +149,7 @@ def _measure(
         "step_times_s": {arm: [round(s["wall_s"], 3) for s in steps_] for arm, steps_ in results.items()},
     }
     if twin:
-        # The fleet model of the arms it can run, on the sessions these steps drew (imported here:
-        # the model imports this module's arms).
-        from toolkit.bench.tail_model import twin as model_twin
-
+        # The fleet model of the arms it can run, on the sessions these steps drew.
         counted = range(WARMUP_STEPS, WARMUP_STEPS + steps)
         out["model_twin"] = model_twin(_config([*base, *ARMS["age"]]), RunDir(root / _dir("off", tag)), counted, arms)
     return out

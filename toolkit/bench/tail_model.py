@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from toolkit.bench.tail import ARMS, SESSIONS
+from toolkit.bench.tail_arms import ARMS, SESSIONS
 from toolkit.bench.tail_events import LINK_BYTES_PER_S, Design, Step, workload
 from toolkit.config import Config, compose_config
 from toolkit.core.rundir import RunDir
