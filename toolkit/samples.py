@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from functools import reduce
@@ -34,6 +35,7 @@ import pyarrow.parquet as pq
 
 from toolkit.core.errors import ToolkitError
 from toolkit.core.rundir import RunDir, read_json
+from toolkit.core.slurmctl import queued_states
 from toolkit.model.tokenizer import Tokenizer
 from toolkit.session.columns import pack
 from toolkit.session.columns import to_table as _to_table
@@ -124,15 +126,11 @@ _QUEUED_POLL_S = 10.0
 
 def _slurm_job_queued(job: str) -> bool:
     """Whether Slurm still lists ``job`` as live (pending again after a requeue), where squeue runs."""
-    import shutil
-
     at, queued = _QUEUED.get(job, (-_QUEUED_POLL_S, False))
     if time.monotonic() - at < _QUEUED_POLL_S:
         return queued
     if shutil.which("squeue") is None:
         return False
-    from toolkit.core.slurmctl import queued_states
-
     listed = queued_states({job})
     queued = listed is None or job in listed  # squeue failed: nothing says the run is over
     _QUEUED[job] = (time.monotonic(), queued)

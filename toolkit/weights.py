@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from toolkit.core.errors import ToolkitError
 from toolkit.core.rundir import atomic_write
 
@@ -136,16 +138,15 @@ def _save_tensors(weights: Mapping[str, Any], out: Path) -> None:
     """``weights`` as one safetensors file, names kept: numpy arrays, or torch tensors (moved to the
     CPU, contiguous; tensors that share storage, such as tied embeddings or views of one fused tensor,
     are copied, as safetensors wants). Any other value is refused, naming it, before anything is written."""
-    import numpy as np
-
     for name, v in weights.items():
         if not isinstance(v, np.ndarray) and not type(v).__module__.startswith("torch"):
             raise TypeError(f"weights[{name!r}] is a {type(v).__name__}, not a torch.Tensor or a numpy array")
     if all(isinstance(v, np.ndarray) for v in weights.values()):
-        from safetensors.numpy import save_file as save_numpy
+        from safetensors.numpy import save_file as save_numpy  # safetensors' torch half needs torch
 
         save_numpy({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(out))
         return
+    # torch: only for a trainer's torch tensors (the vllm extra or the trainer's own).
     import torch
     from safetensors.torch import save_file
 

@@ -21,11 +21,16 @@ from typing import Any
 import numpy as np
 
 from toolkit.client import RouterClient
-from toolkit.config import compose_config, group_engine
+from toolkit.config import compose_config, group_engine, load_run_config
 from toolkit.core.lifecycle import quiet_gc
-from toolkit.core.protocol import Generate, Result, Route
+from toolkit.core.protocol import Generate, Result, Route, Sampling, Structured
+from toolkit.core.rundir import RunDir
+from toolkit.gateway.chat import ChatTokenizer
+from toolkit.gateway.server import Gateway, gateway_settings
 from toolkit.launch.stack import LocalStack
 from toolkit.launch.validation import validate
+from toolkit.model.tokenizer import chat_tokenizer_dir
+from toolkit.session.requests import RequestLog
 
 SESSIONS_PER_RANK = 256
 RANKS = 2
@@ -74,15 +79,10 @@ def _segments(tokens: list[int], mask: list[int]) -> tuple[list[int], list[list[
 
 async def _gateway_rank(run_dir: Path, rank: int, n: int, harness: str, tool_s: float,
                         one_at_a_time: bool = False) -> dict[str, Any]:
+    # openai is a test extra; aiohttp only for this harness's own client.
     import aiohttp
     import openai
 
-    from toolkit.config import load_run_config
-    from toolkit.core.rundir import RunDir
-    from toolkit.gateway.chat import ChatTokenizer
-    from toolkit.gateway.server import Gateway, gateway_settings
-    from toolkit.model.tokenizer import chat_tokenizer_dir
-    from toolkit.session.requests import RequestLog
 
     rd = RunDir(run_dir)
     cfg = load_run_config(run_dir)
@@ -165,10 +165,6 @@ async def _gateway_rank(run_dir: Path, rank: int, n: int, harness: str, tool_s: 
 
 async def _direct_rank(run_dir: Path, rank: int, replay: list[list[tuple[list[int], int]]],
                        tool_s: float) -> dict[str, Any]:
-    from toolkit.config import load_run_config
-    from toolkit.core.protocol import Sampling, Structured
-    from toolkit.core.rundir import RunDir
-
     cfg = load_run_config(run_dir)
     client = RouterClient(RunDir(run_dir))
     await client.connect(30)
@@ -219,8 +215,6 @@ def _unloaded(pool: Any, run_dir: Path, sessions: int) -> dict[str, Any]:
 async def _cold_caches(run_dir: Path) -> None:
     """Every arm starts with empty prefix caches (a weight update empties them): the arms replay the
     same prompts, and a later arm must not find the earlier one's prefixes cached."""
-    from toolkit.core.rundir import RunDir
-
     client = RouterClient(RunDir(run_dir))
     await client.connect(30)
     try:

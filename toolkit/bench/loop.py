@@ -19,14 +19,13 @@ from rich.console import Console
 
 from toolkit.config import compose_config
 from toolkit.core.rundir import RunDir, read_json
+from toolkit.launch.app import run as launch_run
 from toolkit.launch.validation import validate
 from toolkit.samples import read_step, wait_step
 from toolkit.weights import publish
 
 
 def _rollout(overrides: list[str], run: Path) -> None:
-    from toolkit.launch.app import run as launch_run
-
     cfg = compose_config(overrides)
     validate(cfg)
     launch_run(cfg, RunDir(run), Console(quiet=True))

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from toolkit.cluster.local import find_mpiexec
 from toolkit.core.protocol import Result
 from toolkit.session.columns import ColumnBuilder, gather_columns, to_table, write_parquet
 from toolkit.session.sample import Sample
@@ -112,6 +113,7 @@ def _write(cols: dict[str, np.ndarray], path: Path) -> tuple[int, int]:
 
 
 def rank_main(arm: str, sessions_per_rank: int, out: Path) -> None:
+    # Importing mpi4py.MPI initialises MPI: only in the ranks mpiexec starts, never in the bench's driver.
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -199,8 +201,6 @@ def _record_tokens(records: list[Record]) -> int:
 
 
 def run_arm(arm: str, sessions_per_rank: int, work: Path, timeout_s: float = 1800) -> dict[str, Any]:
-    from toolkit.cluster.local import find_mpiexec
-
     out = work / arm
     out.mkdir(parents=True, exist_ok=True)
     cmd = [find_mpiexec(None), "-n", str(RANKS), sys.executable, "-m", "toolkit.bench.merge", "--arm", arm,

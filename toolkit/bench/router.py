@@ -24,8 +24,10 @@ import zmq
 
 from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
 from toolkit.core import protocol as P
+from toolkit.core.rundir import RunDir
 from toolkit.core.sockets import make_socket
 from toolkit.launch.stack import LocalStack
+from toolkit.router.server import Router
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 16
@@ -262,9 +264,6 @@ def throughput(n: int, window: int, replicas: int, rounds: int) -> tuple[float, 
 def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000, jobs: int = 8,
                   policy: str = "consistent_hash") -> tuple[float, float]:
     """p50 and p99 of one dispatch decision, in microseconds."""
-    from toolkit.core.rundir import RunDir
-    from toolkit.router.server import Router
-
     max_inflight = 4
     cfg = bench_config(replicas, max_inflight, policy)
     rng = random.Random(0)

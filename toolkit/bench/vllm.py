@@ -19,7 +19,12 @@ from typing import Any
 
 import msgspec
 
+from toolkit.client import RouterClient
+from toolkit.config import compose_config
 from toolkit.core.protocol import Generate, Result, Sampling
+from toolkit.engine.vllm import VllmEngine
+from toolkit.launch.stack import LocalStack
+from toolkit.launch.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +33,6 @@ IDLE_S = 1.5  # vLLM's worker busy-polls its queue for 1 s after its last step
 
 def bench_config(cache_dir: str) -> Any:
     """``model=tiny`` as launch composes it, one group of one replica."""
-    from toolkit.config import compose_config
-    from toolkit.launch.validation import validate
-
     cfg = compose_config(["model=tiny", "groups=single", "groups.throughput.replicas=1",
                           f"engine.cache_dir={cache_dir}"])
     cfg.groups["throughput"].max_inflight = 2 * int(cfg.engine.args.get("max_num_seqs", 64))
@@ -55,9 +57,6 @@ def _tokens(results: list[Result]) -> int:
 
 
 async def _compare(stack: Any, cfg: Any, batches: list[list[Generate]]) -> dict[str, list[float]]:
-    from toolkit.client import RouterClient
-    from toolkit.engine.vllm import VllmEngine
-
     engine = VllmEngine(cfg.engine)
     await engine.start()
     client = RouterClient(stack.run_dir)
@@ -93,8 +92,6 @@ async def _compare(stack: Any, cfg: Any, batches: list[list[Generate]]) -> dict[
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from toolkit.launch.stack import LocalStack
-
     n, prompt_tokens, max_tokens, rounds = (64, 64, 32, 1) if quick else (256, 64, 64, 5)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         cfg = bench_config(str(Path(tmp) / "cache"))

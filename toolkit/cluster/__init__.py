@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.cluster.base import Cluster, Component
+from toolkit.cluster.storage import check_shared, cluster_nodes
 from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import ProcessRef
@@ -25,8 +26,6 @@ def preflight(cfg: Config, run_root: Path) -> None:
     c = cfg.cluster
     if not isinstance(c, SlurmClusterConfig) or not c.shared_fs_check:
         return
-    from toolkit.cluster.storage import check_shared, cluster_nodes
-
     nodes = cluster_nodes(c.partition)
     errors = []
     for field, path in (("hydra.run.dir", run_root), ("cluster.cache_dir", c.cache_dir)):

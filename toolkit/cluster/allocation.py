@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from toolkit.cluster.base import Cluster, Component
 from toolkit.cluster.local import ProcessGroupComponent
+from toolkit.cluster.slurm import cache_dir, cache_env
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
@@ -161,8 +162,6 @@ class AllocationCluster(Cluster):
             raise ComponentFailed(f"the plan needs {self.plan.nodes} node(s) but the allocation has {len(self.hosts)} "
                                   f"({nodelist}); render a script for this config: python -m toolkit.launch.sbatch ...")
         self.python = self.c.python or sys.executable
-        from toolkit.cluster.slurm import cache_dir, cache_env
-
         self.env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS_PER_NODE"}
         self.env.update(cache_env(cache_dir(cfg, run_dir)))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 
 from toolkit.config import Config
@@ -48,8 +49,6 @@ class Component(ABC):
     def stop(self, wait_s: float = 30.0) -> bool:
         """Cancel it, kill it if it has not ended within ``wait_s``; whether it is gone (a controller
         that does not answer may leave it running: nothing must be started in its place then)."""
-        import time
-
         for end in (self.cancel, self.kill):
             end()
             deadline = time.monotonic() + wait_s
@@ -100,8 +99,6 @@ class Cluster(ABC):
     def stop_all(self, grace_s: float = 5.0, sweep: bool = True) -> list[ProcessRef]:
         """Cancel every component, then stop by pid whatever is left (with ``sweep``, every process in
         the run dir's pid files too); returns survivors (none)."""
-        import time
-
         for c in self.components:
             if c.alive():
                 c.cancel()

@@ -19,6 +19,7 @@ from toolkit.config import replica_nodes
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
 from toolkit.engine import replica
+from toolkit.engine.nodes import NodeRole, serve_node
 
 
 def free_port() -> int:
@@ -29,8 +30,6 @@ def free_port() -> int:
 
 def node_task(run_dir: str, group: str, index: int, owner: ProcessRef, nodes: int, port: int) -> None:
     """One node rank of a local multi-node replica (its submitit task rank)."""
-    from toolkit.engine.nodes import NodeRole, serve_node
-
     rank = submitit.JobEnvironment().global_rank
     serve_node(run_dir, group, index, NodeRole(rank, nodes, "127.0.0.1", port), owner)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import submitit
 
+from toolkit import router
 from toolkit.cluster.base import Cluster, Component
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.core.errors import ComponentFailed
@@ -34,6 +35,8 @@ from toolkit.core.lease import current_epoch
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import JobStates, hostnames, need, scancel, wait_gone
+from toolkit.engine.nodes import NodeRole, serve_node
+from toolkit.rollout import worker
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +96,6 @@ def outside_job() -> Iterator[None]:
 
 # ---- what runs inside the jobs (pickled by submitit) ------------------------------------------
 def router_task(run_dir: str) -> None:
-    from toolkit import router
-
     router.serve(run_dir, None)
 
 
@@ -122,8 +123,6 @@ def replica_task(run_dir: str, group: str, index: int) -> None:
     for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
-    from toolkit.engine.nodes import NodeRole, serve_node
-
     role = node_role()
     # A requeued job keeps its id, and its steps' ids start again at 0: the restart count tells its
     # incarnations apart, so node ranks never read the previous one's address.
@@ -135,8 +134,6 @@ def replica_task(run_dir: str, group: str, index: int) -> None:
 
 
 def ranks_task(run_dir: str, first_step: int = 0) -> None:
-    from toolkit.rollout import worker
-
     code = worker.main([run_dir, "--first-step", str(first_step)])
     if code:
         raise ComponentFailed(f"rollout rank exited with {code}")

@@ -55,23 +55,30 @@ class Register(Message):
     max_inflight: int = 64
     max_model_len: int = 8192
     vocab_size: int = 32000
-    weights_path: str = ""
-    """The checkpoint it holds, loaded through an ``UpdateWeights`` ("": the model's own weights)."""
-    weights_version: int = 0
-    weights_serial: int = 0
-    """That ``UpdateWeights``' ``serial``."""
+    weights: UpdateWeights | None = None
+    """The ``UpdateWeights`` whose checkpoint it holds (None: the model's own weights)."""
+
+
+class ReplicaStats(Message):
+    """An engine's load and counters: filled by the engine backends, carried by every ``Heartbeat``, and
+    the last one kept per replica by the router."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    """Share of the KV cache in use."""
+    prefix_hits: int = 0
+    """Prompt tokens found in the prefix cache since the engine started."""
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since the engine started."""
+    weight_version: int = 0
+    generated_tokens: int = 0
+    """Tokens generated since the engine started: the router's evidence of progress."""
 
 
 class Heartbeat(Message):
     replica_id: str
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    weight_version: int = 0
-    generated_tokens: int = 0
-    """Tokens generated since the engine started: the router's evidence of progress."""
+    stats: ReplicaStats = msgspec.field(default_factory=ReplicaStats)
 
 
 MAX_EXPECTED_TOKENS = (1 << 31) - 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from toolkit.core.errors import RouterUnavailable, RunDirInUse
 
 logger = logging.getLogger(__name__)
 
@@ -327,8 +330,6 @@ class RunDir:
 
     def clear_steps_from(self, step: int) -> list[Path]:
         """Remove what an interrupted run left of ``step`` and later steps; returns what was removed."""
-        import shutil
-
         removed = []
         for p in sorted(self.steps.glob("step_*")):
             num = p.name[5:].split(".")[0].split("_")[0]  # step_00012.json, step_00012/, step_123456.parquet
@@ -381,8 +382,6 @@ class RunDir:
     def ensure_unused(self) -> None:
         """Refuse a directory another run has used (unless resuming it): its router address would mislead
         the new run's components, and its step files would be overwritten or mixed with the new ones."""
-        from toolkit.core.errors import RunDirInUse
-
         found = self.holds_run()
         if found:
             names = ", ".join(str(p.relative_to(self.root)) for p in found)
@@ -409,8 +408,6 @@ class RunDir:
             time.sleep(0.05)
 
     def wait_router_address(self, timeout_s: float) -> dict[str, str]:
-        from toolkit.core.errors import RouterUnavailable
-
         info = self.poll_router_address(time.monotonic() + timeout_s)
         if info is None:
             raise RouterUnavailable(f"no router address in {self.router_address} after {timeout_s:.0f}s")

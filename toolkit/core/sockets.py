@@ -13,6 +13,7 @@ import zmq.asyncio
 
 from toolkit.core import protocol as P
 from toolkit.core.errors import RouterUnavailable
+from toolkit.core.rundir import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,6 @@ class RouterLink:
         """Reconnect if the router has moved; True if it did. A file that cannot be read now (a shared
         file system's hiccup) leaves the link as it is until the next look: the caller is the task
         that reads the socket, and nothing would read it if this raised."""
-        from toolkit.core.rundir import read_json
-
         try:
             info = await asyncio.to_thread(read_json, self.address_file)
             address = info.get(self.side) if isinstance(info, dict) else None

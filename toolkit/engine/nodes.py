@@ -20,7 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from toolkit.config import ENGINES
+from toolkit.config.entry import enter_component
 from toolkit.core.lifecycle import ProcessRef, write_pidfile
+from toolkit.core.rundir import RunDir, atomic_write, read_json
+from toolkit.core.sockets import node_address
+from toolkit.engine import replica
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +74,8 @@ class NodeRole:
 def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owner: ProcessRef | None = None) -> None:
     """Entry point of one node rank of replica ``group``-``index`` (node rank 0, or a one-node replica:
     the replica itself)."""
-    from toolkit.core.rundir import RunDir, atomic_write, read_json
-    from toolkit.engine import replica
-
     replica_name = f"replica-{group}-{index}"
     if role is not None and role.rank == 0 and role.rendezvous and role.nnodes > 1:
-        from toolkit.core.sockets import node_address
-
         role = dataclasses.replace(role, master_addr=node_address())
         atomic_write(RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous),
                      json.dumps({"addr": role.master_addr, "port": role.master_port}))
@@ -84,9 +84,6 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     if role is None or role.rank == 0:
         replica.serve(run_dir, group, index, owner)
         return
-    from toolkit.config import ENGINES
-    from toolkit.config.entry import enter_component
-
     name = f"{replica_name}-node{role.rank}"
     rd, cfg = enter_component(run_dir, name, owner)
     if role.rendezvous and role.nnodes > 1:

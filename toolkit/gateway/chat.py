@@ -63,6 +63,7 @@ class ChatTokenizer:
     """A model's tokenizer and chat template (``AutoTokenizer`` over the model's own files)."""
 
     def __init__(self, path: str | Path) -> None:
+        # transformers takes seconds to import: only in a rank that serves agents.
         from transformers import AutoTokenizer
 
         self.path = Path(path)
@@ -111,7 +112,7 @@ class ChatTokenizer:
         token strings map back through GPT-2's byte alphabet; a byte-fallback token (``<0xE2>``) is its
         byte; a SentencePiece token its text with ``▁`` as the space it stands for (a decode of it alone
         drops a leading space); any other token, its decoded text."""
-        from tokenizers import decoders
+        from tokenizers import decoders  # with the byte map, built on first use
 
         if self._byte_of is None:
             from transformers.convert_slow_tokenizer import bytes_to_unicode

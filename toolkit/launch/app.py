@@ -26,7 +26,12 @@ from toolkit.core.errors import Interrupted, ToolkitError
 from toolkit.core.lease import Lease
 from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import requeue
+from toolkit.launch import resume
+from toolkit.launch.composition import precheck
+from toolkit.launch.resume import check
+from toolkit.launch.run import STOP, Run
 from toolkit.launch.validation import validate
+from toolkit.report.run_report import draw_timeline
 from toolkit.report.sweep import SWEEP_EXIT
 
 logger = logging.getLogger(__name__)
@@ -79,8 +84,6 @@ def check_run_dir(cfg: Config, run_dir: RunDir) -> bool:
     """True to resume the run ``run_dir`` holds (refused if the config changed what it generates);
     False for a new run (refused if the directory holds one and ``resume`` is off)."""
     if cfg.resume and run_dir.holds_run():
-        from toolkit.launch.resume import check
-
         check(cfg, run_dir)
         return True
     run_dir.ensure_unused()
@@ -90,8 +93,6 @@ def check_run_dir(cfg: Config, run_dir: RunDir) -> bool:
 def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
     """Run a validated config in ``run_dir`` (or continue it, with ``resume``); always tears down
     what it started and releases the run's lease."""
-    from toolkit.launch import resume
-
     resuming = check_run_dir(cfg, run_dir)
     run_dir.make()
     lease = Lease(run_dir, cfg.cluster.lease_s)
@@ -110,8 +111,6 @@ def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
 
 
 def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int, lease: Lease) -> dict:
-    from toolkit.launch.run import Run
-
     with Run(cfg, run_dir, console, lease) as r:
         try:
             console.print(f"[dim]run dir {run_dir.root}[/dim]")
@@ -144,8 +143,6 @@ def _run_steps(cfg: Config, run_dir: RunDir, console: Console, first: int, lease
             r.write_report(None, error=f"{type(exc).__name__}: {exc}")
             raise
     r.write_report(summary)
-    from toolkit.report.run_report import draw_timeline
-
     try:
         draw_timeline(run_dir.root)
     except Exception as exc:  # a figure: the run and its files are whole without it
@@ -201,8 +198,6 @@ def _fail(code: int) -> None:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(dcfg: DictConfig) -> None:
-    from toolkit.launch.run import STOP
-
     STOP.install()  # from the start: SIGUSR1's default action would end launch without a teardown
     console = Console()
     run_dir = RunDir(Path(HydraConfig.get().runtime.output_dir))
@@ -232,8 +227,6 @@ def main(dcfg: DictConfig) -> None:
 def cli() -> None:
     """``python -m toolkit.launch``: the overrides are checked first, so that a composition error comes
     back as the toolkit's error list (``toolkit/launch/composition.py``), then Hydra runs :func:`main`."""
-    from toolkit.launch.composition import precheck
-
     try:
         precheck(sys.argv[1:])
     except ToolkitError as exc:

@@ -20,6 +20,7 @@ from toolkit.config import Config, load_run_config
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import read_pidfiles, stop_processes
 from toolkit.core.rundir import RunDir
+from toolkit.core.slurmctl import scancel, wait_gone
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,6 @@ def cancel_leftovers(rd: RunDir, epoch: int) -> None:
         old_jobs += [line.strip() for line in p.read_text().splitlines() if line.strip()]
     left_jobs: list[str] = []
     if old_jobs:
-        from toolkit.core.slurmctl import scancel, wait_gone
-
         scancel(old_jobs)
         left_jobs = wait_gone(old_jobs, timeout_s=90.0)
         if left_jobs:

@@ -16,11 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from rich.console import Console
 
 from toolkit.client import ready_counts, router_status
 from toolkit.cluster import Cluster, Component, make_cluster
-from toolkit.config import Config, curve_enabled, group_engine
+from toolkit.config import ENGINES, Config, curve_enabled, group_engine
 from toolkit.core.errors import ComponentFailed, Interrupted, ReadinessTimeout
 from toolkit.core.lease import Lease
 from toolkit.core.lifecycle import ProcessRef
@@ -155,8 +156,6 @@ class Run:
         self.next_step = first_step
         cfg = self.cfg
         if cfg.report.trackers:
-            from omegaconf import OmegaConf
-
             config = OmegaConf.to_container(OmegaConf.load(self.run_dir.config))
             self.trackers = Trackers(list(cfg.report.trackers), self.run_dir, config,  # type: ignore[arg-type]
                                      {"wandb_project": cfg.report.wandb_project, "wandb_mode": cfg.report.wandb_mode})
@@ -386,8 +385,6 @@ class Run:
     def stop_components(self) -> None:
         with contextlib.suppress(OSError):  # a display on a terminal that hung up: the teardown goes on
             self.progress.close()
-        from toolkit.config import ENGINES
-
         # Each backend's own time to close (vLLM's shutdown waits on its workers), then stop by pid.
         grace = max(ENGINES.impl(group_engine(self.cfg, g).type).shutdown_s for g in self.cfg.groups)
         # A launch that lost its lease stops only what it started itself: the pid files are the newer

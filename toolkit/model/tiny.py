@@ -119,6 +119,7 @@ def _corpus(n: int = 4000, seed: int = 0) -> Iterator[str]:
 def build_tokenizer(out: Path) -> object:
     """A byte-level BPE of exactly :data:`VOCAB` tokens, :data:`SPECIAL_TOKENS` first, with the chat
     template, saved to ``out``; returns the ``PreTrainedTokenizerFast``. Needs no torch."""
+    # transformers takes seconds to import: only when the tokenizer is built (once per cache).
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,6 +148,7 @@ def _save_tokenizer(tok: object, out: Path) -> None:
 
 def build_model(out: Path, seed: int = 0, tokenizer: object | None = None) -> Path:
     """A complete model directory (config, bf16 safetensors, tokenizer) with weights drawn from ``seed``."""
+    # torch comes with the vllm extra only.
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -173,6 +175,7 @@ def build_model(out: Path, seed: int = 0, tokenizer: object | None = None) -> Pa
 
 def build_lora(out: Path, seed: int = 2) -> Path:
     """A PEFT-layout adapter on q_proj and v_proj, with a non-zero B (PEFT's B=0 init is a no-op)."""
+    # torch comes with the vllm extra only.
     import torch
     from safetensors.torch import save_file
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from hydra.utils import instantiate
+
 from toolkit.core.errors import ToolkitError
 from toolkit.model.tiny import ensure_tiny_tokenizer
 
@@ -89,8 +91,6 @@ def load_tokenizer(spec: Any) -> Tokenizer | None:
     if isinstance(spec, str | Path):
         return HFTokenizer(spec)
     if isinstance(spec, dict) or hasattr(spec, "keys"):
-        from hydra.utils import instantiate
-
         return load_tokenizer(instantiate(spec))
     if isinstance(spec, Tokenizer):
         return spec

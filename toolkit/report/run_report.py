@@ -1,4 +1,4 @@
-"""``python -m toolkit.report.run_report RUN_DIR``: print a run's report as a table and (re)draw ``timeline.png``.
+"""``python -m toolkit.report RUN_DIR``: print a run's report as a table and (re)draw ``timeline.png``.
 
 The timeline has one panel per step: requests in flight per engine group over time, as the router
 saw them (``timeline/<job>.step_XXXXX.json``), with the tail flip marked.
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.core.rundir import RunDir, read_json
+from toolkit.samples import steps
 
 
 def load_timelines(run_dir: Path) -> list[dict[str, Any]]:
@@ -38,6 +39,7 @@ def draw_timeline(run_dir: Path, path: Path | None = None, last: int = TIMELINE_
     steps = sorted(latest, key=lambda d: (d["job"], d["step"]))
     if not steps:
         return None
+    # matplotlib takes ~0.5 s to import: only when a timeline is drawn.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,8 +206,6 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def current_report(rd: RunDir) -> dict[str, Any] | None:
     """``report.json`` with every step report on disk: a run still going (or killed, or resumed and
     going again) has steps its last report.json does not hold yet, or none at all."""
-    from toolkit.samples import steps
-
     report = read_json(rd.report)
     on_disk = [r for r in (read_json(rd.step_report(k)) for k in steps(rd)) if r]
     if report is None and not on_disk:
@@ -221,7 +221,7 @@ def current_report(rd: RunDir) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m toolkit.report.run_report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m toolkit.report", description=__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--json", action="store_true", help="print report.json (steps and summary) and stop")
     args = parser.parse_args(argv)

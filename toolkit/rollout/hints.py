@@ -21,6 +21,7 @@ import numpy as np
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.protocol import MAX_EXPECTED_TOKENS, Generate
+from toolkit.engine.sim import plan_output
 
 
 class LengthHint(ABC):
@@ -67,8 +68,6 @@ class SimOracle(LengthHint):
         self.engine = SimEngineConfig(**engine)
 
     def expected_tokens(self, request: Generate) -> int:
-        from toolkit.engine.sim import plan_output
-
         if request.sampling.structured is not None:
             return 0  # its plan needs the tokenizer: no guess
         tokens, _, _ = plan_output(self.engine, request)

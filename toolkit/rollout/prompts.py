@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import pyarrow.parquet as pq
 
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 
@@ -193,8 +194,6 @@ class FilePrompts(PromptSource):
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         return pq.read_table(path).to_pylist()
     dec = msgspec.json.Decoder(dict)
     out = []
@@ -211,8 +210,6 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
 def _peek(path: Path) -> tuple[set[str], int]:
     """The keys of the first record and the number of records, without loading the file."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         meta = pq.ParquetFile(path)
         return set(meta.schema_arrow.names), meta.metadata.num_rows
     keys: set[str] | None = None
