@@ -77,7 +77,7 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
                     register(s, rid)
         if time.monotonic() >= next_beat:
             for s, rid in socks:
-                s.send_multipart(P.encode(P.Heartbeat(rid, generated_tokens=int(time.monotonic() * 1000))))
+                s.send_multipart(P.encode(P.Heartbeat(rid, P.ReplicaStats(generated_tokens=int(time.monotonic() * 1000)))))
             next_beat = time.monotonic() + heartbeat_s
 
 
@@ -276,8 +276,10 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
             router.bind("127.0.0.1")
             for i in range(replicas):
                 ident = f"r{i}".encode()
-                router.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20))
-                router.pool.set_ready(router.replicas[ident])
+                router.membership.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20))
+                replica = router.pool.known(ident)
+                assert replica is not None
+                router.pool.set_ready(replica)
             prompt = list(range(1, PROMPT_LEN + 1))
             total = queued + replicas * max_inflight
             for k in range(total + samples):
@@ -286,7 +288,7 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
                 router.submit(b"client", msg, _enc.encode(msg))
             router.dispatch()  # fills every slot; the rest stays queued
             assert router.queue.size >= queued, router.queue.size
-            reps = list(router.replicas.values())
+            reps = list(router.pool.all())
             times = []
             while len(times) < samples:
                 r = reps[rng.randrange(len(reps))]

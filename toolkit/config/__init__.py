@@ -21,6 +21,7 @@ from toolkit.config.backends import (
     CLUSTERS,
     ENGINES,
     VLLM_OWN_ARGS,
+    Backend,
     ClusterConfig,
     GroupConfig,
     ReplicaResources,
@@ -28,27 +29,36 @@ from toolkit.config.backends import (
     SlurmClusterConfig,
     VllmEngineConfig,
 )
+from toolkit.config.constraints import Choice, bounded, field_errors, matching, nonempty
 from toolkit.config.sections import (
-    OUTPUTS,
-    QUEUES,
-    UPDATE_MODES,
     GatewayConfig,
+    Move,
+    Output,
+    QueueOrder,
     ReportConfig,
     RolloutConfig,
     RouterConfig,
+    RouterPolicyName,
     TailConfig,
+    TailPolicyName,
+    ToolParser,
+    UpdateMode,
+    WandbMode,
     WorkloadConfig,
+    flip_count,
 )
 from toolkit.core.errors import ConfigError, FieldError, ToolkitError
 from toolkit.core.rundir import RunDir, atomic_write
 
 __all__ = [
-    "CONF_DIR", "OUTPUTS", "QUEUES", "UPDATE_MODES", "VLLM_OWN_ARGS", "ClusterConfig", "Config", "ConfigError",
-    "ConfigSchema", "GatewayConfig", "GroupConfig", "ReplicaResources", "ReportConfig", "RolloutConfig",
-    "RouterConfig", "SimEngineConfig", "SlurmClusterConfig", "TailConfig", "VllmEngineConfig", "WorkloadConfig",
-    "compose_config", "from_dictconfig", "group_engine", "load_run_config", "moves_carry_kv", "register_configs",
-    "replica_devices",
-    "replica_nodes", "replica_resources", "replica_shape", "save_run_config", "typed_groups",
+    "CONF_DIR", "VLLM_OWN_ARGS", "Backend", "Choice", "ClusterConfig", "Config", "ConfigError",
+    "ConfigSchema", "GatewayConfig", "GroupConfig", "Move", "Output", "QueueOrder", "ReplicaResources",
+    "ReportConfig", "RolloutConfig", "RouterConfig", "RouterPolicyName", "SimEngineConfig",
+    "SlurmClusterConfig", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",
+    "WandbMode", "WorkloadConfig", "compose_config", "engine_variants", "field_errors", "flip_count",
+    "from_dictconfig", "group_engine", "load_run_config", "moves_carry_kv", "register_configs",
+    "replica_devices", "replica_nodes", "replica_resources", "replica_shape", "save_run_config",
+    "typed_groups",
 ]
 
 
@@ -58,7 +68,7 @@ class Config:
     """How components start, typed by the ``cluster`` config group (its ``type`` field)."""
     engine: Any = MISSING
     """Engine backend config, chosen by the ``engine`` config group (its ``type`` field)."""
-    groups: dict[str, GroupConfig] = field(default_factory=dict)
+    groups: dict[str, GroupConfig] = nonempty("at least one engine group")
     """Engine groups by name."""
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     """What a session runs: prompts, environment or agent, sampling (the ``workload`` config group)."""
@@ -72,13 +82,13 @@ class Config:
     """The ranks' HTTP gateway for agents (``workload.agent``)."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """The step report, its console line and the trackers it feeds."""
-    steps: int = 2
+    steps: int = bounded(2, ge=1)
     """Rollout steps to run."""
-    sessions_per_step: int = 32
+    sessions_per_step: int = bounded(32, ge=1)
     """Sessions (prompts) per step; one Parquet row each."""
-    ranks: int = 2
+    ranks: int = bounded(2, ge=1)
     """MPI rollout ranks."""
-    job: str = "rollout"
+    job: str = matching("rollout", r"^[^/]+$", "a non-empty name without '/'")
     """Job name: the router shares replicas fairly between jobs."""
     seed: int = 0
     """Seeds prompts and the simulator."""
@@ -187,6 +197,18 @@ def compose_config(overrides: list[str] | None = None) -> Config:
 def group_engine(cfg: Config, group: str) -> Any:
     """The engine config of one group: ``engine`` with the group's overrides applied."""
     return dataclasses.replace(cfg.engine, **cfg.groups[group].engine)
+
+
+def engine_variants(cfg: Config) -> list[tuple[str, Any, set[str]]]:
+    """The engine and every group's version of it (``groups.<g>.engine`` overrides), each with its path and
+    the fields it sets: a group's version is checked only on the fields it overrides. A group that names a
+    field the engine does not have has no version (the walker reports the field)."""
+    names = {f.name for f in dataclasses.fields(cfg.engine)} - {"type"}
+    variants: list[tuple[str, Any, set[str]]] = [("engine", cfg.engine, names)]
+    for name, group in cfg.groups.items():
+        if group.engine and set(group.engine) <= names:
+            variants.append((f"groups.{name}.engine", group_engine(cfg, name), set(group.engine)))
+    return variants
 
 
 def moves_carry_kv(cfg: Config) -> bool:

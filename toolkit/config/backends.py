@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.config.constraints import bounded, matching, overrides
 from toolkit.core.registry import Backend, Registry
+
+MEM = r"^[0-9]+[KMGT]?$"
+"""Memory the way sbatch's ``--mem`` takes it (megabytes without a suffix)."""
+MEM_WORDS = "sbatch memory, e.g. 512M or 4G"
 
 
 @dataclass
@@ -15,9 +20,9 @@ class ClusterConfig:
     type: str = "local"
     """Cluster backend: ``local`` (submitit LocalExecutor + mpiexec), ``slurm`` (submitit SlurmExecutor
     from a login node) or ``allocation`` (srun steps inside an sbatch allocation, see ``slurm/``)."""
-    ready_timeout_s: float = 120.0
+    ready_timeout_s: float = bounded(120.0, gt=0)
     """How long to wait for the router and every replica to be ready before failing the run."""
-    job_timeout_min: int = 24 * 60
+    job_timeout_min: int = bounded(24 * 60, ge=1, note="(minutes)")
     """Wall-clock limit of each component job (submitit ``timeout_min``)."""
     mpiexec: str | None = None
     """``mpiexec`` to start the ranks with; default: the one beside the running Python (mpich wheel)."""
@@ -25,16 +30,16 @@ class ClusterConfig:
     """Start a replacement when a replica process dies during the run."""
     restart_router: bool = True
     """Start a new router when the router dies; clients and replicas follow it and resend."""
-    lease_s: float = 60.0
+    lease_s: float = bounded(60.0, ge=1, note="(seconds)")
     """Every component exits when launch has not renewed its lease (``<run dir>/lease.json``) for this
     long: the jobs of a launch that was killed end (``toolkit/core/lease.py``)."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = bounded(0, ge=0)
     """Devices of one node (GPUs; on vLLM's CPU build, engine worker processes). 0: every replica fits on
     one node (``cluster.replica.nodes`` says otherwise on Slurm). N: a replica whose tensor x pipeline
     parallel size W is larger than N spans W / N nodes (W must be a multiple of N), one node rank per
     node, each with N devices; ``allocation`` also packs smaller replicas onto nodes by it. Locally, each
     node rank is its own process, and they meet only through the master address."""
-    signal_grace_s: int = 180
+    signal_grace_s: int = bounded(180, ge=0, note="(seconds)")
     """On SIGUSR1 (the sbatch templates have Slurm send it this many seconds before the time limit,
     ``--signal=B:USR1@N``) launch finishes the step in flight if it can in this time less a teardown
     margin, else abandons it; it stops every component and, inside an sbatch job, requeues the job,
@@ -45,13 +50,13 @@ class ClusterConfig:
 class ReplicaResources:
     """What one engine replica asks Slurm for."""
 
-    gpus: int = 0
+    gpus: int = bounded(0, ge=0)
     """GPUs per node of one replica; 0 for a CPU engine such as ``sim``."""
-    nodes: int = 1
+    nodes: int = bounded(1, ge=1)
     """Nodes one replica spans (vLLM multi-node: each node gets its node rank and the master address)."""
-    cpus: int = 1
+    cpus: int = bounded(1, ge=1)
     """CPUs per node of one replica."""
-    mem: str = "2G"
+    mem: str = matching("2G", MEM, MEM_WORDS)
     """Memory per node of one replica (sbatch ``--mem``: a number with an optional K/M/G/T suffix)."""
     partition: str | None = None
     """``cluster=slurm``: the partition of this group's replica jobs (null = ``cluster.partition``), e.g.
@@ -84,27 +89,27 @@ class SlurmClusterConfig(ClusterConfig):
     """Python that the jobs run; null = the interpreter running ``launch``."""
     replica: ReplicaResources = field(default_factory=ReplicaResources)
     """Resources of one replica of every group."""
-    group_resources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    group_resources: dict[str, dict[str, Any]] = overrides("cluster.replica", keyed=True)
     """Per-group overrides of ``replica``, e.g. ``{tail: {gpus: 2}}``."""
-    router_cpus: int = 1
+    router_cpus: int = bounded(1, ge=1)
     """CPUs of the router job (a CPU job)."""
-    router_mem: str = "1G"
+    router_mem: str = matching("1G", MEM, MEM_WORDS)
     """Memory of the router job."""
-    rank_cpus: int = 1
+    rank_cpus: int = bounded(1, ge=1)
     """CPUs of each rollout rank."""
-    rank_mem: str = "1G"
+    rank_mem: str = matching("1G", MEM, MEM_WORDS)
     """Memory of each rollout rank."""
-    ranks_per_node: int | None = None
+    ranks_per_node: int | None = bounded(None, ge=1)
     """Rollout ranks on one node; null = all ranks on one node."""
     mpi: str = "pmi2"
     """``srun --mpi`` plugin that wires the ranks into one MPI world (pmi2 works with the mpich wheel)."""
-    cache_dir: str | None = None
+    cache_dir: str | None = matching(None, r"^/", "an absolute path on a shared file system")
     """Shared compile-cache dir (vLLM, Triton, TorchInductor), so a replaced or added replica starts
     warm; null = ``<run dir>/cache``. Must be on a file system every node sees."""
     shared_fs_check: bool = True
     """Refuse a run dir (or cache dir) on node-local storage (see ``toolkit/cluster/slurm.py``); turn
     off only where every component runs on one node."""
-    poll_s: float = 1.0
+    poll_s: float = bounded(1.0, gt=0)
     """Interval of the ``squeue``/``sacct`` queries that watch the jobs."""
 
 
@@ -116,11 +121,11 @@ class SimEngineConfig:
     """Engine backend: ``sim``."""
     model: str = "sim-8b"
     """Name reported to the router; requests without a job are grouped under it."""
-    time_scale: float = 1.0
+    time_scale: float = bounded(1.0, gt=0)
     """Multiplies every simulated duration: 1.0 runs in modelled real time, 0.1 ten times faster."""
-    weight_bytes: float = 16e9
+    weight_bytes: float = bounded(16e9, gt=0)
     """Bytes of weights read per decode step: an 8B-parameter model in bf16."""
-    hbm_bandwidth: float = 4.3e12
+    hbm_bandwidth: float = bounded(4.3e12, gt=0)
     """Bytes/s of device memory: about what an H200 measures for device copies."""
     kv_bytes_per_token: int = 131072
     """KV bytes per token: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes."""
@@ -129,30 +134,30 @@ class SimEngineConfig:
     (``tail.move=kv``): a 400 Gb/s NIC."""
     step_overhead_s: float = 0.0004
     """Fixed cost of a decode step (scheduling, kernel launches, sampling)."""
-    prefill_tokens_per_s: float = 30000.0
+    prefill_tokens_per_s: float = bounded(30000.0, gt=0)
     """Prefill throughput for uncached prompt tokens: 16 GFLOP/token at about 50% of ~1 PFLOP/s."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ge=1)
     """Divides weight and KV reads across devices (a tail group uses more)."""
-    tp_efficiency: float = 0.85
+    tp_efficiency: float = bounded(0.85, gt=0, le=1)
     """Fraction of the ideal tensor-parallel speedup left after all-reduce communication."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = bounded(256, ge=1)
     """Sequences decoded together in one step (the engine's batch cap)."""
-    max_model_len: int = 8192
+    max_model_len: int = bounded(8192, ge=1)
     """Longest prompt + output; longer prompts are client errors."""
-    vocab_size: int = 32000
+    vocab_size: int = bounded(32000, ge=1)
     """Token ids must be below this."""
-    block_size: int = 16
+    block_size: int = bounded(16, ge=1)
     """Tokens per prefix-cache block."""
     kv_cache_tokens: int = 400000
     """Prefix cache capacity in tokens (LRU over blocks)."""
-    output_len_median: float = 180.0
+    output_len_median: float = bounded(180.0, gt=0)
     """Median of the lognormal natural output length, in tokens, before ``max_tokens`` cuts it."""
-    output_len_sigma: float = 1.0
+    output_len_sigma: float = bounded(1.0, ge=0, finite=True)
     """Sigma of that lognormal: 1.0 puts p99 at ~10x the median (a heavy tail)."""
-    output_len_session_share: float = 0.0
+    output_len_session_share: float = bounded(0.0, ge=0, le=1)
     """Share of the log-length variance the turns of one session have in common (0 = independent
     turns; a hard task makes every turn of its session long)."""
-    output_len_prompt_share: float = 0.0
+    output_len_prompt_share: float = bounded(0.0, ge=0, le=1)
     """Share of the log-length variance the sessions of one prompt (``Generate.prompt_key``: GRPO
     siblings; a session without one is its own prompt) have in common, on top of the session's share
     (their sum at most 1). Sampled siblings (temperature > 0, no seed) get different tokens."""
@@ -172,41 +177,41 @@ class VllmEngineConfig:
 
     type: str = "vllm"
     """Engine backend: ``vllm``."""
-    model: str = "tiny"
+    model: str = matching("tiny", "(?s).", "a model directory, or tiny (the built-in test model)")
     """Model directory on the shared file system (or a hub name where a hub is reachable). ``tiny`` is
     the built-in random-weight test model (``toolkit/model/tiny.py``), built into ``cache_dir`` on first use."""
-    cache_dir: str = "~/.cache/rollout-toolkit"
+    cache_dir: str = matching("~/.cache/rollout-toolkit", "(?s).", "a directory")
     """Where ``model: tiny`` is built (once; replicas that start together wait on a file lock)."""
-    max_model_len: int = 1024
+    max_model_len: int = bounded(1024, ge=1)
     """Longest prompt + output (vLLM ``max_model_len``); the replica reports the engine's own value to the router."""
-    vocab_size: int = 512
+    vocab_size: int = bounded(512, ge=1)
     """The model's vocabulary size, for workloads that make token ids (``${engine.vocab_size}``); the
     router checks prompts against the value the engine reports."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, ge=1)
     """Devices per replica (vLLM ``tensor_parallel_size``); on vLLM's CPU build the replica's CPUs are
     split between the workers."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = bounded(1, ge=1)
     """Pipeline stages per replica (vLLM ``pipeline_parallel_size``): a replica has tensor x pipeline
     parallel devices, across nodes when that is more than ``cluster.gpus_per_node``."""
-    kv_cache_gib: float | None = None
+    kv_cache_gib: float | None = bounded(None, gt=0)
     """KV cache per replica in GiB (vLLM ``kv_cache_memory_bytes``); null = vLLM's own sizing
     (``gpu_memory_utilization`` on GPUs, ``VLLM_CPU_KVCACHE_SPACE`` or 4 GiB on CPUs)."""
     args: dict[str, Any] = field(default_factory=dict)
     """Every other engine argument, passed through to vLLM's ``AsyncEngineArgs`` as is: ``dtype``,
     ``max_num_seqs``, ``enable_prefix_caching``, ``block_size``, ``enforce_eager``, ``enable_lora``,
     ``max_lora_rank``, ``max_loras``, ``seed``, ... (``engine.args.max_num_seqs=128`` on the command line)."""
-    max_restarts: int = 2
+    max_restarts: int = bounded(2, ge=0)
     """Engine restarts a replica makes after engine deaths; at the next death the replica process exits
     and the cluster backend replaces it."""
-    cpu_engine_nice: int = 10
+    cpu_engine_nice: int = bounded(10, ge=0, le=19)
     """On vLLM's CPU build only: niceness added to the engine processes. Their worker threads spin on
     every core they have; lowered, they leave the replica process (its heartbeats, the router's
     messages, vLLM's output handling) the CPU it needs, as a GPU engine does. 0 = as they are."""
-    adapter_poll_s: float = 0.5
+    adapter_poll_s: float = bounded(0.5, gt=0)
     """How often a request whose LoRA adapter directory has no ``adapter_config.json`` yet looks again."""
-    adapter_wait_s: float = 600.0
+    adapter_wait_s: float = bounded(600.0, ge=0)
     """How long a request without a deadline waits for its adapter before failing as ``adapter_missing``."""
-    adapter_margin_s: float = 1.0
+    adapter_margin_s: float = bounded(1.0, ge=0)
     """A request whose adapter is still missing fails this long before its deadline, so that the
     ``adapter_missing`` answer reaches the router before the router times the request out."""
 
@@ -218,25 +223,29 @@ VLLM_OWN_ARGS = ("model", "max_model_len", "tensor_parallel_size", "pipeline_par
 
 @dataclass
 class GroupConfig:
-    replicas: int = 1
+    replicas: int = bounded(1, ge=1)
     """Number of engine replicas in this group."""
-    max_inflight: int = 64
+    max_inflight: int = bounded(64, ge=1)
     """Requests the router keeps in flight on one replica at most; the rest wait in the router."""
     labels: dict[str, str] = field(default_factory=dict)
     """Extra labels the replicas register with (``group`` is always set)."""
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = overrides("engine")
     """Overrides of ``engine.*`` fields for this group (e.g. ``tensor_parallel_size: 2``)."""
 
 
 ENGINES = Registry("engine", {
-    "sim": Backend("toolkit.config.backends:SimEngineConfig", "toolkit.engine.sim:SimEngine"),
-    "vllm": Backend("toolkit.config.backends:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine"),
+    "sim": Backend("toolkit.config.backends:SimEngineConfig", "toolkit.engine.sim:SimEngine",
+                   "toolkit.engine.sim_checks:check"),
+    "vllm": Backend("toolkit.config.backends:VllmEngineConfig", "toolkit.engine.vllm:VllmEngine",
+                    "toolkit.engine.vllm_checks:check"),
 })
 """Engine backends by ``engine.type``."""
 
 CLUSTERS = Registry("cluster", {
     "local": Backend("toolkit.config.backends:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
-    "slurm": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster"),
-    "allocation": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster"),
+    "slurm": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster",
+                     "toolkit.cluster.slurm_checks:check_slurm"),
+    "allocation": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster",
+                          "toolkit.cluster.slurm_checks:check_allocation"),
 })
 """Cluster backends by ``cluster.type``."""

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-QUEUES = ("fair", "fifo")
-OUTPUTS = ("gather", "shards")
-UPDATE_MODES = ("pause", "drain")
+from toolkit.config.constraints import Choice, bounded
+
+
+class RouterPolicyName(Choice):
+    """``router.policy``: the policies of ``toolkit/router/policy.py`` (``POLICIES``)."""
+
+    consistent_hash = "consistent_hash"
+    least_loaded = "least_loaded"
+    power_of_two = "power_of_two"
+    round_robin = "round_robin"
+
+
+class QueueOrder(Choice):
+    """``router.queue``."""
+
+    fair = "fair"
+    fifo = "fifo"
 
 
 @dataclass
@@ -18,43 +33,59 @@ class RouterConfig:
     curve: bool | None = None
     """ZeroMQ CURVE: encrypted sockets, only the run's own replicas and ranks get in (keys in
     ``<run dir>/keys``, mode 0600); null = on for Slurm clusters, off for ``cluster=local``."""
-    policy: str = "consistent_hash"
+    policy: RouterPolicyName = RouterPolicyName.consistent_hash
     """Replica choice in a group: consistent_hash | least_loaded | power_of_two | round_robin."""
-    load_factor: float = 1.25
+    load_factor: float = bounded(1.25, ge=1.0)
     """Bounded-load consistent hashing: no replica above ceil(load_factor * average load)."""
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = bounded(0.5, gt=0)
     """Interval of replica heartbeats."""
-    missed_heartbeats: int = 6
+    missed_heartbeats: int = bounded(6, ge=1)
     """A replica silent for this many intervals is dropped and its requests re-queued."""
-    max_engine_deaths: int = 2
+    max_engine_deaths: int = bounded(2, ge=1)
     """A request in flight at this many replica deaths fails as ``engine_dead``."""
-    suspects_per_replica: int = 1
+    suspects_per_replica: int = bounded(1, ge=1)
     """Requests that were in flight at a death run at most this many per replica, so the next death
     points at one of them and innocent co-travellers of a poison request are not failed with it."""
-    stall_timeout_s: float = 60.0
+    stall_timeout_s: float = bounded(60.0, gt=0)
     """A replica with requests in flight that generates no token for this long is dropped as hung."""
-    queue: str = "fair"
+    queue: QueueOrder = QueueOrder.fair
     """``fair``: one request per job in turn; ``fifo``: plain arrival order (a baseline)."""
     probe_timeout_s: float = 30.0
     """A replica whose readiness probe has not answered by then is probed again."""
     result_cache: int = 200000
     """Results kept to answer duplicate submissions of a request id."""
-    no_replica_timeout_s: float | None = 300.0
+    no_replica_timeout_s: float | None = bounded(300.0, gt=0)
     """A group with no ready replica (scaled to zero, drained, all dead) makes its requests wait, not
     fail; a request that has waited this long while its target group had no ready replica fails as
     ``no_replica``. null = wait forever."""
 
 
+class TailPolicyName(Choice):
+    """``tail.policy``: the policies of ``toolkit/router/tail/`` (``TAIL_POLICIES``)."""
+
+    count = "count"
+    age = "age"
+    predict = "predict"
+
+
+class Move(Choice):
+    """``tail.move``: how a moving request takes its context (``MOVES`` in ``toolkit/router/tail/``)."""
+
+    auto = "auto"
+    recompute = "recompute"
+    kv = "kv"
+
+
 @dataclass
 class TailConfig:
-    policy: str = "count"
+    policy: TailPolicyName = TailPolicyName.count
     """How a step's long runners reach ``group`` (``toolkit/router/tail/``): ``count``: only at the flip
     (``threshold``); ``age``: a running request whose turn has generated more than a long turn
     (``long_quantile``/``long_tokens``) moves there with its tokens at once, oldest first, while the group
     has room; ``predict``: a session whose earlier turns or prompt siblings were long starts its next turn
     there. With ``age`` and ``predict`` the group serves only such requests until the flip, and a session
     that ran there keeps its later turns there while it has room."""
-    threshold: float | None = None
+    threshold: float | None = bounded(None, gt=0, le=1, null="for no flip")
     """Fraction of a step's sessions done at which the rest of the step flips to ``group``; null = no
     flip (with ``policy=count``: tail routing off)."""
     group: str = "tail"
@@ -63,20 +94,20 @@ class TailConfig:
     """After the flip, the step's requests running outside the tail group move to it too (aborted and
     continued from where they stopped: prompt + tokens so far, remaining budget), oldest first, as
     it has room."""
-    long_quantile: float = 0.9
+    long_quantile: float = bounded(0.9, gt=0, lt=1)
     """A turn is long when it has generated more tokens than this quantile of the turns the step has
     finished so far (``age`` and ``predict``)."""
-    long_tokens: int | None = None
+    long_tokens: int | None = bounded(None, ge=1)
     """A fixed token count to call a turn long, instead of ``long_quantile``; null = the quantile."""
-    long_min_finished: int = 8
+    long_min_finished: int = bounded(8, ge=1)
     """Turns the step must have finished before ``long_quantile`` means anything (no move before)."""
-    move: str = "auto"
+    move: Move = Move.auto
     """How a request that moves between groups takes its context: ``recompute``: the replica it lands
     on prefills it (but for what its prefix cache holds); ``kv``: its KV cache travels with it over the
     replicas' KV link, as vLLM's KV connectors (NIXL) do between GPUs. Only sim engines take ``kv``
     today (they model the link: ``engine.kv_link_bytes_per_s``); ``auto``: ``kv`` when every group's
     engine does, else ``recompute``."""
-    trade_margin: int | None = None
+    trade_margin: int | None = bounded(None, ge=0)
     """``age`` (other policies move nothing for their age, so trade nothing): with the tail group full, a long runner trades places with the tail group's request of
     least expected work left once its own is larger by this many tokens; null = no trades. Expected
     work left: what a turn that has run this long still makes, plus the turns its session has still to
@@ -87,24 +118,50 @@ class TailConfig:
         """Tail routing is on: a flip, or a policy that moves long runners early."""
         return self.threshold is not None or self.policy != "count"
 
+    @property
+    def reserves_group(self) -> bool:
+        """Before the flip, ``group`` serves only what the policy sends there (``age``, ``predict``); with
+        ``count`` every group serves the step until its flip."""
+        return self.policy != "count"
+
+
+def flip_count(threshold: float, n_sessions: int) -> int:
+    """Sessions done at which a step of ``n_sessions`` flips: ``ceil(threshold * n_sessions)``, at least 1."""
+    # Round away float noise first: 0.95 * 100 is 94.99999999999999 in binary.
+    return max(1, math.ceil(round(threshold * n_sessions, 9)))
+
+
+class Output(Choice):
+    """``rollout.output``."""
+
+    gather = "gather"
+    shards = "shards"
+
+
+class UpdateMode(Choice):
+    """``rollout.update_mode``."""
+
+    pause = "pause"
+    drain = "drain"
+
 
 @dataclass
 class RolloutConfig:
     max_concurrent_rollouts: int | None = None
     """Cap on a step's sessions in flight across all ranks (at least ``ranks``: each runs one at a time
     at least); null = all at once."""
-    output: str = "gather"
+    output: Output = Output.gather
     """``gather``: rank 0 gathers every sample (Gatherv) and writes ``steps/step_XXXXX.parquet``;
     ``shards``: each rank writes ``steps/step_XXXXX/shard_RRRRR.parquet``, rank 0 only a manifest."""
     decode_responses: bool = False
     """Decode each sample's response text on its rank (needs ``workload.tokenizer``); off: ``response = ""``."""
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = bounded(600.0, gt=0)
     """Deadline of each generation request, counted from its submission."""
-    max_failed_fraction: float | None = 0.1
+    max_failed_fraction: float | None = bounded(0.1, ge=0, le=1)
     """A step whose share of ``failed`` samples (an environment or agent that raised, hung past
     ``workload.env_timeout_s`` or sent garbage) is above this fails the run, after its files are
     written; null = never. Failed samples below it are rows with ``status = failed`` and the error."""
-    update_mode: str = "pause"
+    update_mode: UpdateMode = UpdateMode.pause
     """How a replica takes new weights while requests run: ``pause``: it pauses between engine steps,
     reloads, resets its prefix cache and resumes the same requests, whose later tokens come from the new
     weights (their Results list both versions); ``drain``: it lets the requests in the engine finish
@@ -115,17 +172,17 @@ class RolloutConfig:
     ``<weights_dir>/step_XXXXX`` up to ``s`` is newer than the replicas' weights, every replica loads it
     (``update_mode``) as weight version ``XXXXX`` (the model's own weights are version 0), and so again
     whenever one up to ``s`` is published while step ``s`` runs; null = off."""
-    max_staleness: int | None = None
+    max_staleness: int | None = bounded(None, ge=0, note="(0 = on-policy)", null="(never wait)")
     """Bounded staleness ``k`` (needs ``weights_dir``): step ``s`` starts only once weights of version
     ``>= s - k`` are published; 0 = strictly on-policy (each step waits for the update from the step
     before), 1 = the rollout of step ``s`` overlaps training on step ``s-1``; null = never wait."""
-    weights_timeout_s: float = 3600.0
+    weights_timeout_s: float = bounded(3600.0, gt=0)
     """How long a step waits for the weights ``max_staleness`` asks for; past it the run fails, naming
     the missing version and ``weights_dir``."""
-    load_timeout_s: float = 1800.0
+    load_timeout_s: float = bounded(1800.0, gt=0)
     """How long every replica may take to load a checkpoint; past it the run fails, naming the replicas
     still loading it (a hung file system, a stuck engine)."""
-    weights_poll_s: float = 0.2
+    weights_poll_s: float = bounded(0.2, gt=0)
     """How often rank 0 looks in ``weights_dir`` for a new checkpoint: while a step waits for one, and
     while a step runs (a checkpoint up to the running step is loaded as soon as it is published)."""
 
@@ -138,11 +195,11 @@ class WorkloadConfig:
     """Environment: a Hydra ``_target_`` class implementing ``toolkit.rollout.envs.Environment``."""
     prompts: dict[str, Any] = field(default_factory=dict)
     """Prompt source: a Hydra ``_target_`` class implementing ``toolkit.rollout.prompts.PromptSource``."""
-    max_tokens: int = 256
+    max_tokens: int = bounded(256, ge=1)
     """Generation budget of one turn."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, ge=0)
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling."""
     tokenizer: Any = None
     """For text prompts and ``rollout.decode_responses``: null, a path to a ``tokenizer.json`` (HF
@@ -153,7 +210,7 @@ class WorkloadConfig:
     reward`` (extra keys are bound as keyword arguments), run once per session against the rank's
     gateway (``toolkit/gateway``); ``toolkit.rollout.agents.run_command`` starts a harness program per
     session. Empty = the in-process ``env``."""
-    env_timeout_s: float | None = 600.0
+    env_timeout_s: float | None = bounded(600.0, gt=0)
     """Bound on one session's environment or agent (all its turns); past it the sample is ``failed``
     and the step goes on. null = none."""
     record_messages: bool = False
@@ -162,6 +219,13 @@ class WorkloadConfig:
     """A predictor of each turn's length, sent with it so a tail policy can start a turn hinted long on
     the tail group: a Hydra ``_target_`` of a ``toolkit.rollout.hints.LengthHint`` (``SimOracle``: the
     sim's plan, off by a chosen sigma, for benchmarks). Empty = no hints."""
+
+
+class ToolParser(Choice):
+    """``gateway.tool_parser``: the parsers of ``toolkit/gateway/toolcalls.py`` (``PARSERS``)."""
+
+    hermes = "hermes"
+    none = "none"
 
 
 @dataclass
@@ -173,21 +237,29 @@ class GatewayConfig:
     the node's hostname). Like the router, it admits only the run's token when ``router.curve`` is on."""
     port: int = 0
     """0 = a free port per rank; N = port N + rank (ranks that share a node need one each)."""
-    max_concurrent_requests: int = 1024
+    max_concurrent_requests: int = bounded(1024, ge=1)
     """Sessions whose calls a rank's gateway serves at once (a session's calls, which run one at a time,
     count once); more are answered 429 (the SDKs retry with backoff)."""
-    max_body_mb: float = 32.0
+    max_body_mb: float = bounded(32.0, gt=0)
     """Largest request body; larger ones are answered 413."""
-    tool_parser: str = "hermes"
+    tool_parser: ToolParser = ToolParser.hermes
     """How tool calls are found in generated text (``toolkit/gateway/toolcalls.py``): hermes | none."""
-    keepalive_s: float = 15.0
+    keepalive_s: float = bounded(15.0, gt=0)
     """A streaming call whose turn runs longer starts its stream at once and sends an SSE comment this
     often until the turn's frames, so a client's idle timeout between bytes never fires on a long turn."""
 
 
+class WandbMode(Choice):
+    """``report.wandb_mode``."""
+
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
 @dataclass
 class ReportConfig:
-    log_interval_s: float = 30.0
+    log_interval_s: float = bounded(30.0, gt=0, note="(seconds)")
     """When launch's output is not a terminal (a Slurm log, a pipe): a plain progress line of the running
     step this often (on a terminal the display is redrawn every second)."""
     metrics: bool = True
@@ -199,6 +271,6 @@ class ReportConfig:
     ``<run dir>/trackers``."""
     wandb_project: str = "rollout-toolkit"
     """The W&B project of the run."""
-    wandb_mode: str | None = None
+    wandb_mode: WandbMode | None = None
     """``online``, ``offline`` (no network; ``wandb sync`` later) or ``disabled``; null = W&B's own
     setting (``WANDB_MODE``, else online)."""

@@ -18,10 +18,11 @@ STATUSES: Final = ("ok", "client_error", "engine_dead", "timeout", "cancelled", 
 
 
 class Message(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Base of every wire message."""
+    """Base of every wire message. Some are frozen: msgspec allows a frozen Struct over this base, mypy's
+    dataclass model does not (hence the ``type: ignore[misc]`` on them)."""
 
 
-class Structured(Message, frozen=True):
+class Structured(Message, frozen=True):  # type: ignore[misc]
     """A constraint on the output (vLLM's structured outputs): exactly one of the fields is set."""
 
     json_schema: str = ""
@@ -30,7 +31,7 @@ class Structured(Message, frozen=True):
     """The output is exactly one of these strings."""
 
 
-class Sampling(Message, frozen=True):
+class Sampling(Message, frozen=True):  # type: ignore[misc]
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0

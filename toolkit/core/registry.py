@@ -1,5 +1,5 @@
-"""Backends by name: one :class:`Registry` beside each base class (engines in ``toolkit/engine/base.py``,
-clusters in ``toolkit/cluster/base.py``). An entry names the backend's config schema and its class as
+"""Backends by name: one :class:`Registry` per kind (``ENGINES`` and ``CLUSTERS`` in
+``toolkit/config/backends.py``). An entry names the backend's config schema and its class as
 ``module:attribute`` strings, imported when first used, so the registry itself imports nothing heavy
 (the sim never pays for vLLM) and config code can look up schemas without import cycles.
 
@@ -28,6 +28,10 @@ class Backend:
     """``module:Class`` of the backend's config dataclass."""
     impl: str
     """``module:Class`` of the backend itself."""
+    check: str | None = None
+    """``module:function`` of the setup checks only this backend knows, beyond what its config's fields
+    declare: each returns a list of :class:`~toolkit.core.errors.FieldError` (the registry's owner says
+    what it is given)."""
 
 
 class Registry:
@@ -54,3 +58,9 @@ class Registry:
     def impl(self, name: str) -> Any:
         """The class of backend ``name``, imported now."""
         return _load(self._get(name).impl)
+
+    def check(self, name: str) -> Any:
+        """The check function of backend ``name`` (imported now), or None: for a name that is not
+        registered too, which the caller reports on its own."""
+        entry = self.backends.get(name)
+        return _load(entry.check) if entry is not None and entry.check else None

@@ -164,7 +164,7 @@ class RouterLink:
     async def recv(self, timeout_s: float) -> list[bytes] | None:
         """The next message, or None if none came within ``timeout_s``."""
         sock = self._open()
-        if not await sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        if not await sock.poll(int(timeout_s * 1000)):  # POLLIN, the default
             return None
         return await sock.recv_multipart()
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit.config.backends import ENGINES
 from toolkit.core.errors import ToolkitError
-from toolkit.core.protocol import Generate, Result
+from toolkit.core.protocol import Generate, ReplicaStats, Result
 
 if TYPE_CHECKING:
     from toolkit.engine.nodes import NodeRole
@@ -26,17 +26,6 @@ class EngineInfo:
     model: str
     max_model_len: int
     vocab_size: int
-
-
-@dataclass
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    weight_version: int = 0
-    generated_tokens: int = 0
 
 
 class Engine(ABC):
@@ -57,8 +46,8 @@ class Engine(ABC):
         """Stop a running or waiting request; its generate() returns ``cancelled`` with partial output."""
 
     @abstractmethod
-    def stats(self) -> EngineStats:
-        """Load and prefix-cache counters for the heartbeat."""
+    def stats(self) -> ReplicaStats:
+        """Load and prefix-cache counters for the heartbeat (a new object each call: the caller keeps it)."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from toolkit.engine.base import EngineStats
+from toolkit.core.protocol import ReplicaStats
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -18,7 +18,7 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 
 class ReplicaMetrics(Collector):
     def __init__(self, inflight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
-        self.stats: EngineStats | None = None
+        self.stats: ReplicaStats | None = None
         """The engine's counters at the last heartbeat."""
         self.inflight = inflight
         """Requests the replica holds (at its gate or in the engine)."""

@@ -94,10 +94,8 @@ class ReplicaServer:
             replica_id=self.replica_id, group=self.group, labels=labels, model=self.info.model,
             max_inflight=self.gcfg.max_inflight, max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
-            # A restarted router learns from these which weights are the run's newest (WeightsMixin.held).
-            weights_path=self._weights.path if self._weights else "",
-            weights_version=self._weights.version if self._weights else 0,
-            weights_serial=self._weights.serial if self._weights else 0,
+            # A restarted router learns from it which weights are the run's newest (WeightSync.registered).
+            weights=self._weights,
         ))
 
     async def run(self) -> None:
@@ -133,9 +131,7 @@ class ReplicaServer:
             s = self.engine.stats()
             if self.metrics is not None:
                 self.metrics.stats = s
-            await self._send(P.Heartbeat(self.replica_id, s.running, s.waiting, s.kv_usage,
-                                         s.prefix_hits, s.prefix_queries, s.weight_version,
-                                         s.generated_tokens))
+            await self._send(P.Heartbeat(self.replica_id, s))
 
     async def _follow_router(self) -> None:
         if not await self.link.follow():

@@ -23,8 +23,8 @@ import numpy as np
 
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
-from toolkit.core.protocol import Generate, Result, Structured
-from toolkit.engine.base import Engine, EngineInfo, EngineStats
+from toolkit.core.protocol import Generate, ReplicaStats, Result, Structured
+from toolkit.engine.base import Engine, EngineInfo
 from toolkit.engine.structured import instance_text
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer
 
@@ -251,9 +251,9 @@ class SimEngine(Engine):
             self.running.remove(seq)
         self._finish(seq, "cancelled", "abort", computed=ran)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> ReplicaStats:
         ctx = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
-        return EngineStats(
+        return ReplicaStats(
             running=len(self.running),
             waiting=sum(1 for s in self.waiting if not s.future.done()),
             kv_usage=min(1.0, ctx / self.cfg.kv_cache_tokens),

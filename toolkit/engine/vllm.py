@@ -47,11 +47,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
-from toolkit.core.protocol import Completion, Generate, Result, Sampling, Structured
-from toolkit.engine.base import Engine, EngineGone, EngineInfo, EngineStats
+from toolkit.core.protocol import Completion, Generate, ReplicaStats, Result, Sampling, Structured
+from toolkit.engine.base import Engine, EngineGone, EngineInfo
 from toolkit.engine.nodes import NodeRole
 from toolkit.engine.vllm_lora import Adapters
-from toolkit.engine.vllm_setup import Counters, cpu_environment, engine_args, stat_logger_factory
+from toolkit.engine.vllm_setup import cpu_environment, engine_args, stat_logger_factory
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class VllmEngine(Engine):
         self.llm: Any = None
         self.model_path = cfg.model
         self.info: EngineInfo | None = None
-        self.counters = Counters()
+        self.counters = ReplicaStats()
+        """vLLM's counters, as the stat logger fills them (``weight_version`` is this engine's own)."""
         self.restarts = 0
         self.weights_path: str | None = None
         self.broken = ""
@@ -315,13 +316,13 @@ class VllmEngine(Engine):
         if not self.adapters.cancel(request_id) and self.llm is not None and not self.llm.errored:
             await self.llm.abort(request_id)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> ReplicaStats:
         c = self.counters
         up = self.llm is not None and not self.llm.errored
-        return EngineStats(running=c.running if up else 0, waiting=c.waiting if up else 0,
-                           kv_usage=c.kv_usage if up else 0.0, prefix_hits=c.prefix_hits,
-                           prefix_queries=c.prefix_queries, weight_version=self.weight_version,
-                           generated_tokens=c.generated_tokens)
+        return ReplicaStats(running=c.running if up else 0, waiting=c.waiting if up else 0,
+                            kv_usage=c.kv_usage if up else 0.0, prefix_hits=c.prefix_hits,
+                            prefix_queries=c.prefix_queries, weight_version=self.weight_version,
+                            generated_tokens=c.generated_tokens)
 
     # ---- weights ---------------------------------------------------------------------------
     async def load_weights(self, path: str, version: int) -> None:

@@ -7,36 +7,27 @@ import os
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
+from toolkit.core.protocol import ReplicaStats
 from toolkit.engine.nodes import NodeRole
 
 
-class Counters:
-    """vLLM's stats as the heartbeat wants them. Written by the stat logger, which vLLM calls on the
-    replica's event loop after every engine step with output; running totals survive restarts."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
-        self.prefix_hits = 0
-        self.prefix_queries = 0
-        self.generated_tokens = 0
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        if scheduler_stats is not None:
-            self.running = scheduler_stats.num_running_reqs
-            self.waiting = scheduler_stats.num_waiting_reqs
-            self.kv_usage = scheduler_stats.kv_cache_usage
-            # Per-step deltas, also across a prefix-cache reset (its ``reset`` flag): keep totals.
-            pcs = scheduler_stats.prefix_cache_stats
-            self.prefix_queries += pcs.queries
-            self.prefix_hits += pcs.hits
-        if iteration_stats is not None:
-            self.generated_tokens += iteration_stats.num_generation_tokens
+def record(counters: ReplicaStats, scheduler_stats: Any, iteration_stats: Any) -> None:
+    """vLLM's stats of one engine step into ``counters`` (the heartbeat's); running totals survive restarts."""
+    if scheduler_stats is not None:
+        counters.running = scheduler_stats.num_running_reqs
+        counters.waiting = scheduler_stats.num_waiting_reqs
+        counters.kv_usage = scheduler_stats.kv_cache_usage
+        # Per-step deltas, also across a prefix-cache reset (its ``reset`` flag): keep totals.
+        pcs = scheduler_stats.prefix_cache_stats
+        counters.prefix_queries += pcs.queries
+        counters.prefix_hits += pcs.hits
+    if iteration_stats is not None:
+        counters.generated_tokens += iteration_stats.num_generation_tokens
 
 
-def stat_logger_factory(counters: Counters) -> Any:
-    """A vLLM stat logger class (its own factory: ``(vllm_config, engine_index)``) feeding ``counters``."""
+def stat_logger_factory(counters: ReplicaStats) -> Any:
+    """A vLLM stat logger class (its own factory: ``(vllm_config, engine_index)``) feeding ``counters``;
+    vLLM calls it on the replica's event loop after every engine step with output."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class HeartbeatStats(StatLoggerBase):
@@ -45,7 +36,7 @@ def stat_logger_factory(counters: Counters) -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
-            counters.record(scheduler_stats, iteration_stats)
+            record(counters, scheduler_stats, iteration_stats)
 
         def log_engine_initialized(self) -> None:
             pass

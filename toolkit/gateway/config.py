@@ -21,11 +21,13 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def validate_agent(cfg: Config, errors: list[FieldError]) -> None:
-    from toolkit.gateway.toolcalls import PARSERS
+def validate_agent(cfg: Config) -> list[FieldError]:
+    """What the agent workload needs beyond its fields' declared bounds: an importable ``solve``, the
+    model's chat template, and a port per rank (free, locally)."""
     from toolkit.model.tokenizer import chat_tokenizer_problem
 
     w, g = cfg.workload, cfg.gateway
+    errors = []
     target = w.agent.get("_target_")
     if not isinstance(target, str) or "." not in target:
         errors.append(FieldError("workload.agent._target_", target,
@@ -44,14 +46,6 @@ def validate_agent(cfg: Config, errors: list[FieldError]) -> None:
                                  "template) or tiny: agents speak text, the gateway renders it with the model's template"))
     elif (why := chat_tokenizer_problem(w.tokenizer)) is not None:
         errors.append(FieldError("workload.tokenizer", w.tokenizer, why))
-    if g.tool_parser not in PARSERS:
-        errors.append(FieldError("gateway.tool_parser", g.tool_parser, f"one of {sorted(PARSERS)}"))
-    if g.max_concurrent_requests < 1:
-        errors.append(FieldError("gateway.max_concurrent_requests", g.max_concurrent_requests, "an integer >= 1"))
-    if g.max_body_mb <= 0:
-        errors.append(FieldError("gateway.max_body_mb", g.max_body_mb, "> 0"))
-    if g.keepalive_s <= 0:
-        errors.append(FieldError("gateway.keepalive_s", g.keepalive_s, "> 0"))
     if g.port != 0:
         last = g.port + cfg.ranks - 1
         if not 1 <= g.port <= last <= 65535:
@@ -62,3 +56,4 @@ def validate_agent(cfg: Config, errors: list[FieldError]) -> None:
             if busy:
                 errors.append(FieldError("gateway.port", g.port, f"free ports {g.port}..{last} (one per rank); "
                                                                    f"in use: {busy}"))
+    return errors

@@ -113,12 +113,10 @@ def gateway_settings(cfg: Config, run_dir: RunDir, rank: int, max_model_len: int
 
 
 class Gateway:
-    def __init__(self, settings: Settings, chat: ChatTokenizer, client: RouterClient,
-                 tail_group: Callable[[int], str | None] = lambda step: None) -> None:
+    def __init__(self, settings: Settings, chat: ChatTokenizer, client: RouterClient) -> None:
         self.s = settings
         self.chat = chat
         self.client = client
-        self.tail_group = tail_group
         self.parser = get_parser(settings.tool_parser)
         self.sessions: dict[str, Entry] = {}
         self.inflight = 0
@@ -335,7 +333,7 @@ class Gateway:
                 request_id=f"{sess.session_id}/{entry.attempts}" + (f"/{k}" if k else ""), job=s.job,
                 session_id=sess.session_id, step=entry.step, prompt_token_ids=plan.prompt,
                 sampling=Sampling(budget, temperature, top_p, seeds[k], True, structured=structured),
-                group=self.tail_group(entry.step), deadline=time.time() + s.request_timeout_s,
+                deadline=time.time() + s.request_timeout_s,
                 expected_tokens=req.expected_tokens, prompt_key=entry.prompt_key,
             ) for k in range(req.n)]
             entry.inflight.update(g.request_id for g in gens)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from toolkit.config import compose_config
+from toolkit.config import CONF_DIR, compose_config
 from toolkit.core.errors import ConfigError, FieldError
 
 COMPOSITION_ERRORS = (HydraException, OmegaConfBaseException)
@@ -38,6 +38,8 @@ def _allowed(line: str, exc: BaseException) -> str:
         return f"not a config key (a new key needs a '+': +{key}=...)"
     if "Ambiguous value" in text:
         return "a single value: a list is [a,b], a sweep needs -m (--multirun)"
+    if cause is not None and (choices := re.search(r"expected one of \[(.*?)\]", str(cause))):  # a Choice field
+        return f"one of {[c.strip() for c in choices.group(1).split(',')]}"
     if cause is not None:
         first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         return re.sub(r"\s+", " ", first)
@@ -76,20 +78,23 @@ def _lines(overrides: Sequence[str], multirun: bool) -> tuple[list[str], list[li
 
 def check_overrides(overrides: Sequence[str], multirun: bool = False) -> None:
     """Raise a :class:`ConfigError` listing every override that does not compose (config errors that need
-    the whole config, such as a bad group field, come from the composition itself, also as one list)."""
+    the whole config, such as a bad group field, come from the composition itself, also as one list) and,
+    outside a sweep, what validation says of the overrides that do."""
     first, each, bad = _lines(overrides, multirun)
     if bad:
         raise ConfigError(bad)
+    sweep = any(len(values) > 1 for values in each)
+    kept, errors = first, list[FieldError]()
     try:
         compose_config(first)
-        if not any(len(values) > 1 for values in each):
+        if not sweep:
             return
         whole: BaseException | None = None  # a sweep's other values are checked one by one below
     except COMPOSITION_ERRORS as exc:
         whole = exc
-    errors: list[FieldError] = []
+        kept, errors = _composing(first)
     for values in each:
-        for line in values if whole is not None else values[1:]:
+        for line in values[1:]:
             try:
                 compose_config([line])
             except COMPOSITION_ERRORS as exc:
@@ -99,7 +104,36 @@ def check_overrides(overrides: Sequence[str], multirun: bool = False) -> None:
     if whole is None and not errors:
         _validate_points(each)
         return
+    if errors and kept and not sweep:  # a bad choice (a Choice field) hides no out-of-range value
+        from toolkit.launch.validation import validate
+
+        try:
+            validate(compose_config(kept))
+        except ConfigError as exc:
+            errors.extend(e for e in exc.errors if e not in errors)
     raise ConfigError(errors or [FieldError(" ".join(first), "", _allowed(first[-1] if first else "", whole or ""))])
+
+
+def _composing(lines: list[str]) -> tuple[list[str], list[FieldError]]:
+    """The lines that compose together, and the errors of the others (in the order given): each line is
+    composed with the lines kept before it, a config group's choice first (``engine=vllm`` before the
+    ``engine.*`` fields it brings)."""
+    kept: list[str] = []
+    errors: dict[int, list[FieldError]] = {}
+    for i in sorted(range(len(lines)), key=lambda i: not _chooses_group(lines[i])):
+        try:
+            compose_config([*kept, lines[i]])
+            kept.append(lines[i])
+        except COMPOSITION_ERRORS as exc:
+            errors[i] = [_error(lines[i], exc)]
+        except ConfigError as exc:
+            errors[i] = list(exc.errors)
+    return kept, [e for i in sorted(errors) for e in errors[i]]
+
+
+def _chooses_group(line: str) -> bool:
+    key = line.split("=", 1)[0].lstrip("+~")
+    return "." not in key and (CONF_DIR / key).is_dir()
 
 
 MAX_POINTS_CHECKED = 256

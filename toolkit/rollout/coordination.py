@@ -14,40 +14,24 @@ from toolkit.core.rundir import RunDir, read_json
 
 
 class TailWatch:
-    """Reads the job's tail sentinel (at most every ``interval_s``) to tag new requests."""
+    """Reads the job's tail sentinel for the step report (where requests go is the router's alone)."""
 
-    def __init__(self, run_dir: RunDir, job: str, group: str, enabled: bool, interval_s: float = 0.05) -> None:
+    def __init__(self, run_dir: RunDir, job: str, enabled: bool) -> None:
         self.path = run_dir.sentinel(job)
-        self.group = group
         self.enabled = enabled
-        self.interval_s = interval_s
-        self._checked = 0.0
-        self._info: dict[str, Any] | None = None
-
-    def info(self) -> dict[str, Any] | None:
-        now = time.monotonic()
-        if self.enabled and now - self._checked >= self.interval_s:
-            self._checked = now
-            self._info = read_json(self.path)
-        return self._info
 
     def flip_of(self, step: int, wait_s: float) -> dict[str, Any] | None:
-        """``step``'s flip as its sentinel records it, read afresh and waited for up to ``wait_s``: the
-        step's last SessionDone may have flipped it (``tail.threshold=1``) a moment before the router's
-        file writer wrote the sentinel."""
+        """``step``'s flip as its sentinel records it, waited for up to ``wait_s``: the step's last
+        SessionDone may have flipped it (``tail.threshold=1``) a moment before the router's file writer
+        wrote the sentinel."""
         deadline = time.monotonic() + wait_s
         while True:
             info = read_json(self.path) if self.enabled else None
-            self._info, self._checked = info, time.monotonic()
             if info is not None and info.get("step") == step:
                 return info
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
-
-    def group_for(self, step: int) -> str | None:
-        info = self.info()
-        return self.group if info is not None and info.get("step") == step else None
 
 
 async def awaited(req: Any, poll_s: float = 0.005) -> None:

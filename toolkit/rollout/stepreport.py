@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.config import Config
+from toolkit.config import Config, flip_count
 from toolkit.core.protocol import STATUSES, GroupStatus
 from toolkit.core.rundir import atomic_write
 from toolkit.rollout.bound import step_bound
-from toolkit.router.tail import TAIL_POLICIES, flip_count
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
 
@@ -87,7 +86,7 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
             "moved_requests": int(moved.sum()),
             "moved_tokens": int(req["output_tokens"][moved].sum()),
         }
-        if TAIL_POLICIES[cfg.tail.policy].reserves_group:  # else every group serves the step anyway
+        if cfg.tail.reserves_group:  # else every group serves the step anyway
             # Sent there by the policy (a length hint, a session that ran there), not by a flip.
             before_flip = req["dispatched_at"] < float(flip["time"]) if flip is not None else True
             started = (req["group"] == group_names.index(cfg.tail.group)) & ~moved & before_flip

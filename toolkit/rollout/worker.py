@@ -85,7 +85,7 @@ class RankRunner:
         self.watch: LoopWatch | None = None
         self.sampling = Sampling(max_tokens=cfg.workload.max_tokens, temperature=cfg.workload.temperature,
                                  top_p=cfg.workload.top_p)
-        self.tail = TailWatch(run_dir, cfg.job, cfg.tail.group, cfg.tail.threshold is not None)
+        self.tail = TailWatch(run_dir, cfg.job, cfg.tail.threshold is not None)
         self.client = RouterClient(run_dir)
         # Responses stay token ids unless asked: decoding is the costliest thing a rank could do per token.
         self.tokenizer = (load_tokenizer(cfg.workload.tokenizer)
@@ -131,7 +131,7 @@ class RankRunner:
         cfg = self.cfg
         chat = await asyncio.to_thread(ChatTokenizer, chat_tokenizer_dir(cfg))
         settings = gateway_settings(cfg, self.run_dir, self.rank, self.max_model_len)
-        self.gateway = Gateway(settings, chat, self.client, self.tail.group_for)
+        self.gateway = Gateway(settings, chat, self.client)
         url = await self.gateway.start()
         if cfg.rollout.decode_responses:
             self.tokenizer = chat
@@ -292,7 +292,6 @@ class RankRunner:
                 request_id=f"{sid}/{turn}", job=cfg.job, session_id=sid, step=step,
                 prompt_token_ids=context,
                 sampling=Sampling(budget, self.sampling.temperature, self.sampling.top_p),
-                group=self.tail.group_for(step),
                 deadline=time.time() + cfg.rollout.request_timeout_s,
                 prompt_key=self.prompts.prompt_key(step, sample.index),
             )

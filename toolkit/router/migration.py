@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from collections import Counter
 
 import msgspec
 
 from toolkit.core import protocol as P
-from toolkit.core.sockets import send_msg
 from toolkit.router.queue import FairQueue, Request
-
-if TYPE_CHECKING:
-    from collections import Counter
-    from collections.abc import Callable
-
-    from toolkit.router.policy import Replica
-    from toolkit.router.timeline import Timeline
+from toolkit.router.replica import Replica, Send
+from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -39,31 +33,30 @@ def can_continue(m: P.Generate) -> bool:
     return m.sampling.structured is None and m.sampling.n == 1
 
 
-class MigrationMixin:
-    """Part of :class:`toolkit.router.server.Router` (uses its sockets, replicas, queue and completion)."""
+class Migrations:
+    def __init__(self, kv_moves: bool, send_to_replica: Send, queue: FairQueue, timeline: Timeline) -> None:
+        self.kv_moves = kv_moves
+        """A continuation brings its context as KV (``moves_carry_kv``), not to be prefilled."""
+        self.send = send_to_replica
+        self.queue = queue
+        self.timeline = timeline
+        self.events: Counter[str] = Counter()
+        """Moves by reason: ``migrated`` (a flip's), ``migrated:<why>`` (age, trade, drain...)."""
 
-    # Provided by Router.
-    kv_moves: bool  # moves_carry_kv(cfg)
-    backend: Any
-    replicas: dict[bytes, Replica]
-    queue: FairQueue
-    timeline: Timeline
-    stats: Counter[str]
-    _complete: Callable[..., None]
-
-    def _start_migration(self, req: Request, r: Replica, why: str, group: str | None) -> None:
+    def start(self, req: Request, r: Replica, why: str, group: str | None) -> None:
         """Abort ``req`` on ``r``; its partial Result (``cancelled``) continues it on ``group`` (None:
         any group). It stays in ``r``'s slots until that Result comes back, so no token is lost."""
         req.migrating = why
         req.migrate_group = group
-        send_msg(self.backend, r.identity, P.Abort(req.request_id))
+        self.send(r.identity, P.Abort(req.request_id))
 
-    def _continue(self, req: Request, res: P.Result, why: str) -> None:
+    def resume(self, req: Request, res: P.Result, why: str) -> None:
+        """``req``'s partial Result came back: queue its continuation, at the front of its job's queue."""
         out = res.output_token_ids
         if req.first_cached < 0:
             req.first_cached = min(res.cached_tokens, req.prompt_len)
         req.prefix_tokens.extend(out)
-        req.prefix_logprobs.extend(self._leg_logprobs(req, res))
+        req.prefix_logprobs.extend(_leg_logprobs(req, res))
         if out:  # a leg without tokens generated nothing with its weights
             req.prefix_versions = P.join_versions(req.prefix_versions, res.weight_versions or [res.weight_version])
         m = req.msg
@@ -83,12 +76,12 @@ class MigrationMixin:
         req.moves += 1
         if why != "drain":
             self.timeline.migrated(m.job, m.step)
-        self.stats["migrated" if why == "tail" else f"migrated:{why}"] += 1
+        self.events["migrated" if why == "tail" else f"migrated:{why}"] += 1
         self.queue.requeue_front([req])
 
-    def _merged(self, req: Request, res: P.Result) -> bytes:
+    def merged(self, req: Request, res: P.Result) -> bytes:
         """One Result for a request that moved: the tokens, logprobs and weight versions of every leg, in order."""
-        lps = self._leg_logprobs(req, res)
+        lps = _leg_logprobs(req, res)
         last = (res.weight_versions or [res.weight_version]) if res.output_token_ids else []
         merged = msgspec.structs.replace(
             res, output_token_ids=req.prefix_tokens + res.output_token_ids,
@@ -100,11 +93,11 @@ class MigrationMixin:
         )
         return P._encoder.encode(merged)
 
-    @staticmethod
-    def _leg_logprobs(req: Request, res: P.Result) -> list[float]:
-        """A leg's logprobs, one a token (NaN where an engine sent none: unknown, never a made-up
-        probability), or none if the client asked for none."""
-        if not req.msg.sampling.logprobs:
-            return []
-        out = res.output_token_ids
-        return res.logprobs if len(res.logprobs) == len(out) else [math.nan] * len(out)
+
+def _leg_logprobs(req: Request, res: P.Result) -> list[float]:
+    """A leg's logprobs, one a token (NaN where an engine sent none: unknown, never a made-up
+    probability), or none if the client asked for none."""
+    if not req.msg.sampling.logprobs:
+        return []
+    out = res.output_token_ids
+    return res.logprobs if len(res.logprobs) == len(out) else [math.nan] * len(out)

@@ -1,7 +1,7 @@
 """Replica choice within one group. Chosen by ``router.policy``; each policy is one class.
 
-Every policy sees only replicas with a free slot (``inflight < max_inflight``) and returns one, or
-None when the group is full. They keep O(replicas) work per decision at most.
+Every policy is handed the group's replicas with room (a slot not taken: ``inflight < max_inflight``) and
+returns one of them, or None when the group is full. They keep O(replicas) work per decision at most.
 """
 
 from __future__ import annotations
@@ -12,66 +12,9 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from toolkit.core.errors import ConfigError, FieldError
-from toolkit.router.speed import SpeedMeter
-
-if TYPE_CHECKING:
-    from toolkit.router.queue import Request
-
-
-@dataclass(eq=False)
-class Replica:
-    replica_id: str
-    identity: bytes
-    group: str
-    max_inflight: int
-    max_model_len: int
-    vocab_size: int
-    model: str = ""
-    labels: dict[str, str] = field(default_factory=dict)
-    ready: bool = False
-    last_seen: float = 0.0
-    probe_sent_at: float = 0.0
-    inflight: dict[str, Request] = field(default_factory=dict)
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    weight_version: int = 0
-    generated: int = 0
-    progress_at: float = 0.0
-    suspects: int = 0
-    draining: bool = False
-    """Drained (``Drain``): out of dispatch, its in-flight requests finish or move; then ``Shutdown``."""
-    shutdown_sent: bool = False
-    heartbeats: int = 0
-    """Heartbeats received since it registered: its engine's counters are known only after the first."""
-    loaded: int | None = None
-    """The weight version it last acknowledged loading (None: none yet; it serves the model's own)."""
-    weights_error: str = ""
-    """Why its last load failed, while it is out of service: it stays out until it holds the run's
-    weights, asked again each ``router.probe_timeout_s``."""
-    awaiting_weights: bool = False
-    """Its probe passed before it acknowledged the run's current weights: ready once it has."""
-    speed: SpeedMeter = field(default_factory=SpeedMeter)
-    """Its decode rate and the rate one running request gets, learned from heartbeats."""
-
-    @property
-    def serving(self) -> bool:
-        """Takes new requests: ready and not draining."""
-        return self.ready and not self.draining
-
-    @property
-    def load(self) -> int:
-        return len(self.inflight)
-
-    @property
-    def free(self) -> bool:
-        return len(self.inflight) < self.max_inflight
+from toolkit.router.replica import Replica
 
 
 def _hash64(key: str) -> int:
@@ -90,15 +33,15 @@ class Policy(ABC):
         """A step boundary: take in what was learned of the replicas' speeds (if the policy uses them)."""
 
     @abstractmethod
-    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
-        """Pick a replica with a free slot. ``group_load`` is the group's total in-flight count;
-        ``free`` holds exactly the group's replicas that have a free slot (kept by the router)."""
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+        """Pick a replica with room. ``group_load`` is the group's total in-flight count; ``with_room``
+        holds exactly the group's replicas that have a slot not taken (kept by the pool)."""
 
 
-def least_loaded(free: Iterable[Replica], bound: int = 1 << 62) -> Replica | None:
+def least_loaded(with_room: Iterable[Replica], bound: int = 1 << 62) -> Replica | None:
     best = None
     best_load = bound
-    for r in free:
+    for r in with_room:
         load = len(r.inflight)
         if load < best_load:
             best, best_load = r, load
@@ -106,8 +49,8 @@ def least_loaded(free: Iterable[Replica], bound: int = 1 << 62) -> Replica | Non
 
 
 class LeastLoaded(Policy):
-    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
-        return least_loaded(free)
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+        return least_loaded(with_room)
 
 
 class RoundRobin(Policy):
@@ -115,11 +58,11 @@ class RoundRobin(Policy):
         super().__init__(replicas)
         self._next = 0
 
-    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
         n = len(self.replicas)
         for i in range(n):
             r = self.replicas[(self._next + i) % n]
-            if r.free:
+            if r.has_room:
                 self._next = (self._next + i + 1) % n
                 return r
         return None
@@ -130,12 +73,12 @@ class PowerOfTwo(Policy):
         super().__init__(replicas)
         self._rng = random.Random(seed)
 
-    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
         picks = self.replicas if len(self.replicas) <= 2 else self._rng.sample(self.replicas, 2)
-        cands = [r for r in picks if r.free]
+        cands = [r for r in picks if r.has_room]
         if not cands:
-            # Both samples were full: take the least loaded free one so a free slot is never missed.
-            return least_loaded(free)
+            # Both samples were full: take the least loaded one with room, so a spare slot is never missed.
+            return least_loaded(with_room)
         return min(cands, key=lambda r: len(r.inflight))
 
 
@@ -203,25 +146,25 @@ class ConsistentHash(Policy):
         load = len(r.inflight)
         return load < r.max_inflight and load < self.bound(r, group_load)
 
-    def choose(self, session_id: str, group_load: int, free: Collection[Replica]) -> Replica | None:
-        if not self.replicas or not free:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+        if not self.replicas or not with_room:
             return None
-        if len(free) * 8 < len(self.replicas):
-            # Nearly saturated: the session's own replica is almost surely full, and walking the
-            # ring to the few free ones costs VNODES x n / |free| steps. Take the best free one.
-            return self._best_free(free, group_load)
+        if len(with_room) * 8 < len(self.replicas):
+            # Nearly saturated: the session's own replica is almost surely full, and walking the ring
+            # to the few with room costs VNODES x n / |with_room| steps. Take the best of those.
+            return self._best_with_room(with_room, group_load)
         start = bisect.bisect(self._ring, _hash64(session_id))
         size = len(self._ring)
         for k in range(min(size, self.WALK)):
             r = self._owners[(start + k) % size]
             if self._fits(r, group_load):
                 return r
-        return self._best_free(free, group_load)
+        return self._best_with_room(with_room, group_load)
 
-    def _best_free(self, free: Collection[Replica], group_load: int) -> Replica | None:
-        """The free replica furthest below its bound."""
+    def _best_with_room(self, with_room: Collection[Replica], group_load: int) -> Replica | None:
+        """The replica with room furthest below its bound."""
         best, best_room = None, 0
-        for r in free:
+        for r in with_room:
             room = min(r.max_inflight, self.bound(r, group_load)) - len(r.inflight)
             if room > best_room:
                 best, best_room = r, room

@@ -1,28 +1,57 @@
 """The router's replicas and their dispatch slots.
 
 Every replica that registered is known by its socket identity and by its id. Only a *serving* one
-(probed ready, not draining) is in a group: it counts toward the group's capacity and free slots, its
-group's policy may choose it, and its limits bound what the group accepts. Every count is kept per
-group and for all groups together (key ``None``), and, when a tail policy keeps the tail group for
-long runners, for every group but that one (key ``BULK``), so a dispatch decision reads numbers
-instead of scanning replicas.
+(probed ready, not draining) is in a :class:`GroupPool`: it counts toward the pool's capacity and
+spare slots, the pool's policy may choose it, and its limits bound what the pool accepts. There is one
+pool per group, one for all groups together (key ``None``) and, when a tail policy keeps the tail group
+for long runners, one for every group but that one (key :data:`BULK`), so a dispatch decision reads
+counts instead of scanning replicas.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 
 from toolkit.config import RouterConfig
 from toolkit.core import protocol as P
-from toolkit.router.policy import Policy, Replica, make_policy
+from toolkit.router.policy import Policy, make_policy
 from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
 
 logger = logging.getLogger(__name__)
 
-
 BULK = "\x00bulk"
 """Key of the serving replicas outside the reserved (tail) group."""
+
+PoolKey = str | None
+"""A group's name, :data:`BULK`, or None (every group)."""
+
+
+class GroupPool:
+    """The serving replicas under one key, their policy and their slot counts (kept by :class:`ReplicaPool`)."""
+
+    __slots__ = ("members", "policy", "capacity", "spare_slots", "with_room", "limits", "generated_tokens")
+
+    def __init__(self) -> None:
+        self.members: list[Replica] = []
+        self.policy: Policy | None = None
+        """Made when the first member joins."""
+        self.capacity = 0
+        """Slots of its members; changes only when one joins or leaves."""
+        self.spare_slots = 0
+        """Slots of its members that no request holds."""
+        self.with_room: dict[Replica, None] = {}
+        """Members with a spare slot (an insertion-ordered set)."""
+        self.limits: tuple[int, int] | None = None
+        """Smallest (max_model_len, vocab_size) over its members; None without members."""
+        self.generated_tokens = 0
+        """Tokens its group's replicas generated since the router started (heartbeat increments; kept
+        under a group's own key only)."""
+
+    def update_limits(self) -> None:
+        m = self.members
+        self.limits = (min(r.max_model_len for r in m), min(r.vocab_size for r in m)) if m else None
 
 
 class ReplicaPool:
@@ -31,143 +60,207 @@ class ReplicaPool:
         self.seed = seed
         self.reserved = reserved
         """A group that ``BULK`` leaves out (the tail group, kept for long runners), or None."""
-        self.replicas: dict[bytes, Replica] = {}
+        self._replicas: dict[bytes, Replica] = {}
         """Every registered replica, by socket identity (draining ones too, until they are gone)."""
-        self.by_id: dict[str, bytes] = {}
-        self.groups: dict[str | None, list[Replica]] = {None: []}
-        """Serving replicas per group."""
-        self.policies: dict[str | None, Policy] = {}
-        self.free: Counter[str | None] = Counter()
-        """Free slots of the serving replicas per group."""
-        self.capacity: Counter[str | None] = Counter()
-        """Slots of the serving replicas per group; changes only when one joins or leaves."""
-        self.limits: dict[str | None, tuple[int, int]] = {}
-        """Smallest (max_model_len, vocab_size) over each group's serving replicas."""
-        self.tokens_seen: Counter[str] = Counter()
-        """Tokens each group generated since this router started (heartbeat increments)."""
-        self.free_sets: dict[str | None, dict[Replica, None]] = {None: {}}
-        """Serving replicas with a free slot (insertion-ordered sets)."""
+        self._by_id: dict[str, bytes] = {}
+        self._groups: dict[PoolKey, GroupPool] = {None: GroupPool()}
         if reserved is not None:
-            self.groups[BULK] = []
-            self.free_sets[BULK] = {}
+            self._groups[BULK] = GroupPool()
+        self._pools_of: dict[Replica, tuple[GroupPool, ...]] = {}
+        """The pools each registered replica counts under (once serving)."""
 
-    def keys(self, r: Replica) -> tuple[str | None, ...]:
-        """The pool keys ``r`` counts under."""
-        if self.reserved is not None and r.group != self.reserved:
-            return (r.group, None, BULK)
-        return (r.group, None)
-
+    # ---- who is known ----------------------------------------------------------------------
     def add(self, r: Replica) -> None:
         """A registered replica: known, not serving until :meth:`set_ready`."""
-        self.replicas[r.identity] = r
-        self.by_id[r.replica_id] = r.identity
+        self._replicas[r.identity] = r
+        self._by_id[r.replica_id] = r.identity
+        keys: tuple[PoolKey, ...] = (r.group, None)
+        if self.reserved is not None and r.group != self.reserved:
+            keys = (r.group, None, BULK)
+        self._pools_of[r] = tuple(self._group(k) for k in keys)
 
-    def remove(self, r: Replica) -> None:
-        """Forget a replica (it left): out of dispatch and the maps. Its requests are the caller's."""
-        self.replicas.pop(r.identity, None)
-        if self.by_id.get(r.replica_id) == r.identity:
-            del self.by_id[r.replica_id]
-        self.withdraw(r)
+    def remove(self, r: Replica) -> list[Request]:
+        """Forget a replica (it left): out of dispatch and the maps. Returns the requests it held, which
+        are the caller's now."""
+        self._withdraw(r)
+        self._pools_of.pop(r, None)
+        self._replicas.pop(r.identity, None)
+        if self._by_id.get(r.replica_id) == r.identity:
+            del self._by_id[r.replica_id]
+        orphans = list(r.inflight.values())
+        r.inflight.clear()
+        return orphans
 
     def get(self, replica_id: str) -> Replica | None:
-        ident = self.by_id.get(replica_id)
-        return self.replicas.get(ident) if ident is not None else None
+        ident = self._by_id.get(replica_id)
+        return self._replicas.get(ident) if ident is not None else None
 
+    def known(self, identity: bytes) -> Replica | None:
+        """The registered replica of this socket identity, if any."""
+        return self._replicas.get(identity)
+
+    def all(self) -> Collection[Replica]:
+        """Every registered replica (a live view: copy it to change the pool while iterating)."""
+        return self._replicas.values()
+
+    # ---- who serves ------------------------------------------------------------------------
     def set_ready(self, r: Replica) -> None:
-        """The replica answered its probe: it joins its group and the all-groups pool."""
+        """The replica passed its probe and holds the run's weights: it joins its pools."""
         r.ready = True
-        for g in self.keys(r):
-            self.capacity[g] += r.max_inflight
-            members = self.groups.setdefault(g, [])
-            members.append(r)
-            if g in self.policies:
-                self.policies[g].update(members)
+        pools = self._pools_of[r]
+        for gp in pools:
+            gp.capacity += r.max_inflight
+            gp.members.append(r)
+            if gp.policy is None:
+                gp.policy = make_policy(self.rcfg.policy, gp.members, self.rcfg.load_factor, self.seed)
             else:
-                self.policies[g] = make_policy(self.rcfg.policy, members, self.rcfg.load_factor, self.seed)
-        self.take_slot(r, r.max_inflight - r.load)
-        self._update_limits()
+                gp.policy.update(gp.members)
+            gp.update_limits()
+        self._count_spare(r, r.max_inflight - r.load)
         logger.info("replica %s is ready", r.replica_id)
 
-    def withdraw(self, r: Replica) -> None:
-        """Take a replica out of dispatch (it left, or began draining): its free slots, its place in
-        its group's policy, capacity and limits. Its in-flight requests are the caller's business."""
-        for fs in self.free_sets.values():
-            fs.pop(r, None)
+    def set_unready(self, r: Replica) -> None:
+        """Its engine died: out of dispatch until :meth:`set_ready` again; its requests finish meanwhile."""
+        self._withdraw(r)
+        r.ready = False
+
+    def set_draining(self, r: Replica) -> None:
+        """Drained: out of dispatch for good (it stays known until it is gone); its requests finish or move."""
+        self._withdraw(r)
+        r.draining = True
+
+    def _withdraw(self, r: Replica) -> None:
+        """Out of dispatch: its spare slots, its place in its pools' policies, capacity and limits. Its
+        in-flight requests are the caller's business."""
+        pools = self._pools_of.get(r, ())
+        for gp in pools:
+            gp.with_room.pop(r, None)
         if not r.serving:  # never counted (not ready), or withdrawn already (draining)
             return
         spare = r.max_inflight - r.load
-        for g in self.keys(r):
-            self.free[g] -= spare
-            self.capacity[g] -= r.max_inflight
-            members = self.groups[g]
-            members.remove(r)
-            self.policies[g].update(members)
-        self._update_limits()
+        for gp in pools:
+            gp.spare_slots -= spare
+            gp.capacity -= r.max_inflight
+            gp.members.remove(r)
+            if gp.policy is not None:
+                gp.policy.update(gp.members)
+            gp.update_limits()
 
-    def take_slot(self, r: Replica, delta: int) -> None:
-        """``delta`` slots of ``r`` were freed (> 0) or taken (< 0)."""
+    # ---- slots -----------------------------------------------------------------------------
+    def take_slot(self, r: Replica, req: Request) -> None:
+        """``req`` runs on ``r`` now: it holds one of ``r``'s slots."""
+        r.inflight[req.request_id] = req
+        if req.deaths:
+            r.suspects += 1
+        self._count_spare(r, -1)
+
+    def release_slot(self, r: Replica, req: Request) -> bool:
+        """``req`` left ``r`` (answered, expired): its slot is spare again. False if ``r`` did not hold it."""
+        if r.inflight.pop(req.request_id, None) is None:
+            return False
+        if req.deaths:
+            r.suspects -= 1
+        self._count_spare(r, +1)
+        return True
+
+    def _count_spare(self, r: Replica, delta: int) -> None:
         if r.draining or not r.ready:
             # Its slots left the counts when it began draining, or its engine died (set_ready counts
-            # them again): freed ones are not offered.
+            # them again): a released one is not offered.
             return
-        keys = self.keys(r)
-        for g in keys:
-            self.free[g] += delta
-        has_room = r.ready and len(r.inflight) < r.max_inflight and r.identity in self.replicas
-        for fs in (self.free_sets.setdefault(g, {}) for g in keys):
+        pools = self._pools_of.get(r)
+        if pools is None:  # gone
+            return
+        has_room = len(r.inflight) < r.max_inflight
+        for gp in pools:
+            gp.spare_slots += delta
             if has_room:
-                fs[r] = None
+                gp.with_room[r] = None
             else:
-                fs.pop(r, None)
+                gp.with_room.pop(r, None)
 
-    def reweight(self) -> None:
-        """A step boundary: every group's policy takes in the replicas' learned speeds."""
-        for policy in self.policies.values():
-            policy.reweight()
+    # ---- what dispatch reads ---------------------------------------------------------------
+    def spare_slots(self, key: PoolKey) -> int:
+        gp = self._groups.get(key)
+        return gp.spare_slots if gp is not None else 0
 
-    def choose(self, g: str | None, key: str) -> Replica | None:
-        """The replica of group ``g`` (None: any) the policy gives ``key`` (a session) now, or None."""
-        if self.free[g] <= 0:
+    def capacity(self, key: PoolKey) -> int:
+        gp = self._groups.get(key)
+        return gp.capacity if gp is not None else 0
+
+    def members(self, key: PoolKey) -> list[Replica]:
+        """The serving replicas under ``key`` (the pool's own list: do not change it)."""
+        gp = self._groups.get(key)
+        return gp.members if gp is not None else []
+
+    def with_room(self, key: PoolKey) -> Collection[Replica]:
+        """The serving replicas under ``key`` with a spare slot."""
+        gp = self._groups.get(key)
+        return gp.with_room.keys() if gp is not None else ()
+
+    def limits(self, key: PoolKey) -> tuple[int, int] | None:
+        """Smallest (max_model_len, vocab_size) of the serving replicas under ``key``; None without any."""
+        gp = self._groups.get(key)
+        return gp.limits if gp is not None else None
+
+    def choose(self, key: PoolKey, session: str) -> Replica | None:
+        """The replica under ``key`` the policy gives ``session`` now, or None."""
+        gp = self._groups.get(key)
+        if gp is None or gp.spare_slots <= 0 or gp.policy is None:
             return None
-        policy = self.policies.get(g)
-        if policy is None:
-            return None
-        return policy.choose(key, self.capacity[g] - self.free[g], self.free_sets[g])
+        return gp.policy.choose(session, gp.capacity - gp.spare_slots, gp.with_room)
 
-    def choose_for_suspect(self, g: str | None) -> Replica | None:
+    def choose_for_suspect(self, key: PoolKey) -> Replica | None:
         """A request that was in flight at a death goes where no other suspect runs (least loaded)."""
-        if self.free[g] <= 0:
+        gp = self._groups.get(key)
+        if gp is None or gp.spare_slots <= 0:
             return None
         cap = self.rcfg.suspects_per_replica
         best = None
-        for r in self.free_sets.get(g, {}):
+        for r in gp.with_room:
             if r.suspects < cap and (best is None or r.load < best.load):
                 best = r
         return best
 
-    def _update_limits(self) -> None:
-        self.limits = {g: (min(r.max_model_len for r in members), min(r.vocab_size for r in members))
-                       for g, members in self.groups.items() if members}
+    def reweight(self) -> None:
+        """A step boundary: every pool's policy takes in the replicas' learned speeds."""
+        for gp in self._groups.values():
+            if gp.policy is not None:
+                gp.policy.reweight()
 
-    def group_status(self, names: set[str]) -> dict[str, P.GroupStatus]:
-        """Per group (``names`` and any group a replica registered under): counts and learned speeds."""
+    # ---- heartbeats and status -------------------------------------------------------------
+    def count_generated(self, r: Replica, tokens: int) -> None:
+        """``r`` generated ``tokens`` more (a heartbeat's increment)."""
+        self._group(r.group).generated_tokens += tokens
+
+    def group_status(self, names: Iterable[str], stale: Callable[[Replica], bool]) -> dict[str, P.GroupStatus]:
+        """Per group (``names`` and any group a replica registered under): counts and learned speeds;
+        ``stale``: a replica kept out of service by a failed weight load."""
         out = {}
-        for name in sorted(names | {r.group for r in self.replicas.values()}):
-            members = [r for r in self.replicas.values() if r.group == name]
+        replicas = list(self._replicas.values())
+        for name in sorted(set(names) | {r.group for r in replicas}):
+            members = [r for r in replicas if r.group == name]
             serving = [r for r in members if r.serving]
+            gp = self._groups.get(name)
             out[name] = P.GroupStatus(
                 registered=len(members),
                 ready=len(serving),
                 inflight=sum(r.load for r in members),
-                generated_tokens=self.tokens_seen[name],
+                generated_tokens=gp.generated_tokens if gp is not None else 0,
                 draining=sum(r.draining for r in members),
                 tokens_per_s=sum(r.speed.tokens_per_s for r in serving),
                 request_tokens_per_s=max((r.speed.request_tokens_per_s for r in serving), default=0.0),
                 peak_tokens_per_s=sum(r.speed.peak_tokens_per_s for r in serving),
                 peak_request_tokens_per_s=max((r.speed.peak_request_tokens_per_s for r in serving), default=0.0),
-                stale_weights=sum(bool(r.weights_error) for r in members),
+                stale_weights=sum(stale(r) for r in members),
             )
         return out
+
+    def _group(self, key: PoolKey) -> GroupPool:
+        gp = self._groups.get(key)
+        if gp is None:
+            gp = self._groups[key] = GroupPool()
+        return gp
 
 
 def limit_error(req: Request, max_model_len: int, vocab_size: int) -> str:

@@ -2,8 +2,8 @@
 
 Dispatch order: one request from each job in turn, starting with the job served longest ago; oldest
 first within a job. A request put back after its replica died goes to the front of its job's queue.
-Requests are bucketed by the group they explicitly ask for (None = the job's current group), so a
-full group never blocks a job's requests for another group.
+Requests are bucketed by the group they name (None: none named, tail routing places them), so a full
+group never blocks a job's requests for another group.
 """
 
 from __future__ import annotations
@@ -143,6 +143,10 @@ class FairQueue:
         if len(self.jobs) > 1024:
             for name in [n for n, q in self.jobs.items() if q.size == 0]:
                 del self.jobs[name]
+
+    def depths(self) -> list[tuple[str, int]]:
+        """(job, requests waiting) for every job in the queue's order."""
+        return [(name, q.size) for name, q in self.jobs.items()]
 
     def waiting_for(self, groups: Collection[str | None]) -> Iterator[Request]:
         """Queued requests of the buckets of ``groups`` (the group a request names; None: unnamed)."""

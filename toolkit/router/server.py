@@ -1,10 +1,9 @@
 """The router process: a ZMQ ROUTER for clients (frontend) and one for replicas (backend).
 
-Requests wait here, not in engines: a replica holds at most ``max_inflight`` of them, so the tail
-flip still reaches every request that is not running yet. Exactly one Result goes back per request
-id: dead replicas put their requests back in the queue, a request in flight at ``max_engine_deaths``
-deaths fails as ``engine_dead``, client errors fail at once, duplicates get the cached Result.
-Drained replicas (scale-down) and groups left with no replica: ``toolkit/router/elastic.py``.
+:class:`Router` owns the sockets, the message switch and each request's life (submit, dispatch,
+complete); it is composed of parts that get what they need in their constructors: the replicas and
+their slots (``pool.py``), membership, weights, elastic scale-down, migrations and tail routing. Requests
+wait here, not in engines, and exactly one Result goes back per request id.
 """
 
 from __future__ import annotations
@@ -26,16 +25,16 @@ from toolkit.core.rundir import FileWriter, RunDir, atomic_write
 from toolkit.core.security import server_curve
 from toolkit.core.sockets import advertised, make_socket, recv_frames, send_frames, send_msg
 from toolkit.router.answered import Answered
-from toolkit.router.elastic import ElasticMixin
-from toolkit.router.membership import PROBE_PREFIX, MembershipMixin
-from toolkit.router.metrics import RouterMetrics
-from toolkit.router.migration import MigrationMixin
-from toolkit.router.policy import Replica
+from toolkit.router.elastic import Elastic, EmptyGroups
+from toolkit.router.membership import PROBE_PREFIX, Membership
+from toolkit.router.metrics import DecisionTimer, RouterMetrics
+from toolkit.router.migration import Migrations
 from toolkit.router.pool import ReplicaPool, limit_error
 from toolkit.router.queue import FairQueue, Request
+from toolkit.router.replica import Replica
 from toolkit.router.tail.routing import TICK_S, TailRouting, reserved_group
 from toolkit.router.timeline import Timeline
-from toolkit.router.weights import WeightsMixin
+from toolkit.router.weights import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +48,9 @@ _dec_result = P.DECODERS[_T_RESULT]
 _enc = P._encoder
 
 
-class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
+class Router:
     def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
-        self.kv_moves = moves_carry_kv(cfg)
         self.rcfg = cfg.router
         self.run_dir = run_dir
         self.ctx = ctx or zmq.Context.instance()
@@ -60,30 +58,39 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self.curve = server_curve(curve_enabled(cfg), self.ctx, run_dir.root)
         self.frontend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
         self.backend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
+        self.groups = frozenset(cfg.groups)
+        # Each request's life: waiting, live (queued or running), answered.
         self.queue = FairQueue()
         self.live: dict[str, Request] = {}
         self.answered = Answered(cfg.router.result_cache)
-        self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail))
-        self.replicas = self.pool.replicas  # every registered replica, by socket identity
+        self.stats: Counter[str] = Counter()
+        """Events of requests' lives (completed, failed:<status>, requeued...); :meth:`events` adds the parts'."""
+        self.dispatched: Counter[str] = Counter()
         # What the router persists (weights, flip sentinels, timelines, stats), written off its loop.
         self.files = FileWriter("router-files")
-        self.tail = TailRouting(cfg.tail, run_dir, self.files, self.pool)
         self.timeline = Timeline(run_dir, self.files)
-        self.known_groups = set(cfg.groups)
-        self.stats: Counter[str] = Counter()
-        self.dispatched: Counter[str] = Counter()
-        self.init_weights()
-        # Scale-down: ids of replicas told to shut down; since when each target group had none serving.
-        self.retired: set[str] = set()
-        self.empty_since: dict[str | None, float] = {}
-        self.metrics: RouterMetrics | None = RouterMetrics(self) if cfg.report.metrics else None
-        self._choose = self._decide  # the metrics' timing version after each sweep (RouterMetrics.timing)
+        # The parts.
+        self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail))
+        self.tail = TailRouting(cfg.tail, run_dir, self.files, self.pool)
+        self.weights = WeightSync(run_dir, self.files, self.pool, self._to_replica, self._to_client)
+        self.migrations = Migrations(moves_carry_kv(cfg), self._to_replica, self.queue, self.timeline)
+        self.elastic = Elastic(self.pool, self._to_replica, self.migrations.start, self.weights.answer_clients)
+        self.membership = Membership(cfg.router, self.pool, self.weights, self.elastic, self._to_replica,
+                                     self._orphaned)
+        self.empty_groups = EmptyGroups(cfg.router, self.groups, self.pool, self.queue, self.tail, self._fail)
+        self.metrics: RouterMetrics | None = RouterMetrics() if cfg.report.metrics else None
+        self._timer: DecisionTimer | None = self.metrics.timer(self._decide) if self.metrics else None
         self._seq = 0
-        self._probe_n = 0
         self._deadlines = 0
         self.frontend_addr = ""
         self.backend_addr = ""
         self.endpoint: Endpoint | None = None
+
+    def _to_replica(self, ident: bytes, msg: P.Message) -> None:
+        send_msg(self.backend, ident, msg)
+
+    def _to_client(self, ident: bytes, msg: P.Message) -> None:
+        send_msg(self.frontend, ident, msg)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def bind(self, host: str) -> dict[str, str]:
@@ -114,11 +121,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         poller.register(self.backend, zmq.POLLIN)
         sweep_every = min(self.rcfg.heartbeat_s / 2, 0.25)
         next_sweep = time.monotonic() + sweep_every
-        moving = self.tail.policy is not None
-        next_move = time.monotonic() + TICK_S if moving else float("inf")
+        next_move = time.monotonic() + TICK_S if self.tail.active else float("inf")
         while not should_stop():
             timeout_ms = max(0.0, (min(next_sweep, next_move) - time.monotonic()) * 1000)
-            events = dict(poller.poll(timeout_ms))
+            events = dict(poller.poll(int(timeout_ms)))  # what pyzmq does with a float
             # Results first: they free the slots the new requests need.
             if self.backend in events:
                 self._drain(self.backend, self._on_backend)
@@ -178,17 +184,16 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             self.pool.reweight()
             send_msg(self.frontend, client, msg)
         elif isinstance(msg, P.SessionDone):
-            if self.tail.session_done(msg.job, msg.step, msg.session_id):
-                st = self.tail.flip.steps[msg.job]
-                assert st.flipped_at is not None
-                self.timeline.flipped(msg.job, msg.step, st.flipped_at, st.flip_count)
+            flip = self.tail.session_done(msg.job, msg.step, msg.session_id)
+            if flip is not None:
+                self.timeline.flipped(msg.job, msg.step, *flip)
                 self.move_long_runners()
         elif isinstance(msg, P.StatusRequest):
             send_msg(self.frontend, client, self.status())
         elif isinstance(msg, P.UpdateWeights):
-            self.update_weights(client, msg)
+            self.weights.update(client, msg)
         elif isinstance(msg, P.Drain):
-            self.drain(msg.replicas, msg.migrate)
+            self.elastic.drain(msg.replicas, msg.migrate)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a frontend message")
 
@@ -225,13 +230,13 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
     def _check(self, req: Request) -> str:
         """Client errors that need no engine: unknown group, empty prompt, limits of the group."""
         msg = req.msg
-        if msg.group is not None and msg.group not in self.known_groups:
-            return f"unknown group {msg.group!r}; groups: {sorted(self.known_groups)}"
+        if msg.group is not None and msg.group not in self.groups:
+            return f"unknown group {msg.group!r}; groups: {sorted(self.groups)}"
         ids = msg.prompt_token_ids
         if not ids:
             return "empty prompt"
         req.lo, req.hi = min(ids), max(ids)
-        limits = self.pool.limits.get(msg.group)
+        limits = self.pool.limits(msg.group)
         return limit_error(req, *limits) if limits else ""
 
     def abort(self, rid: str) -> None:
@@ -249,17 +254,14 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                 send_msg(self.backend, r.identity, P.Abort(rid))
 
     def status(self) -> P.Status:
-        return P.Status(groups=self.pool.group_status(self.known_groups), queued=self.queue.size,
-                        inflight=sum(r.load for r in self.replicas.values()),
+        replicas = self.pool.all()
+        return P.Status(groups=self.pool.group_status(self.groups, self.weights.is_stale), queued=self.queue.size,
+                        inflight=sum(r.load for r in replicas),
                         completed=self.stats["completed"], steps=self.tail.progress(self.timeline),
-                        loading=sorted(r.replica_id for r in self.replicas.values()
-                                       if not r.draining and self.loading_weights(r)))
+                        loading=sorted(r.replica_id for r in replicas
+                                       if not r.draining and self.weights.is_loading(r)))
 
     # ---- dispatch --------------------------------------------------------------------------
-    def target_group(self, req: Request) -> str | None:
-        """The pool key ``req`` waits for (None: any group)."""
-        return self.tail.targets(req)[0]
-
     def _decide(self, req: Request) -> Replica | None:
         """The replica this request would go to now, or None if it must wait."""
         g, fallback = self.tail.targets(req)
@@ -277,15 +279,18 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         now = time.monotonic()
         for req, r in self.tail.to_move(now):
             why = "tail" if self.tail.flipped(req.msg.job, req.msg.step) else self.cfg.tail.policy
-            self._start_migration(req, r, why, self.tail.group)
+            self.migrations.start(req, r, why, self.tail.group)
         for req, r, out, t in self.tail.to_trade(now):  # the tail group is full: places change hands
-            self._start_migration(out, t, "trade", None)
-            self._start_migration(req, r, self.cfg.tail.policy, self.tail.group)
+            self.migrations.start(out, t, "trade", None)
+            self.migrations.start(req, r, self.cfg.tail.policy, self.tail.group)
 
     def dispatch(self) -> None:
-        while self.queue.size and self.pool.free[None] > 0:
+        pool = self.pool
+        while self.queue.size and pool.spare_slots(None) > 0:
+            timer = self._timer
+            choose = timer if timer is not None and timer.left else self._decide
             sent = 0
-            for req, replica in self.queue.pop_round(self._choose):
+            for req, replica in self.queue.pop_round(choose):
                 error = limit_error(req, replica.max_model_len, replica.vocab_size)
                 if error:
                     self._fail(req, "client_error", error)
@@ -297,13 +302,11 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
 
     def _send(self, req: Request, r: Replica) -> None:
         send_frames(self.backend, r.identity, _T_GENERATE, req.payload)
+        now = time.monotonic()
         if not r.inflight:
-            r.progress_at = time.monotonic()  # the stall clock runs only while work is in flight
-        r.inflight[req.request_id] = req
-        if req.deaths:
-            r.suspects += 1
-        self.pool.take_slot(r, -1)
-        self.tail.dispatched(req, r, time.monotonic())
+            r.restart_stall_clock(now)  # the stall clock runs only while work is in flight
+        self.pool.take_slot(r, req)
+        self.tail.dispatched(req, r, now)
         req.replica = r.replica_id
         req.group = r.group
         req.t_dispatch = time.time()
@@ -313,13 +316,10 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
 
     def _release(self, r: Replica, req: Request) -> None:
         """Take a request off a live replica (answered, expired), freeing its slot."""
-        if r.inflight.pop(req.request_id, None) is not None:
-            self.pool.take_slot(r, +1)
+        if self.pool.release_slot(r, req):
             self.timeline.finished(req.msg.job, req.msg.step, r.group, time.time())
-            if req.deaths:
-                r.suspects -= 1
             if r.draining:
-                self.shutdown_if_idle(r)
+                self.elastic.shutdown_if_idle(r)
 
     # ---- backend ---------------------------------------------------------------------------
     def _on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
@@ -332,19 +332,21 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             return
         msg = P.decode(mtype, payload)
         if isinstance(msg, P.Heartbeat):
-            self.heartbeat(ident, msg)
+            self.membership.heartbeat(ident, msg)
         elif isinstance(msg, P.Register):
-            self.register(ident, msg)
+            self.membership.register(ident, msg)
         elif isinstance(msg, P.WeightsUpdated):
-            self.weights_updated(ident, msg)
+            r = self.pool.known(ident)
+            if r is not None:
+                self.weights.acknowledged(r, msg)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
 
     def _on_result(self, ident: bytes, res: P.Result, payload: bytes) -> None:
-        r = self.replicas.get(ident)
+        r = self.pool.known(ident)
         if res.request_id.startswith(PROBE_PREFIX):
             if r is not None:
-                self.probe_answered(r, res)
+                self.membership.probe_answered(r, res)
             return
         req = self.live.get(res.request_id)
         if req is None or r is None or req.replica != r.replica_id:
@@ -354,13 +356,13 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
             return
         self._release(r, req)
         if res.status == "engine_dead":
-            self.engine_died(r, res.error)
-            self._engine_died_under(req, r.replica_id, res.error)
+            self.membership.engine_died(r, res.error)
+            self._died_under(req, r.replica_id, res.error)
             return
         why, req.migrating = req.migrating, ""
         if why and res.status == "cancelled" and not req.client_aborted:
             if len(res.output_token_ids) < req.msg.sampling.max_tokens:
-                self._continue(req, res, why)
+                self.migrations.resume(req, res, why)
                 return
             # The Abort came after the budget's last token: nothing to continue, the request is done.
             res = msgspec.structs.replace(res, status="ok", finish_reason="length")
@@ -368,8 +370,28 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         if res.status == "ok":
             self.tail.finished(req, len(req.prefix_tokens) + len(res.output_token_ids))
         if req.prefix_tokens:
-            payload = self._merged(req, res)
+            payload = self.migrations.merged(req, res)
         self._complete(req, payload, res.status)
+
+    # ---- requests whose replica died ---------------------------------------------------------
+    def _orphaned(self, r: Replica, reqs: list[Request], why: str) -> None:
+        """A dropped replica's requests go back to the front of their jobs' queues (or fail as poison)."""
+        now = time.time()
+        for req in reqs:
+            self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
+            self._died_under(req, r.replica_id, why)
+
+    def _died_under(self, req: Request, replica_id: str, why: str) -> None:
+        req.deaths += 1
+        req.replica = None
+        req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
+        self.tail.forget(req)  # a move it was on is off: it no longer holds the tail group's room
+        if req.deaths >= self.rcfg.max_engine_deaths:
+            # Poison: this request was in flight at every one of these deaths; stop it killing more.
+            self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
+        else:
+            self.queue.requeue_front([req])
+            self.stats["requeued"] += 1
 
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes, status: str = "ok") -> None:
@@ -390,19 +412,17 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
         self._complete(req, _enc.encode(res), status)
 
     # ---- timers ----------------------------------------------------------------------------
-    def _untimed(self) -> None:
-        self._choose = self._decide
-
     def sweep(self) -> None:
-        if self.metrics is not None:
-            self.metrics.fold()
-            self._choose = self.metrics.timing(self._decide, self._untimed)
-        self.check_replicas(time.monotonic())
+        self.membership.check(time.monotonic())
         wall = time.time()
-        self.check_empty_groups(wall)
-        self._answer_weights()  # an answer may wait for weights.json
+        self.empty_groups.check(wall)
+        self.weights.answer_clients()  # an answer may wait for weights.json
         if self._deadlines > 0:
             self._expire(wall)
+        if self.metrics is not None:
+            self.metrics.publish(self.pool.all(), self.queue.depths(), self.events())
+        if self._timer is not None:
+            self._timer.arm()
 
     def _expire(self, wall: float) -> None:
         for req in [q for q in self.live.values() if q.msg.deadline and q.msg.deadline < wall]:
@@ -415,7 +435,11 @@ class Router(MembershipMixin, WeightsMixin, ElasticMixin, MigrationMixin):
                     send_msg(self.backend, r.identity, P.Abort(req.request_id))
             self._fail(req, "timeout", "deadline passed")
 
+    def events(self) -> Counter[str]:
+        """Every event the router counted: its own, engine deaths, moves by reason."""
+        return self.stats + self.membership.events + self.migrations.events
+
     def write_stats(self) -> None:
         self.timeline.write_all()
-        stats = {**self.stats, **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
+        stats = {**self.events(), **{f"dispatched:{g}": n for g, n in self.dispatched.items()}}
         self.files.write(self.run_dir.router_stats, json.dumps(stats, indent=1))

@@ -56,12 +56,13 @@ class Timeline:
             self.write(old)
         self.steps[job] = StepTimeline(job, step, time.time())
 
-    def _get(self, job: str, step: int) -> StepTimeline | None:
+    def of(self, job: str, step: int) -> StepTimeline | None:
+        """``job``'s timeline if its current one is of ``step``."""
         st = self.steps.get(job)
         return st if st is not None and st.step == step else None
 
     def dispatched(self, job: str, step: int, group: str, now: float) -> None:
-        st = self._get(job, step)
+        st = self.of(job, step)
         if st is None:
             return
         (st.dispatched_after if st.flip_time is not None else st.dispatched_before)[group] += 1
@@ -69,19 +70,19 @@ class Timeline:
         st.events.append((now, group, st.inflight[group]))
 
     def finished(self, job: str, step: int, group: str, now: float) -> None:
-        st = self._get(job, step)
+        st = self.of(job, step)
         if st is None or st.inflight[group] <= 0:
             return
         st.inflight[group] -= 1
         st.events.append((now, group, st.inflight[group]))
 
     def flipped(self, job: str, step: int, when: float, count: int) -> None:
-        st = self._get(job, step)
+        st = self.of(job, step)
         if st is not None:
             st.flip_time, st.flip_count = when, count
 
     def migrated(self, job: str, step: int) -> None:
-        st = self._get(job, step)
+        st = self.of(job, step)
         if st is not None:
             st.migrated += 1
 

@@ -53,9 +53,6 @@ class StepRecord:
 
 class TailPolicy(ABC):
     name: ClassVar[str]
-    reserves_group: ClassVar[bool] = True
-    """Before the flip, the tail group serves only what this policy sends there (else: every group
-    serves the step)."""
     reads_hints: ClassVar[bool] = True
     """The policy places turns by their length hints (``Generate.expected_tokens``)."""
 

@@ -10,7 +10,6 @@ from toolkit.router.tail.base import StepRecord, TailPolicy
 
 class CountPolicy(TailPolicy):
     name = "count"
-    reserves_group = False
     reads_hints = False
 
     def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
+from toolkit.config import flip_count
 from toolkit.core.rundir import FileWriter, RunDir, read_json
 
 logger = logging.getLogger(__name__)
@@ -27,11 +27,6 @@ class StepState:
     done: set[str] = field(default_factory=set)
     flipped_at: float | None = None
     flip_count: int = 0
-
-
-def flip_count(threshold: float, n_sessions: int) -> int:
-    # Round away float noise first: 0.95 * 100 is 94.99999999999999 in binary.
-    return max(1, math.ceil(round(threshold * n_sessions, 9)))
 
 
 class CountFlip:

@@ -27,4 +27,4 @@ class PredictPolicy(TailPolicy):
         if any(n > limit for n in rec.by_session.get(session, ())):
             return True
         siblings = rec.by_prompt.get(prompt_key) if prompt_key else None
-        return bool(siblings) and statistics.fmean(siblings) > limit
+        return siblings is not None and bool(siblings) and statistics.fmean(siblings) > limit

@@ -1,41 +1,38 @@
 """The router's tail routing: where a request of a step goes, and which running requests move.
 
-It owns the count flip (``flip.py``), the policy (``tail.policy``) and what each job's current step
-has revealed (:class:`StepRecord`). The server asks it for a request's target (a group, or
-:data:`BULK`: every group but the tail group) and, every :data:`TICK_S`, for the running requests to
-move to the tail group. Moves happen only into room: the tail group's free slots less the moves on
-their way, so a moved request never waits in the queue while it could have gone on running.
+It alone decides: ranks send requests without a group (unless their user names one), and it places
+each of them (a group, or :data:`BULK`: every group but the tail group). It owns the count flip
+(``flip.py``), the policy (``tail.policy``) and what each job's current step has revealed
+(:class:`StepRecord`); every :data:`TICK_S` the server asks it for the running requests to move to the
+tail group. Moves happen only into room: the tail group's spare slots less the moves on their way, so
+a moved request never waits in the queue while it could have gone on running.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-from typing import TYPE_CHECKING
 
 from toolkit.config import TailConfig
 from toolkit.core.errors import ConfigError, FieldError
-from toolkit.core.protocol import StepProgress
+from toolkit.core.protocol import Generate, StepProgress
 from toolkit.core.rundir import FileWriter, RunDir
 from toolkit.router.migration import can_continue
-from toolkit.router.pool import BULK
+from toolkit.router.pool import BULK, PoolKey, ReplicaPool
+from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
 from toolkit.router.tail import TAIL_POLICIES
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord, TailPolicy
 from toolkit.router.tail.flip import CountFlip
 from toolkit.router.tail.trade import WorkLeft
-
-if TYPE_CHECKING:
-    from toolkit.core.protocol import Generate
-    from toolkit.router.policy import Replica
-    from toolkit.router.pool import ReplicaPool
-    from toolkit.router.queue import Request
-    from toolkit.router.timeline import Timeline
+from toolkit.router.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
 """How often the router looks for running requests to move: a request on a busy replica makes ~100-300
 tokens a second, so a move comes within a few percent of a long turn of its threshold."""
+
 
 def hinted(m: Generate) -> int:
     """``m``'s length hint for its whole turn (0: none), at most what its budget lets it generate."""
@@ -57,7 +54,7 @@ def make_tail_policy(tc: TailConfig) -> TailPolicy:
 
 def reserved_group(tc: TailConfig) -> str | None:
     """The group a tail policy keeps for its long runners before the flip, if any (``ReplicaPool``'s)."""
-    return tc.group if tc.active and TAIL_POLICIES[tc.policy].reserves_group else None
+    return tc.group if tc.active and tc.reserves_group else None
 
 
 class TailRouting:
@@ -66,6 +63,9 @@ class TailRouting:
         self.group = tc.group
         self.flip = CountFlip(run_dir, files, tc.threshold, tc.group)
         self.policy: TailPolicy | None = make_tail_policy(tc) if tc.active else None
+        self.reserved = reserved_group(tc)
+        """The group kept for what the policy sends there before the flip, if any."""
+        self._bulk: PoolKey = BULK if self.reserved is not None else None
         self.pool = pool
         self.records: dict[str, StepRecord] = {}
         """Per job: what its current step has revealed."""
@@ -75,9 +75,9 @@ class TailRouting:
         """Per job, with ``trade_margin``: (step, what its last step expects of a running request)."""
 
     @property
-    def reserved(self) -> str | None:
-        """The group kept for what the policy sends there before the flip, if any."""
-        return self.group if self.policy is not None and self.policy.reserves_group else None
+    def active(self) -> bool:
+        """Tail routing is on (``tail.active``): a flip, or a policy that moves long runners early."""
+        return self.policy is not None
 
     # ---- steps -----------------------------------------------------------------------------
     def step_begin(self, job: str, step: int, n_sessions: int) -> None:
@@ -93,9 +93,13 @@ class TailRouting:
             if work_left is not None:
                 self.work_left[job] = (step, work_left)
 
-    def session_done(self, job: str, step: int, session_id: str) -> bool:
-        """Count a finished session; True when this flipped the step."""
-        return self.flip.session_done(job, step, session_id)
+    def session_done(self, job: str, step: int, session_id: str) -> tuple[float, int] | None:
+        """Count a finished session; when this flipped the step, the flip's time and count."""
+        if not self.flip.session_done(job, step, session_id):
+            return None
+        st = self.flip.steps[job]
+        assert st.flipped_at is not None
+        return st.flipped_at, st.flip_count
 
     def flipped(self, job: str, step: int) -> bool:
         return self.flip.threshold is not None and self.flip.flipped(job, step)
@@ -105,9 +109,9 @@ class TailRouting:
         return rec if rec is not None and rec.step == msg.step else None
 
     # ---- placement -------------------------------------------------------------------------
-    def targets(self, req: Request) -> tuple[str | None, str | None]:
+    def targets(self, req: Request) -> tuple[PoolKey, PoolKey]:
         """Where ``req`` goes: (a pool key, or None for any group; a second key to try when the first
-        has no room, or None to wait for it)."""
+        has no room, or None to wait for it). A request that names its group goes there."""
         m = req.msg
         if m.group is not None:
             return m.group, None
@@ -115,7 +119,7 @@ class TailRouting:
             return None, None
         if self.flipped(m.job, m.step):
             return self.group, None
-        bulk = BULK if self.policy.reserves_group else None
+        bulk = self._bulk
         rec = self._record(m)
         if (rec is not None and m.session_id and self.room() > 0
                 and self.policy.start_on_tail(rec, m.session_id, m.prompt_key, max(0, hinted(m) - m.resumed_tokens))):
@@ -145,9 +149,14 @@ class TailRouting:
         """``req`` has its Result."""
         self.inbound.discard(req.request_id)
 
+    def target(self, req: Request) -> PoolKey:
+        """The pool key ``req`` waits for (None: any group)."""
+        return self.targets(req)[0]
+
     # ---- moves -----------------------------------------------------------------------------
     def room(self) -> int:
-        return self.pool.free[self.group] - len(self.inbound)
+        """Spare slots of the tail group less the moves on their way there."""
+        return self.pool.spare_slots(self.group) - len(self.inbound)
 
     def to_move(self, now: float) -> list[tuple[Request, Replica]]:
         """The running requests to move to the tail group now, as many as it has room for, those with
@@ -172,7 +181,7 @@ class TailRouting:
         if not limits:
             return []
         found: list[tuple[float, int, Request, Replica]] = []
-        for r in self.pool.replicas.values():
+        for r in self.pool.all():
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
             for req in r.inflight.values():
@@ -208,7 +217,7 @@ class TailRouting:
             work_left = known[1]
             runners: list[tuple[float, int, Request, Replica]] = []
             residents: list[tuple[float, int, Request, Replica]] = []
-            for r in self.pool.replicas.values():
+            for r in self.pool.all():
                 if not r.serving:
                     continue
                 on_tail = r.group == self.group
@@ -238,10 +247,9 @@ class TailRouting:
         """Per job: its current step as far as the router knows (``Status.steps``)."""
         out = {}
         for job, st in self.flip.steps.items():
-            tl = timeline.steps.get(job)
-            same = tl is not None and tl.step == st.step
-            out[job] = StepProgress(st.step, st.n_sessions, len(st.done), tl.t0 if tl and same else 0.0,
-                                    st.flip_count, st.flipped_at or 0.0, tl.migrated if tl and same else 0)
+            tl = timeline.of(job, st.step)
+            out[job] = StepProgress(st.step, st.n_sessions, len(st.done), tl.t0 if tl else 0.0,
+                                    st.flip_count, st.flipped_at or 0.0, tl.migrated if tl else 0)
         return out
 
     def adopt_sentinels(self) -> None:
