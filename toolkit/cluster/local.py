@@ -13,13 +13,13 @@ from typing import Any
 
 import submitit
 
-from toolkit import router
 from toolkit.cluster.base import Cluster, Component
 from toolkit.config import replica_nodes
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
 from toolkit.engine import replica
 from toolkit.engine.nodes import NodeRole, serve_node
+from toolkit.router import process as router_process
 
 
 def free_port() -> int:
@@ -125,7 +125,7 @@ class LocalCluster(Cluster):
         return self.track(SubmititComponent(name, job))
 
     def start_router(self) -> Component:
-        return self._submit("router", router.serve, str(self.run_dir.root), self.owner)
+        return self._submit("router", router_process.serve, str(self.run_dir.root), self.owner)
 
     def start_replica(self, group: str, index: int) -> Component:
         name = f"replica-{group}-{index}"

@@ -27,7 +27,6 @@ from typing import Any
 
 import submitit
 
-from toolkit import router
 from toolkit.cluster.base import Cluster, Component
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.core.errors import ComponentFailed
@@ -37,6 +36,7 @@ from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import JobStates, hostnames, need, scancel, wait_gone
 from toolkit.engine.nodes import NodeRole, serve_node
 from toolkit.rollout import worker
+from toolkit.router import process as router_process
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def outside_job() -> Iterator[None]:
 
 # ---- what runs inside the jobs (pickled by submitit) ------------------------------------------
 def router_task(run_dir: str) -> None:
-    router.serve(run_dir, None)
+    router_process.serve(run_dir, None)
 
 
 def node_role(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
@@ -187,8 +188,6 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 def compose_config(overrides: list[str] | None = None) -> Config:
     """The config ``launch`` gets for these overrides (composed from ``conf/``; not yet validated)."""
-    from hydra import compose, initialize_config_dir
-
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return from_dictconfig(compose(config_name="config", overrides=overrides or []))
@@ -212,10 +211,10 @@ def engine_variants(cfg: Config) -> list[tuple[str, Any, set[str]]]:
 
 
 def moves_carry_kv(cfg: Config) -> bool:
-    """A moving request's KV travels with it (``tail.move``): ``kv``, or ``auto`` with only sim engines
-    (the one backend that can receive a request's KV today)."""
+    """A moving request's KV travels with it (``tail.move``): ``kv``, or ``auto`` where every group's
+    engine can receive it (its config's ``receives_kv``)."""
     return cfg.tail.move == "kv" or (cfg.tail.move == "auto"
-                                     and all(group_engine(cfg, g).type == "sim" for g in cfg.groups))
+                                     and all(group_engine(cfg, g).receives_kv for g in cfg.groups))
 
 
 def replica_devices(cfg: Config, group: str) -> int:

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from toolkit.config.constraints import bounded, matching, overrides
 from toolkit.core.registry import Backend, Registry
@@ -117,6 +117,8 @@ class SlurmClusterConfig(ClusterConfig):
 class SimEngineConfig:
     """A simulator of a continuous-batching engine (see ``toolkit/engine/sim.py``): not a model."""
 
+    receives_kv: ClassVar[bool] = True
+    """A moved request's KV can travel into this engine (``tail.move=kv``): the sim models the link."""
     type: str = "sim"
     """Engine backend: ``sim``."""
     model: str = "sim-8b"
@@ -175,6 +177,8 @@ class SimEngineConfig:
 class VllmEngineConfig:
     """vLLM's AsyncLLM in the replica process (see ``toolkit/engine/vllm.py``): token ids in and out."""
 
+    receives_kv: ClassVar[bool] = False
+    """No KV connector is wired to receive a moved request's KV: moves into vLLM recompute."""
     type: str = "vllm"
     """Engine backend: ``vllm``."""
     model: str = matching("tiny", "(?s).", "a model directory, or tiny (the built-in test model)")

@@ -69,7 +69,8 @@ class TailPolicyName(Choice):
 
 
 class Move(Choice):
-    """``tail.move``: how a moving request takes its context (``MOVES`` in ``toolkit/router/tail/``)."""
+    """``tail.move``: how a moving request takes its context (``auto``: ``kv`` where every engine can
+    receive it, else ``recompute``)."""
 
     auto = "auto"
     recompute = "recompute"

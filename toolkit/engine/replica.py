@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from tokenizers import Tokenizer
 
 from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.config.entry import enter_component
@@ -48,6 +49,7 @@ from toolkit.core.security import client_curve
 from toolkit.core.sockets import RouterLink, own_bind_host
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.engine.metrics import ReplicaMetrics
+from toolkit.model.tokenizer import chat_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -344,10 +346,6 @@ def engine_config(cfg: Config, group: str) -> Any:
     tokenizer: it emits ids of that vocabulary and encodes structured outputs (tool calls, JSON) with it."""
     ecfg = group_engine(cfg, group)
     if isinstance(ecfg, SimEngineConfig) and cfg.workload.agent and ecfg.tokenizer is None:
-        from tokenizers import Tokenizer
-
-        from toolkit.model.tokenizer import chat_tokenizer_dir
-
         path = chat_tokenizer_dir(cfg)
         vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
         ecfg = dataclasses.replace(ecfg, tokenizer=str(path), vocab_size=min(ecfg.vocab_size, vocab))

@@ -25,6 +25,8 @@ from typing import Any
 from toolkit.config import VllmEngineConfig
 from toolkit.core.lifecycle import exit_on_sigterm
 from toolkit.engine.nodes import NodeRole
+from toolkit.engine.vllm_setup import cpu_environment, engine_args
+from toolkit.model.tiny import ensure_tiny
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +62,9 @@ def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    from toolkit.engine.vllm_setup import cpu_environment, engine_args
 
     model = cfg.model
     if model == "tiny":
-        from toolkit.model.tiny import ensure_tiny
-
         model = str(ensure_tiny(cfg.cache_dir))
     cpu = current_platform.is_cpu()
     if cpu:

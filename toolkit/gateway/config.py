@@ -7,6 +7,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from toolkit.core.errors import FieldError
+from toolkit.model.tokenizer import chat_tokenizer_problem
 
 if TYPE_CHECKING:
     from toolkit.config import Config
@@ -24,8 +25,6 @@ def _port_free(host: str, port: int) -> bool:
 def validate_agent(cfg: Config) -> list[FieldError]:
     """What the agent workload needs beyond its fields' declared bounds: an importable ``solve``, the
     model's chat template, and a port per rank (free, locally)."""
-    from toolkit.model.tokenizer import chat_tokenizer_problem
-
     w, g = cfg.workload, cfg.gateway
     errors = []
     target = w.agent.get("_target_")

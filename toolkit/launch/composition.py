@@ -15,11 +15,15 @@ import math
 import re
 from collections.abc import Sequence
 
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
 
 from toolkit.config import CONF_DIR, compose_config
 from toolkit.core.errors import ConfigError, FieldError
+from toolkit.launch.validation import validate
 
 COMPOSITION_ERRORS = (HydraException, OmegaConfBaseException)
 
@@ -54,8 +58,6 @@ def _error(line: str, exc: BaseException) -> FieldError:
 def _lines(overrides: Sequence[str], multirun: bool) -> tuple[list[str], list[list[str]], list[FieldError]]:
     """The overrides of one composition (a sweep's first value), every override line to check on its own
     (a sweep: each of its values), and the lines that do not parse."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     first: list[str] = []
     each: list[list[str]] = []
@@ -105,8 +107,6 @@ def check_overrides(overrides: Sequence[str], multirun: bool = False) -> None:
         _validate_points(each)
         return
     if errors and kept and not sweep:  # a bad choice (a Choice field) hides no out-of-range value
-        from toolkit.launch.validation import validate
-
         try:
             validate(compose_config(kept))
         except ConfigError as exc:
@@ -143,13 +143,9 @@ MAX_POINTS_CHECKED = 256
 def _validate_points(each: list[list[str]]) -> None:
     """Every point of a sweep, validated as its run will be: a bad value, or values bad only together,
     fail the sweep before its first run, not hours later at that point (and each listed with it)."""
-    from toolkit.launch.validation import validate
-
     points: dict[str, tuple[FieldError, list[str]]] = {}  # each error once, with the points that have it
     n = min(MAX_POINTS_CHECKED, math.prod(len(values) for values in each))
     if n > 16:  # ~0.15 s a point (Hydra's compose): say why the sweep has not begun
-        from rich.console import Console
-
         Console(stderr=True).print(f"[dim]checking {n} points of the sweep before it begins[/dim]")
     for combo in itertools.islice(itertools.product(*each), MAX_POINTS_CHECKED):
         point = " ".join(line for line, values in zip(combo, each, strict=True) if len(values) > 1)
@@ -169,8 +165,6 @@ def _validate_points(each: list[list[str]]) -> None:
 
 def precheck(argv: Sequence[str]) -> None:
     """``launch``'s command line: check its overrides unless Hydra is asked for something else."""
-    from hydra._internal.utils import get_args_parser
-
     args, _ = get_args_parser().parse_known_args(list(argv))
     if (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name
             or args.config_path or args.config_dir or args.experimental_rerun):

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hydra.utils import instantiate
+
 from toolkit.config import (
     CLUSTERS,
     ENGINES,
@@ -29,7 +31,10 @@ from toolkit.config import (
 )
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.registry import Registry
+from toolkit.gateway.config import validate_agent
 from toolkit.model.tokenizer import tokenizer_problem
+from toolkit.report.trackers import PACKAGES
+from toolkit.rollout.hints import LengthHint
 from toolkit.router.tail import TAIL_POLICIES
 
 logger = logging.getLogger(__name__)
@@ -135,15 +140,14 @@ def tail_groups(cfg: Config) -> list[FieldError]:
 
 
 def kv_moves(cfg: Config) -> list[FieldError]:
-    """``tail.move=kv`` needs engines that receive a request's KV: only the sim models a KV link; the vllm
-    backend has no KV connector wired to receive one."""
+    """``tail.move=kv`` needs engines that receive a request's KV (their config's ``receives_kv``)."""
     if cfg.tail.move != "kv":
         return []
-    others = {name: group_engine(cfg, name).type for name in cfg.groups if group_engine(cfg, name).type != "sim"}
+    others = {name: group_engine(cfg, name).type for name in cfg.groups if not group_engine(cfg, name).receives_kv}
     if not others:
         return []
-    return [FieldError("tail.move", cfg.tail.move, f"'recompute' with engines of another type than sim "
-                       f"({others}): they cannot receive a request's KV (no KV connector is wired)")]
+    return [FieldError("tail.move", cfg.tail.move, f"'recompute' with engines that cannot receive a request's "
+                       f"KV ({others}: no KV connector is wired)")]
 
 
 def concurrency_cap(cfg: Config) -> list[FieldError]:
@@ -173,8 +177,6 @@ def agent_workload(cfg: Config) -> list[FieldError]:
     """An agent workload: its own checks (``toolkit/gateway/config.py``), and no length predictor."""
     if not cfg.workload.agent:
         return []
-    from toolkit.gateway.config import validate_agent
-
     errors = validate_agent(cfg)
     if cfg.workload.length_hint:
         errors.append(FieldError("workload.length_hint", cfg.workload.length_hint.get("_target_"),
@@ -226,9 +228,6 @@ def length_hint(cfg: Config) -> list[FieldError]:
     errors = _target_errors("workload.length_hint", spec)
     if errors:
         return errors
-    from hydra.utils import instantiate
-
-    from toolkit.rollout.hints import LengthHint
 
     try:
         hint = instantiate(spec)
@@ -250,8 +249,6 @@ def length_hint(cfg: Config) -> list[FieldError]:
 
 def trackers(cfg: Config) -> list[FieldError]:
     """Every tracker known, once, its library installed (named for pip)."""
-    from toolkit.report.trackers import PACKAGES
-
     errors = []
     for i, name in enumerate(cfg.report.trackers):
         if name not in PACKAGES:

@@ -30,7 +30,9 @@ from toolkit.core.metrics import Endpoint
 from toolkit.core.protocol import Generate, GroupStatus, Sampling
 from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.sockets import own_bind_host
-from toolkit.model.tokenizer import load_tokenizer
+from toolkit.gateway.chat import ChatTokenizer
+from toolkit.gateway.server import Gateway, gateway_settings
+from toolkit.model.tokenizer import chat_tokenizer_dir, load_tokenizer
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.guard import (
@@ -124,10 +126,6 @@ class RankRunner:
                 endpoint.close()
 
     async def _start_gateway(self) -> None:
-        from toolkit.gateway.chat import ChatTokenizer
-        from toolkit.gateway.server import Gateway, gateway_settings
-        from toolkit.model.tokenizer import chat_tokenizer_dir
-
         cfg = self.cfg
         chat = await asyncio.to_thread(ChatTokenizer, chat_tokenizer_dir(cfg))
         settings = gateway_settings(cfg, self.run_dir, self.rank, self.max_model_len)

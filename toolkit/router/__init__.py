@@ -1,29 +1,4 @@
 """The router: one process between the clients and the replicas. ``server.Router`` holds the sockets
 and each request's life, and is composed of parts that each own their state: ``pool`` (replicas and
-slots), ``membership``, ``weights``, ``elastic``, ``migration``, ``tail`` (where requests go) and ``metrics``."""
-
-from __future__ import annotations
-
-import logging
-
-from toolkit.core.lifecycle import ProcessRef
-
-logger = logging.getLogger(__name__)
-
-
-def serve(run_dir: str, owner: ProcessRef | None = None) -> None:
-    """Entry point of the router process (a submitit job or ``python -m toolkit.router RUN_DIR``)."""
-    from toolkit.config.entry import enter_component
-    from toolkit.core.sockets import bind_host
-    from toolkit.router.server import Router
-
-    rd, cfg = enter_component(run_dir, "router", owner)
-    router = Router(cfg, rd)
-    try:
-        router.bind(bind_host(cfg.router.host, cfg.cluster.type))
-        router.run()
-    except (KeyboardInterrupt, SystemExit):
-        logger.info("router stopping")
-    finally:
-        router.write_stats()
-        router.close()
+slots), ``membership``, ``weights``, ``elastic``, ``migration``, ``tail`` (where requests go) and
+``metrics``; ``process`` is the router process's entry."""

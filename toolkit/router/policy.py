@@ -13,6 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
 
+from toolkit.config import RouterPolicyName
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.router.replica import Replica
 
@@ -171,18 +172,23 @@ class ConsistentHash(Policy):
         return best
 
 
-POLICIES: dict[str, Callable[[list[Replica], float, int], Policy]] = {
-    "consistent_hash": lambda replicas, load_factor, seed: ConsistentHash(replicas, load_factor),
-    "least_loaded": lambda replicas, load_factor, seed: LeastLoaded(replicas),
-    "power_of_two": lambda replicas, load_factor, seed: PowerOfTwo(replicas, seed),
-    "round_robin": lambda replicas, load_factor, seed: RoundRobin(replicas),
+POLICIES: dict[RouterPolicyName, Callable[[list[Replica], float, int], Policy]] = {
+    RouterPolicyName.consistent_hash: lambda replicas, load_factor, seed: ConsistentHash(replicas, load_factor),
+    RouterPolicyName.least_loaded: lambda replicas, load_factor, seed: LeastLoaded(replicas),
+    RouterPolicyName.power_of_two: lambda replicas, load_factor, seed: PowerOfTwo(replicas, seed),
+    RouterPolicyName.round_robin: lambda replicas, load_factor, seed: RoundRobin(replicas),
 }
-"""``router.policy``'s choices, each making one for a group from its replicas, ``router.load_factor`` and
-a seed (a new one: a class here and its line)."""
+"""``router.policy``'s implementations, one per :class:`~toolkit.config.RouterPolicyName`, each making one
+for a group from its replicas, ``router.load_factor`` and a seed (a new one: a class here, its name in
+the enum and its line)."""
 
 
-def make_policy(name: str, replicas: list[Replica], load_factor: float = 1.25, seed: int = 0) -> Policy:
-    make = POLICIES.get(name)
-    if make is None:
-        raise ConfigError([FieldError("router.policy", name, f"one of {list(POLICIES)}")])
+def make_policy(name: RouterPolicyName | str, replicas: list[Replica], load_factor: float = 1.25,
+                seed: int = 0) -> Policy:
+    """``router.policy`` ``name``'s policy over ``replicas`` (a name the enum lacks: a ConfigError naming
+    the options, for a config built in code that ``validate`` did not see)."""
+    try:
+        make = POLICIES[RouterPolicyName(name)]
+    except ValueError:
+        raise ConfigError([FieldError("router.policy", name, f"one of {list(POLICIES)}")]) from None
     return make(replicas, load_factor, seed)

@@ -9,17 +9,15 @@ Whether a policy keeps the group for its long runners, and the flip's count, are
 (``TailConfig.reserves_group``, ``flip_count``): the ranks' step report reads them too.
 """
 
-from toolkit.config import flip_count
+from toolkit.config import TailPolicyName, flip_count
 from toolkit.router.tail.age import AgePolicy
 from toolkit.router.tail.base import TailPolicy
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.flip import CountFlip
 from toolkit.router.tail.predict import PredictPolicy
 
-TAIL_POLICIES: dict[str, type[TailPolicy]] = {p.name: p for p in (CountPolicy, AgePolicy, PredictPolicy)}
-"""``tail.policy``'s choices (a new one: its module and its line here)."""
-MOVES = ("auto", "recompute", "kv")
-"""``tail.move``'s choices: how a moving request takes its context (``auto``: ``kv`` where every engine
-can receive it, else ``recompute``)."""
+TAIL_POLICIES: dict[TailPolicyName, type[TailPolicy]] = {p.name: p for p in (CountPolicy, AgePolicy, PredictPolicy)}
+"""``tail.policy``'s implementations, one per :class:`~toolkit.config.TailPolicyName` (a new policy: its
+module, its name in the enum and its line here)."""
 
-__all__ = ["MOVES", "TAIL_POLICIES", "CountFlip", "TailPolicy", "flip_count"]
+__all__ = ["TAIL_POLICIES", "CountFlip", "TailPolicy", "flip_count"]

@@ -16,11 +16,12 @@ first; a turn its hint says ends within the age limit stays. Otherwise its age r
 
 from __future__ import annotations
 
+from toolkit.config import TailPolicyName
 from toolkit.router.tail.base import MoveLimits, StepRecord, TailPolicy
 
 
 class AgePolicy(TailPolicy):
-    name = "age"
+    name = TailPolicyName.age
 
     def move_limits(self, rec: StepRecord) -> MoveLimits | None:
         age, hint = self.long_turn(rec), self.long_hint(rec) if rec.hinted else None

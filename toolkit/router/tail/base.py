@@ -16,7 +16,7 @@ from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar
 
-from toolkit.config import TailConfig
+from toolkit.config import TailConfig, TailPolicyName
 
 
 class StepRecord:
@@ -52,7 +52,7 @@ class StepRecord:
 
 
 class TailPolicy(ABC):
-    name: ClassVar[str]
+    name: ClassVar[TailPolicyName]
     reads_hints: ClassVar[bool] = True
     """The policy places turns by their length hints (``Generate.expected_tokens``)."""
 

@@ -5,11 +5,12 @@ hints."""
 
 from __future__ import annotations
 
+from toolkit.config import TailPolicyName
 from toolkit.router.tail.base import StepRecord, TailPolicy
 
 
 class CountPolicy(TailPolicy):
-    name = "count"
+    name = TailPolicyName.count
     reads_hints = False
 
     def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:

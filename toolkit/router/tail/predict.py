@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import statistics
 
+from toolkit.config import TailPolicyName
 from toolkit.router.tail.base import StepRecord, TailPolicy
 
 
 class PredictPolicy(TailPolicy):
-    name = "predict"
+    name = TailPolicyName.predict
 
     def start_on_tail(self, rec: StepRecord, session: str, prompt_key: str, hint: int = 0) -> bool:
         if super().start_on_tail(rec, session, prompt_key, hint):
