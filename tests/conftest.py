@@ -1,33 +1,126 @@
-"""Shared fixtures: configs composed the way ``launch`` composes them, and processes owned by pid."""
+"""Shared fixtures, the test tiers and what the ``slurm``/``vllm`` markers require.
+
+Tiers are directories: ``tests/unit`` (no processes; ``tests/unit/conftest.py`` fails a test that starts
+one; the tier runs alone in under 2 minutes), ``tests/integration`` (real processes on 127.0.0.1, and
+whole benchmark smoke runs) and ``tests/cluster`` (markers ``slurm``, ``vllm``). Each test is marked with its tier's name (``-m unit`` and so on), and the terminal summary
+gives each tier's test count and summed duration. Helpers shared by test modules live in
+``tests/helpers``; no test module imports another one.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import os
-import signal
-import subprocess
-import sys
-import time
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from toolkit.client import RouterClient
-from toolkit.config import CONF_DIR, Config, compose_config, register_configs
-from toolkit.core.rundir import RunDir
-from toolkit.launch.stack import LocalStack
-from toolkit.launch.validation import validate
+# Before the helpers are imported: their asserts are rewritten like a test module's.
+pytest.register_assert_rewrite("tests.helpers")
 
-CONF = CONF_DIR
+from tests.helpers.slurm import slurm_problem  # noqa: E402
+from toolkit.config import Config, compose_config, register_configs  # noqa: E402
+from toolkit.core.rundir import RunDir  # noqa: E402
+from toolkit.launch.stack import LocalStack  # noqa: E402
+from toolkit.launch.validation import validate  # noqa: E402
+
 register_configs()
 
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "cluster")
 
 
+# ---- tiers -----------------------------------------------------------------------------------------
+def tier_of(path: Path | str) -> str | None:
+    """The tier of a test file: the directory under ``tests/`` it is in."""
+    try:
+        first = Path(path).resolve().relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return first if first in TIERS else None
 
+
+_tier_of_test: dict[str, str] = {}
+_misplaced = pytest.StashKey[str]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, and keep the markers honest (a test that breaks a rule fails):
+    a unit test needs no Slurm, vLLM or MPI; a cluster test needs Slurm or vLLM; ``slurm``/``vllm`` tests
+    are cluster tests.
+    The unit tier runs first, then integration, then cluster (in file order within each)."""
+    items.sort(key=lambda item: (TIERS + (None,)).index(tier_of(item.path)))
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is None:
+            item.stash[_misplaced] = "a test must be under tests/unit, tests/integration or tests/cluster"
+            continue
+        _tier_of_test[item.nodeid] = tier
+        item.add_marker(getattr(pytest.mark, tier))
+        marks = {m.name for m in item.iter_markers()}
+        if tier == "unit" and marks & {"slurm", "vllm", "mpi"}:
+            item.stash[_misplaced] = (f"a unit test marked {sorted(marks & {'slurm', 'vllm', 'mpi'})}: "
+                                      "it belongs in tests/integration or tests/cluster")
+        elif tier == "cluster" and not marks & {"slurm", "vllm"}:
+            item.stash[_misplaced] = "a test in tests/cluster needs the marker slurm or vllm"
+        elif tier != "cluster" and marks & {"slurm", "vllm"}:
+            item.stash[_misplaced] = f"marked {sorted(marks & {'slurm', 'vllm'})}: it belongs in tests/cluster"
+
+
+@functools.cache
+def vllm_problem() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import is the answer
+        return f"vLLM does not import ({type(exc).__name__}: {exc}); pip install -e '.[vllm]'"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``slurm``/``vllm`` skip without a usable Slurm/vLLM, or fail under
+    ``TOOLKIT_REQUIRE_SLURM=1``/``TOOLKIT_REQUIRE_VLLM=1`` (CI); checked before any fixture starts
+    something (a class-scoped vLLM stack, say). A test in the wrong tier fails here."""
+    if why := item.stash.get(_misplaced, None):
+        pytest.fail(f"wrong tier: {why}", pytrace=False)
+    for marker, problem, env in (("slurm", slurm_problem, "TOOLKIT_REQUIRE_SLURM"),
+                                 ("vllm", vllm_problem, "TOOLKIT_REQUIRE_VLLM")):
+        if item.get_closest_marker(marker) is not None and (why := problem()):
+            if os.environ.get(env, "") not in ("", "0"):
+                pytest.fail(f"{env}={os.environ[env]} but {why}", pytrace=False)
+            pytest.skip(why)
+
+
+# ---- time per tier in the terminal summary ----------------------------------------------------------
+_durations: dict[str, float] = defaultdict(float)
+_counts: Counter[str] = Counter()
+_outcomes: dict[str, Counter[str]] = defaultdict(Counter)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tier = _tier_of_test.get(report.nodeid, "other")
+    _durations[tier] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _counts[tier] += 1
+        _outcomes[tier][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _counts:
+        return
+    tr = terminalreporter
+    tr.section("time per tier (setup + call + teardown, summed)")
+    for tier in (*TIERS, "other"):
+        if _counts[tier]:
+            outcomes = ", ".join(f"{n} {what}" for what, n in sorted(_outcomes[tier].items()))
+            tr.write_line(f"{tier:<12} {_counts[tier]:>4} tests  {_durations[tier]:8.1f} s  ({outcomes})")
+    tr.write_line(f"{'all':<12} {sum(_counts.values()):>4} tests  {sum(_durations.values()):8.1f} s")
+
+
+# ---- fixtures ----------------------------------------------------------------------------------------
 @pytest.fixture
-def make_run(tmp_path: Path) -> Iterator:
+def make_run(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     """``make_run(overrides) -> (cfg, run_dir, stack)``: a validated config saved in a fresh run dir;
     the stack's processes are stopped by pid at the end of the test."""
     owned: list[LocalStack] = []
@@ -42,73 +135,3 @@ def make_run(tmp_path: Path) -> Iterator:
     yield factory
     for p in owned:
         p.stop()
-
-
-async def with_client(rd: RunDir, fn, timeout_s: float = 90.0):  # type: ignore[no-untyped-def]
-    """Run ``fn(client)`` with a connected RouterClient of the run, bounded by ``timeout_s``."""
-    c = RouterClient(rd)
-    await c.connect(10)
-    try:
-        return await asyncio.wait_for(fn(c), timeout_s)
-    finally:
-        await c.close()
-
-
-def wait_for(pred, timeout_s: float = 20.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def launch(args: list[str], timeout_s: float = 180, **kw) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "toolkit.launch", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, **kw)
-
-
-def start_launch(args: list[str], **kw: Any) -> subprocess.Popen[str]:
-    """``launch`` in the background (stdout and stderr together), for tests that act on it mid-run."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.Popen([sys.executable, "-m", "toolkit.launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, **kw)
-
-
-def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
-    """Launch's output once it exits. If it does not exit in time, it gets SIGINT (its teardown:
-    stop by pid, scancel) and, failing that, SIGKILL."""
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-    return output
-
-
-def ranks_started(run: Path) -> bool:
-    pids = run / "pids"
-    return pids.exists() and any(pids.glob("rank-*.pid"))
-
-
-def lose_node_rank(run: Path, timeout_s: float, replica: str = "replica-throughput-0", node: int = 1) -> list[int]:
-    """Once the run's first step is written and node rank ``node`` of ``replica`` runs (its process and
-    its engine worker: two pid files), SIGKILL all of them at once, as when that node is lost; their pids."""
-    from toolkit.core.lifecycle import read_pidfiles
-
-    def procs() -> list:  # type: ignore[type-arg]
-        return [r for r in read_pidfiles(run / "pids") if r.name.startswith(f"{replica}-node{node}") and r.alive()]
-
-    wait_for(lambda: len(procs()) >= 2 and (run / "steps" / "step_00000.json").exists(), timeout_s,
-             f"the first step with node rank {node} of {replica} up")
-    killed = []
-    for ref in procs():
-        os.kill(ref.pid, signal.SIGKILL)
-        killed.append(ref.pid)
-    return killed

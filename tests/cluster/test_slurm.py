@@ -13,127 +13,25 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import finish, launch, lose_node_rank, start_launch, wait_for
-from tests.test_launch import assert_no_process_left, check_outputs
-from toolkit.cluster.storage import check_shared
+from tests.helpers.outputs import check_outputs
+from tests.helpers.paths import ROOT
+from tests.helpers.procs import assert_no_process_left, finish, launch, lose_node_rank, start_launch, wait_for
+from tests.helpers.slurm import FAST, accounting, job_id, our_jobs, pending, registrations
 from toolkit.core.lifecycle import read_pidfiles
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420)]
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _shared_root() -> Path:
-    if env := os.environ.get("TOOLKIT_SHARED_TMP"):
-        return Path(env)
-    # A checkout under /tmp would put run dirs on node-local storage, which launch refuses on Slurm.
-    inside = ROOT / ".slurm-test-runs"
-    if check_shared(inside, "test run dirs", nodes=1) is None:
-        return inside
-    return Path.home() / ".cache" / "rollout-toolkit" / "slurm-test-runs"
-
-
-SHARED = _shared_root()
-FAST = ["cluster=slurm", "engine.time_scale=0.2"]
-
-
-def _slurm_problem() -> str | None:
-    if shutil.which("sbatch") is None:
-        return "no sbatch on PATH (start the dev cluster: bash slurm/dev-cluster.sh up)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "sinfo does not answer"
-    states = out.stdout.split()
-    if out.returncode != 0 or not any(s.rstrip("*") in ("idle", "mixed", "allocated") for s in states):
-        return f"no usable Slurm node (sinfo: {out.stdout.strip() or out.stderr.strip()})"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm() -> None:
-    problem = _slurm_problem()
-    if problem:
-        if os.environ.get("TOOLKIT_REQUIRE_SLURM") == "1":
-            pytest.fail(f"TOOLKIT_REQUIRE_SLURM=1 but {problem}")
-        pytest.skip(problem)
-
-
-@pytest.fixture
-def run(request: pytest.FixtureRequest) -> Iterator[tuple[Path, str]]:
-    """(a fresh dir on shared storage, a unique job name); the dir is removed afterwards and the
-    test fails if any Slurm job of the run is still queued."""
-    job = "t" + uuid.uuid4().hex[:8]
-    d = SHARED / f"{request.node.name[:40]}-{job}"
-    d.mkdir(parents=True)
-    yield d, job
-    try:
-        left = our_jobs(job)
-        if left:
-            subprocess.run(["scancel", *[j for j, _ in left]], timeout=30)
-        assert not left, f"jobs of the run still queued after it ended: {left}"
-    finally:
-        if os.environ.get("TOOLKIT_KEEP_RUNS") != "1":
-            shutil.rmtree(d, ignore_errors=True)
-            try:
-                SHARED.rmdir()
-            except OSError:
-                pass
-
-
-def our_jobs(job: str) -> list[tuple[str, str]]:
-    """(job id, state) of every queued job whose name starts with the run's job name."""
-    out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%i|%j|%T"], capture_output=True, text=True,
-                         timeout=30, check=True)
-    rows = [line.split("|") for line in out.stdout.splitlines()]
-    return [(r[0], r[2]) for r in rows if r[1].startswith(job)]
-
-
-def pending(job: str) -> list[tuple[str, str]]:
-    out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%j|%T|%r"], capture_output=True, text=True,
-                         timeout=30, check=True)
-    return [(r[1], r[2]) for r in (line.split("|") for line in out.stdout.splitlines()) if r[0].startswith(job)]
-
-
-def job_id(job: str, name: str, array_index: int | None = None) -> str:
-    out = subprocess.run(["squeue", "-h", "-r", "--me", "-o", "%i|%j"], capture_output=True, text=True,
-                         timeout=30, check=True)
-    for line in out.stdout.splitlines():
-        jid, jname = line.split("|")
-        if jname == f"{job}-{name}" and (array_index is None or jid.endswith(f"_{array_index}")):
-            return jid
-    raise AssertionError(f"no queued job {job}-{name} ({out.stdout})")
-
-
-def accounting(ids: str) -> dict[str, str]:
-    """JobID -> State for jobs and their steps, from sacct."""
-    out = subprocess.run(["sacct", "-n", "-P", "-j", ids, "-o", "JobID,JobName,State"], capture_output=True,
-                         text=True, timeout=30, check=True)
-    return {p[0]: p[2] for p in (line.split("|") for line in out.stdout.splitlines())}
-
-
-def registrations(run: Path, replica: str) -> set[str]:
-    """Replica ids (``<name>@<host>:<pid>``) that registered with the router under ``replica``."""
-    log = run / "logs" / "router.log"
-    lines = log.read_text().splitlines() if log.exists() else []
-    return {line.split("replica ")[1].split()[0] for line in lines
-            if f"replica {replica}@" in line and " registered " in line}
-
-
-def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_default_run_on_slurm_completes_with_complete_outputs(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST], timeout_s=300)
     assert out.returncode == 0, out.stdout + out.stderr
     r = d / "run"
@@ -161,11 +59,11 @@ def test_default_run_on_slurm_completes_with_complete_outputs(run: tuple[Path, s
     assert_no_process_left(r)
 
 
-def test_killing_a_replica_job_mid_step_loses_no_session(run: tuple[Path, str]) -> None:
+def test_killing_a_replica_job_mid_step_loses_no_session(slurm_run: tuple[Path, str]) -> None:
     from toolkit.core.rundir import RunDir
     from toolkit.weights import publish
 
-    d, job = run
+    d, job = slurm_run
     r = d / "run"
     weights, checkpoint = d / "weights", d / "checkpoint"
     checkpoint.mkdir()
@@ -192,8 +90,8 @@ def test_killing_a_replica_job_mid_step_loses_no_session(run: tuple[Path, str]) 
     assert_no_process_left(r)
 
 
-def test_a_requeued_replica_reregisters_and_the_run_goes_on(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_a_requeued_replica_reregisters_and_the_run_goes_on(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     r = d / "run"
     # Enough steps (under a second each here) for the requeued job to run again well before the last.
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=30", "router.heartbeat_s=0.2"])
@@ -218,8 +116,8 @@ def test_a_requeued_replica_reregisters_and_the_run_goes_on(run: tuple[Path, str
     assert_no_process_left(r)
 
 
-def test_a_run_that_loses_its_router_job_restarts_it(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_a_run_that_loses_its_router_job_restarts_it(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     r = d / "run"
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "tail.threshold=0.9"])
     try:
@@ -234,8 +132,8 @@ def test_a_run_that_loses_its_router_job_restarts_it(run: tuple[Path, str]) -> N
     assert json.loads((r / "report.json").read_text())["summary"]["router_restarts"] == 1
 
 
-def test_ctrl_c_cancels_every_job(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_ctrl_c_cancels_every_job(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     r = d / "run"
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=100"])
     try:
@@ -251,12 +149,12 @@ def test_ctrl_c_cancels_every_job(run: tuple[Path, str]) -> None:
     assert_no_process_left(r)
 
 
-def test_agents_over_http_on_slurm(run: tuple[Path, str]) -> None:
+def test_agents_over_http_on_slurm(slurm_run: tuple[Path, str]) -> None:
     """The ranks' gateways on a cluster: bound on every interface, advertising the node's name, admitting
     the run's token (CURVE is on), which the agents get from the rank's environment."""
-    d, job = run
+    d, job = slurm_run
     out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST, "workload=agent", "steps=1",
-                  "sessions_per_step=6", "workload.agent._target_=tests.agents_for_tests.openai_tools",
+                  "sessions_per_step=6", "workload.agent._target_=tests.helpers.agents_for_tests.openai_tools",
                   "+workload.agent.check_outsider=true"], timeout_s=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     r = d / "run"
@@ -268,10 +166,10 @@ def test_agents_over_http_on_slurm(run: tuple[Path, str]) -> None:
     assert our_jobs(job) == []
 
 
-def test_a_failed_step_cancels_every_job(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_a_failed_step_cancels_every_job(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST,
-                  "workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
+                  "workload.env._target_=tests.helpers.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
                   "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size",
                   "rollout.max_failed_fraction=0"],  # one failed sample is over this budget: the run fails
                  timeout_s=300, cwd=ROOT)
@@ -282,8 +180,8 @@ def test_a_failed_step_cancels_every_job(run: tuple[Path, str]) -> None:
     assert_no_process_left(d / "run")
 
 
-def test_readiness_is_bounded_and_names_the_stuck_job(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_readiness_is_bounded_and_names_the_stuck_job(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     # Every job of the run may only start in an hour: the router job is the one stuck.
     out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST, "cluster.ready_timeout_s=5",
                   "cluster.extra_sbatch=['--begin=now+3600']"], timeout_s=120)
@@ -293,8 +191,8 @@ def test_readiness_is_bounded_and_names_the_stuck_job(run: tuple[Path, str]) -> 
     assert our_jobs(job) == []
 
 
-def test_the_sbatch_template_runs_the_whole_thing_as_steps(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_the_sbatch_template_runs_the_whole_thing_as_steps(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     out = subprocess.run(
         ["sbatch", "--wait", "--parsable", f"--chdir={ROOT}", f"--output={d}/slurm-%j.out", f"--job-name={job}",
@@ -323,8 +221,8 @@ def test_the_sbatch_template_runs_the_whole_thing_as_steps(run: tuple[Path, str]
     assert_no_process_left(r)
 
 
-def test_a_sweep_through_hydra_submitit_writes_the_summary(run: tuple[Path, str]) -> None:
-    d, job = run
+def test_a_sweep_through_hydra_submitit_writes_the_summary(slurm_run: tuple[Path, str]) -> None:
+    d, job = slurm_run
     sweep = d / "sweep"
     out = launch(["-m", "hydra/launcher=submitit_slurm", f"hydra.sweep.dir={sweep}", f"hydra.launcher.name={job}-sweep",
                   "hydra.launcher.array_parallelism=1", "hydra.launcher.timeout_min=20", "hydra.launcher.mem_gb=1",
@@ -344,7 +242,7 @@ def test_a_sweep_through_hydra_submitit_writes_the_summary(run: tuple[Path, str]
 
 
 @pytest.mark.vllm
-def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(run: tuple[Path, str]) -> None:
+def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(slurm_run: tuple[Path, str]) -> None:
     """The dev cluster's `multi` partition: two nodes emulated on this host by two slurmd. One replica of
     tensor parallel 2 is one job of two nodes: node rank 0 serves the engine, node rank 1 runs vLLM's
     headless worker, and they meet at the address node rank 0 publishes in the run dir. Node rank 1's
@@ -352,7 +250,7 @@ def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(run: t
     and no session is lost."""
     if not os.environ.get("TOOLKIT_REQUIRE_VLLM"):
         pytest.importorskip("vllm")
-    d, job = run
+    d, job = slurm_run
     r = d / "run"
 
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", "cluster=slurm", "engine=vllm", "model=tiny",

@@ -12,18 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import finish, launch, start_launch, wait_for
-from tests.test_launch import check_outputs
-from tests.test_resume import assert_same_outputs
-from tests.test_slurm import FAST, ROOT, our_jobs, pending, run, slurm  # noqa: F401 - fixtures
+from tests.helpers.outputs import assert_same_outputs, check_outputs
+from tests.helpers.paths import ROOT
+from tests.helpers.procs import finish, launch, start_launch, wait_for
+from tests.helpers.slurm import FAST, job_id, our_jobs, pending, registrations
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(600)]
 
-
-@pytest.fixture
-def slurm_run(request: pytest.FixtureRequest) -> tuple[Path, str]:
-    """test_slurm's ``run``: a dir on shared storage and a job name; no job of it may be left."""
-    return request.getfixturevalue("run")
 
 RUN = ["engine.time_scale=0.5", "steps=3", "sessions_per_step=24"]
 
@@ -130,8 +125,6 @@ def _events(r: Path) -> list[dict]:
 
 
 def test_scaling_and_a_preempted_replica_lose_and_duplicate_no_session(slurm_run: tuple[Path, str]) -> None:
-    from tests.test_slurm import job_id, registrations
-
     d, job = slurm_run
     r = d / "run"
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=40", "router.heartbeat_s=0.2"])
@@ -168,7 +161,7 @@ def test_a_requeue_that_slurm_refuses_ends_the_trainers_wait(tmp_path: Path, mon
 
     from toolkit.config import compose_config
     from toolkit.core.rundir import RunDir, atomic_write
-    from toolkit.launch import app as launch_mod
+    from toolkit.launch.app import app as launch_mod
     from toolkit.samples import RunEnded, wait_step
 
     rd = RunDir(tmp_path)

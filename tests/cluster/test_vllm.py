@@ -12,10 +12,8 @@ model built on the spot: no network, no model hub. Skipped when vLLM is not inst
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,8 +31,9 @@ else:
 import pyarrow.parquet as pq  # noqa: E402
 import zmq  # noqa: E402
 
-from tests.conftest import compose_config, launch, wait_for  # noqa: E402
-from toolkit.client import RouterClient, WeightsUpdateFailed  # noqa: E402
+from tests.helpers.procs import launch, wait_for  # noqa: E402
+from tests.helpers.vllm import PROMPT, gen  # noqa: E402
+from toolkit.config import compose_config  # noqa: E402
 from toolkit.core import protocol as P  # noqa: E402
 from toolkit.core.lifecycle import read_pidfiles  # noqa: E402
 from toolkit.core.rundir import RunDir, atomic_write  # noqa: E402
@@ -44,19 +43,6 @@ from toolkit.weights import publish  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PROMPT = [(7 * i) % 500 + 3 for i in range(70)]  # 70 tokens: two full 32-token KV blocks to cache
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny model as ``model=tiny`` builds it (into ``cache``), another checkpoint, a LoRA adapter."""
-    from toolkit.model.tiny import build_all, ensure_tiny
-
-    root = tmp_path_factory.mktemp("tiny")
-    built = build_all(root / "models")
-    return {**built, "cache": root / "cache", "tiny": ensure_tiny(root / "cache")}
-
-
 def engine_core_pid(run_dir: RunDir) -> int:
     for ref in read_pidfiles(run_dir.pids):
         if ref.name.endswith("-engine") and ref.alive():
@@ -64,12 +50,6 @@ def engine_core_pid(run_dir: RunDir) -> int:
             if comm.startswith("VLLM::EngineCor"):
                 return ref.pid
     raise AssertionError(f"no live engine core among the pid files of {run_dir}")
-
-
-def gen(rid: str, prompt: list[int] = PROMPT, max_tokens: int = 16, **kw: Any) -> P.Generate:
-    sampling = {k: kw.pop(k) for k in ("temperature", "top_p", "seed", "logprobs", "n", "ignore_eos") if k in kw}
-    return P.Generate(rid, job="t", session_id=rid, step=0, prompt_token_ids=list(prompt),
-                      sampling=P.Sampling(max_tokens=max_tokens, **sampling), **kw)
 
 
 # ---- one replica, the test as its router --------------------------------------------------------
@@ -85,7 +65,7 @@ class Backend:
         atomic_write(stack.run_dir.router_address,
                      json.dumps({"frontend": "tcp://127.0.0.1:9", "backend": addr, "pid": str(os.getpid())}))
         self.ident = b""
-        self.beats: list[P.Heartbeat] = []
+        self.beats: list[P.ReplicaStats] = []
 
     def send(self, msg: P.Message) -> None:
         self.sock.send_multipart([self.ident, *P.encode(msg)])
@@ -100,7 +80,7 @@ class Backend:
             msg = P.decode(mtype, payload)
             self.ident = ident
             if isinstance(msg, P.Heartbeat):
-                self.beats.append(msg)
+                self.beats.append(msg.stats)
             if isinstance(msg, want):
                 return msg
         raise AssertionError(f"no {want.__name__} within {timeout_s}s")
@@ -153,7 +133,7 @@ class TestReplica:
         assert busy and max(h.running for h in busy) <= 4
         assert any(h.waiting > 0 for h in b.beats) and any(h.kv_usage > 0 for h in busy)
         b.beats.clear()
-        last = b.recv(P.Heartbeat, 10)
+        last = b.recv(P.Heartbeat, 10).stats
         assert last.running == 0 and last.waiting == 0
         assert last.prefix_hits >= 12 * 64 and last.prefix_queries >= 13 * len(PROMPT)
         assert last.generated_tokens >= 12 * 200 + 16 + 1
@@ -192,122 +172,6 @@ class TestReplica:
         engines = [r for r in read_pidfiles(stack.run_dir.pids) if r.name.endswith("-engine")]
         assert len(engines) >= 4  # two engines, each a core and a worker
         wait_for(lambda: not any(r.alive() for r in engines), 30, "the engine processes to be gone")
-
-
-# ---- router + one replica, a client ---------------------------------------------------------------
-@pytest.fixture(scope="class")
-def routed(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
-                          "++engine.args.enable_lora=true", "++engine.args.max_lora_rank=8"])
-    validate(cfg)
-    with LocalStack(cfg, tmp_path_factory.mktemp("routed") / "run") as stack:
-        stack.start(timeout_s=300)
-        yield stack
-
-
-def with_client(stack: LocalStack, fn: Any, timeout_s: float = 120) -> Any:
-    async def main() -> Any:
-        c = RouterClient(stack.run_dir)
-        await c.connect(10)
-        try:
-            return await asyncio.wait_for(fn(c), timeout_s)
-        finally:
-            await c.close()
-
-    return asyncio.run(main())
-
-
-class TestThroughRouter:
-    def test_round_trip_with_logprobs_seeds_samples_and_prefix_cache(self, routed: LocalStack) -> None:
-        async def body(c: RouterClient) -> None:
-            res, route = await c.generate(gen("rt1", seed=7, ignore_eos=True))
-            assert res.status == "ok" and res.finish_reason == "length" and not res.error
-            assert len(res.output_token_ids) == len(res.logprobs) == 16
-            assert all(0 <= t < 512 for t in res.output_token_ids)
-            assert all(lp <= 0.0 for lp in res.logprobs) and any(lp < 0.0 for lp in res.logprobs)
-            assert res.group == "throughput" and res.replica_id.startswith("throughput-0@")
-            assert res.weight_version == 0 and route is not None and route.dispatches == 1
-            again, _ = await c.generate(gen("rt2", seed=7, ignore_eos=True))
-            assert again.output_token_ids == res.output_token_ids  # same seed, same tokens
-            assert again.cached_tokens >= 64  # two 32-token blocks of the prompt
-            many, _ = await c.generate(gen("rt3", n=3, seed=1, ignore_eos=True))
-            assert many.status == "ok" and len(many.samples) == 2
-            assert all(len(s.output_token_ids) == len(s.logprobs) == 16 for s in many.samples)
-            assert len({tuple(many.output_token_ids), *(tuple(s.output_token_ids) for s in many.samples)}) > 1
-            plain, _ = await c.generate(gen("rt4", logprobs=False))
-            assert plain.status == "ok" and plain.output_token_ids and plain.logprobs == []
-
-        with_client(routed, body)
-
-    def test_abort_reaches_the_engine(self, routed: LocalStack) -> None:
-        async def body(c: RouterClient) -> None:
-            task = asyncio.create_task(c.generate(gen("ab1", prompt=[9, 8, 7], max_tokens=1000, ignore_eos=True)))
-            await asyncio.sleep(0.5)
-            await c.abort("ab1")
-            res, _ = await task
-            assert res.status == "cancelled" and res.finish_reason == "abort"
-            assert len(res.output_token_ids) < 1000 and len(res.logprobs) == len(res.output_token_ids)
-            ok, _ = await c.generate(gen("ab2"))
-            assert ok.status == "ok"
-
-        with_client(routed, body)
-
-    def test_client_errors_fail_at_once_and_are_not_retried(self, routed: LocalStack) -> None:
-        async def body(c: RouterClient) -> None:
-            # The router passes a prompt of exactly max_model_len; the engine has no room for output.
-            full, route = await c.generate(gen("ce1", prompt=[5] * 1024))
-            assert full.status == "client_error" and "maximum model length" in full.error
-            assert route is not None and route.dispatches == 1
-            top_p, route = await c.generate(gen("ce2", top_p=0.0))
-            assert top_p.status == "client_error" and "top_p" in top_p.error and route.dispatches == 1
-            greedy_n, _ = await c.generate(gen("ce3", n=3, temperature=0.0))
-            assert greedy_n.status == "client_error"
-            oov, route = await c.generate(gen("ce4", prompt=[1, 512]))  # the vocabulary the engine reported
-            assert oov.status == "client_error" and route.dispatches == 0
-            ok, _ = await c.generate(gen("ce5"))
-            assert ok.status == "ok"
-
-        with_client(routed, body)
-
-    def test_lora_present_missing_and_appearing_late(self, routed: LocalStack, models: dict,
-                                                     tmp_path: Path) -> None:
-        async def body(c: RouterClient) -> None:
-            base, _ = await c.generate(gen("lo0", temperature=0.0))
-            lora, _ = await c.generate(gen("lo1", temperature=0.0, lora=str(models["lora"])))
-            assert base.status == lora.status == "ok"
-            assert lora.output_token_ids != base.output_token_ids
-            missing, _ = await c.generate(gen("lo2", lora=str(tmp_path / "nope"), deadline=time.time() + 4))
-            assert missing.status == "adapter_missing" and "adapter_config.json" in missing.error
-            alive, _ = await c.generate(gen("lo3", temperature=0.0))
-            assert alive.output_token_ids == base.output_token_ids  # the engine survived it
-            late_dir = tmp_path / "late"
-            late = asyncio.create_task(c.generate(gen("lo4", temperature=0.0, lora=str(late_dir),
-                                                      deadline=time.time() + 120)))
-            await asyncio.sleep(2.0)
-            assert not late.done()
-            shutil.copytree(models["lora"], tmp_path / "staging")
-            os.rename(tmp_path / "staging", late_dir)
-            res, _ = await late
-            assert res.status == "ok" and res.output_token_ids == lora.output_token_ids
-
-        with_client(routed, body)
-
-    def test_weight_reload_versions_results_and_resets_the_prefix_cache(self, routed: LocalStack,
-                                                                         models: dict) -> None:
-        async def body(c: RouterClient) -> None:
-            before, _ = await c.generate(gen("w0", temperature=0.0))
-            ack = await c.update_weights(str(models["ckpt"]), 3)
-            assert ack.replicas == 1 and ack.version == 3
-            after, _ = await c.generate(gen("w1", temperature=0.0))
-            assert after.status == "ok" and after.weight_version == 3
-            assert after.output_token_ids != before.output_token_ids
-            assert after.cached_tokens == 0  # the old weights' KV is gone
-            with pytest.raises(WeightsUpdateFailed, match="no checkpoint directory"):
-                await c.update_weights(str(models["ckpt"]) + "-missing", 4)
-            still, _ = await c.generate(gen("w2", temperature=0.0))
-            assert still.weight_version == 3 and still.output_token_ids == after.output_token_ids
-
-        with_client(routed, body)
 
 
 # ---- the whole pipeline, and the benchmark -----------------------------------------------------

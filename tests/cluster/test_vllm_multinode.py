@@ -20,8 +20,7 @@ else:
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from tests.conftest import finish, lose_node_rank, start_launch  # noqa: E402
-from tests.test_launch import assert_no_process_left  # noqa: E402
+from tests.helpers.procs import assert_no_process_left, finish, lose_node_rank, start_launch  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +19,9 @@ if os.environ.get("TOOLKIT_REQUIRE_VLLM"):
 else:
     pytest.importorskip("vllm")
 
-from tests.conftest import compose_config, with_client  # noqa: E402
+from tests.helpers.aio import with_client  # noqa: E402
 from toolkit.client import RouterClient, router_status  # noqa: E402
+from toolkit.config import compose_config  # noqa: E402
 from toolkit.core import protocol as P  # noqa: E402
 from toolkit.core.lifecycle import read_pidfiles  # noqa: E402
 from toolkit.launch.stack import LocalStack  # noqa: E402
@@ -32,16 +34,13 @@ PROMPTS = [[(7 * i + k) % 500 + 3 for i in range(40)] for k in range(6)]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from toolkit.model.tiny import build_all
-
-    root = tmp_path_factory.mktemp("tiny")
-    models = build_all(root / "models")  # "ckpt": seed 1, the engine's model (model=tiny) is seed 0
+def stack(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # models["ckpt"]: seed 1; the engine's model (model=tiny, built in models["cache"]) is seed 0.
     # On these 2 cores the engine's worker threads spin on both of them; the replica keeps its CPU
     # because they run at a lower priority (engine.cpu_engine_nice, by default). A replica is dropped
     # only after 10 s without heartbeats: what this test checks is the update. Heartbeats come every
     # 0.1 s so the test sees generation under way (and sends the update) early in the requests' budget.
-    cfg = compose_config(["model=tiny", f"engine.cache_dir={root / 'cache'}", "groups=single",
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
                           "engine.max_model_len=2048", "rollout.update_mode=pause", "++engine.args.max_num_seqs=8",
                           "router.heartbeat_s=0.1", "router.missed_heartbeats=100"])
     validate(cfg)

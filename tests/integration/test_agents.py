@@ -10,20 +10,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import launch
-from tests.test_launch import assert_no_process_left
+from tests.helpers.procs import assert_no_process_left, launch
 from toolkit.router.tail import flip_count
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 pytest.importorskip("openai")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["workload=agent", "engine.time_scale=0.2", "steps=1"]
 
 
 def test_failing_agents_fail_only_their_samples_and_http_sessions_flip_at_the_exact_count(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "workload.agent._target_=tests.agents_for_tests.flaky",
+    out = launch([f"hydra.run.dir={run}", *FAST, "workload.agent._target_=tests.helpers.agents_for_tests.flaky",
                   "sessions_per_step=12", "workload.env_timeout_s=6", "tail.threshold=0.75",
                   "rollout.max_failed_fraction=0.5", "workload.record_messages=true"], cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -50,7 +49,7 @@ def test_a_harness_program_per_session_and_the_failure_budget(tmp_path: Path) ->
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST, "sessions_per_step=4",
                   "workload.agent._target_=toolkit.rollout.agents.run_command",
-                  f"+workload.agent.command=[{sys.executable},tests/harness_cli.py]",
+                  f"+workload.agent.command=[{sys.executable},tests/helpers/harness_cli.py]",
                   "rollout.max_failed_fraction=0.2"], cwd=REPO)
     # Session 1's harness exits 3: one failed sample in four is over a budget of 20%.
     assert out.returncode == 1, out.stdout + out.stderr
@@ -85,7 +84,7 @@ def test_with_curve_only_the_runs_agents_get_in(tmp_path: Path) -> None:
 
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST, "sessions_per_step=4", "router.curve=true",
-                  "workload.agent._target_=tests.agents_for_tests.decorated_openai_tools",
+                  "workload.agent._target_=tests.helpers.agents_for_tests.decorated_openai_tools",
                   "+workload.agent.check_outsider=true"],
                  cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr

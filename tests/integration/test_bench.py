@@ -85,10 +85,3 @@ def test_loop_bench_reports_its_fields_and_aborts_nothing(tmp_path: Path) -> Non
     # of overlap is at most one behind.
     assert r["aborted_requests"] == 0 and r["async_mid_step"]["aborted_requests"] == 0
     assert r["mean_staleness"]["sync"] == 0 and 0 <= r["mean_staleness"]["async"] <= 1
-
-
-def test_unknown_benchmark_names_the_choices(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "toolkit.bench", "nope", "--json", str(tmp_path / "x.json")],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "fairness" in proc.stderr and "router" in proc.stderr

@@ -9,23 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.bench.merge import TURNS, merge_records, session_records
-
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 FIELDS = {"rank0_cpu_s_central", "rank0_cpu_s_distributed", "rank0_cpu_ratio", "rank0_peak_rss_mb_central",
           "rank0_peak_rss_mb_distributed", "output_mb", "merge_tokens_per_s"}
-
-
-def test_records_merge_into_the_session_they_describe() -> None:
-    recs = session_records(7)
-    assert len(recs) == TURNS
-    s = merge_records(recs)
-    s.check()
-    last = recs[-1]
-    assert s.tokens == last["prompt_token_ids"] + last["output_token_ids"]
-    assert s.generated_tokens == sum(len(r["output_token_ids"]) for r in recs)
-    assert session_records(7) == recs  # deterministic per session
 
 
 def test_merge_bench_quick_run_reports_its_fields(tmp_path: Path) -> None:

@@ -10,11 +10,11 @@ import pytest
 from toolkit.cluster.local import find_mpiexec
 
 pytestmark = pytest.mark.mpi
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mpirun(ranks: int, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([find_mpiexec(None), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "mpi_gather_script.py"),
+    return subprocess.run([find_mpiexec(None), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "helpers" / "mpi_gather_script.py"),
                            *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

@@ -14,40 +14,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import finish, launch, ranks_started, start_launch, wait_for
+from tests.helpers.outputs import check_outputs
+from tests.helpers.procs import assert_no_process_left, finish, launch, ranks_started, start_launch, wait_for
 from toolkit.core.lifecycle import read_pidfiles
 from toolkit.core.rundir import RunDir
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 FAST = ["engine.time_scale=0.2"]
-
-
-def assert_no_process_left(run: Path) -> None:
-    refs = read_pidfiles(run / "pids")
-    names = {r.name for r in refs}
-    assert "router" in names and any(n.startswith("rank-") for n in names), names
-    alive = [(r.pid, r.name) for r in refs if r.alive()]
-    assert not alive, f"still running after the run: {alive}"
-
-
-def check_outputs(run: Path, steps: int, sessions: int) -> list[dict]:
-    for s in range(steps):
-        table = pq.read_table(run / "steps" / f"step_{s:05d}.parquet")
-        assert table.num_rows == sessions
-        rows = table.to_pylist()
-        assert [r["index"] for r in rows] == list(range(sessions))  # every session exactly once
-        assert len({r["session_id"] for r in rows}) == sessions
-        for r in rows:
-            assert r["status"] == "completed", r["status"]
-            assert len(r["tokens"]) == len(r["loss_mask"]) == len(r["rollout_logprobs"])
-            assert sum(r["loss_mask"]) == r["generated_tokens"] > 0
-            assert r["response_length"] == len(r["tokens"]) - r["prompt_length"]
-    report = json.loads((run / "report.json").read_text())
-    assert report["status"] == "ok"
-    assert [s["step"] for s in report["steps"]] == list(range(steps))
-    assert report["summary"]["sessions"] == steps * sessions
-    return report["steps"]
 
 
 def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) -> None:
@@ -66,7 +40,7 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
     assert "step 1/2" in out.stdout and "step 2/2" in out.stdout and "rollout summary" in out.stdout
     assert "x its bound" in out.stdout and "age: " in out.stdout and " move" in out.stdout
     # Prometheus' file_sd targets as launch last wrote them: the endpoints serving then (the ranks may
-    # have ended already; tests/test_metrics.py waits for all of them), labelled with the run, on loopback.
+    # have ended already; tests/integration/test_metrics.py waits for all of them), labelled with the run, on loopback.
     targets = {t["labels"]["component"]: t for t in json.loads((run / "prometheus_targets.json").read_text())}
     assert "router" in targets and set(targets) <= {"router", "replica-throughput-0", "replica-throughput-1",
                                                     "replica-tail-0", "rank-0", "rank-1"}
@@ -203,10 +177,10 @@ def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_writ
 
 
 def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(tmp_path: Path) -> None:
-    crash = ["workload.env._target_=tests.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
+    crash = ["workload.env._target_=tests.helpers.crashing_env.CrashOnSession", "+workload.env.crash_index=3",
              "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"]
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", *crash], cwd=Path(__file__).resolve().parent.parent)
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", *crash], cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stdout + out.stderr  # 1 of 32 is within the default budget (0.1)
     rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
     assert rows[3]["status"] == "failed"
@@ -216,7 +190,7 @@ def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(t
 
     run = tmp_path / "strict"
     out = launch([f"hydra.run.dir={run}", *FAST, *crash, "rollout.max_failed_fraction=0"],
-                 cwd=Path(__file__).resolve().parent.parent)
+                 cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 1, out.stdout + out.stderr
     text = out.stdout + out.stderr  # on one line: errors are never wrapped
     assert ("step 0: 1 of 32 sessions failed (3.1%), more than rollout.max_failed_fraction = 0.0; first errors: "
@@ -226,11 +200,11 @@ def test_a_raising_environment_fails_its_sample_and_the_failure_budget_the_run(t
 
 
 def test_an_environment_that_hangs_or_answers_garbage_fails_its_own_sample(tmp_path: Path) -> None:
-    env = ["workload.env._target_=tests.crashing_env.MisbehaveOnSessions",
+    env = ["workload.env._target_=tests.helpers.crashing_env.MisbehaveOnSessions",
            "~workload.env.max_turns", "~workload.env.observation_tokens", "~workload.env.vocab_size"]
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", *env, "workload.env_timeout_s=5",
-                  "rollout.max_failed_fraction=0.2"], cwd=Path(__file__).resolve().parent.parent)
+                  "rollout.max_failed_fraction=0.2"], cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stdout + out.stderr
     rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
     hung = rows[1]["error"]  # its turn's wait for the engine is told apart from the environment's own time
@@ -248,12 +222,12 @@ def test_an_environment_that_hangs_or_answers_garbage_fails_its_own_sample(tmp_p
 
 
 def test_a_predictor_that_answers_garbage_fails_its_sample_alone(tmp_path: Path) -> None:
-    hint = ["+workload.length_hint={_target_:tests.garbage_hint.GarbageOnSession,garbage_index:3,engine:${engine}}"]
+    hint = ["+workload.length_hint={_target_:tests.helpers.garbage_hint.GarbageOnSession,garbage_index:3,engine:${engine}}"]
     run = tmp_path / "run"
     # One turn per session: a turn starts on the tail group only for its hint (no earlier turn ran there).
     out = launch([f"hydra.run.dir={run}", *FAST, "steps=2", "workload=singleturn", "tail.policy=age",
                   "tail.long_tokens=100", *hint],
-                 cwd=Path(__file__).resolve().parent.parent)
+                 cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stdout + out.stderr
     for step in range(2):
         rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
@@ -270,9 +244,9 @@ def test_a_predictor_that_answers_garbage_fails_its_sample_alone(tmp_path: Path)
 
 def test_a_crashing_rank_fails_the_run_and_leaves_nothing(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "workload.env._target_=tests.crashing_env.ExitOnSession",
+    out = launch([f"hydra.run.dir={run}", *FAST, "workload.env._target_=tests.helpers.crashing_env.ExitOnSession",
                   "+workload.env.crash_index=3", "~workload.env.max_turns", "~workload.env.observation_tokens",
-                  "~workload.env.vocab_size"], cwd=Path(__file__).resolve().parent.parent)
+                  "~workload.env.vocab_size"], cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 1, out.stdout + out.stderr
     assert "rollout ranks exited" in out.stdout + out.stderr
     assert_no_process_left(run)
@@ -346,7 +320,7 @@ def test_kill_9_of_launch_leaves_no_orphan(tmp_path: Path) -> None:
 def test_async_environments_do_not_block_the_ranks_other_sessions(tmp_path: Path) -> None:
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", "sessions_per_step=12",
-                  "workload.env._target_=tests.async_env.SlowToolEnv"], cwd=Path(__file__).resolve().parent.parent)
+                  "workload.env._target_=tests.helpers.async_env.SlowToolEnv"], cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stdout + out.stderr
     rows = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
     assert all(r["status"] == "completed" and r["num_turns"] == 3 for r in rows)

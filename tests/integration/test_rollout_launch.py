@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers.procs import launch
 from toolkit import samples as api
 from toolkit.model.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_jsonl_prompts_to_decoded_shards(tmp_path: Path) -> None:
@@ -20,7 +20,7 @@ def test_jsonl_prompts_to_decoded_shards(tmp_path: Path) -> None:
     out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.2", "workload=jsonl", "rollout.output=shards",
                   "rollout.decode_responses=true", "steps=2", "sessions_per_step=12", "groups=single"], cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    records = [json.loads(line) for line in (ROOT / "tests" / "data" / "rollout_prompts.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (ROOT / "tests" / "helpers" / "data" / "rollout_prompts.jsonl").read_text().splitlines()]
     tok = ByteTokenizer()
     assert api.steps(run) == [0, 1]
     for step in (0, 1):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_config, wait_for
+from tests.helpers.procs import wait_for
 from toolkit import samples as api
 from toolkit.cluster.local import find_mpiexec
-from toolkit.config import save_run_config
+from toolkit.config import compose_config, save_run_config
 from toolkit.core.lifecycle import read_pidfiles
 from toolkit.core.rundir import RunDir, read_json
 from toolkit.launch.stack import LocalStack
@@ -24,7 +24,7 @@ from toolkit.launch.validation import validate
 from toolkit.model.tokenizer import ByteTokenizer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["groups=single", "engine.time_scale=0.1", "workload=singleturn", "workload.max_tokens=32"]
 HANG_S = 120  # a hard bound: reaching it means the ranks hung, which is the failure under test
 
@@ -81,7 +81,7 @@ def test_one_rank_raising_ends_the_step_on_every_rank(stack: LocalStack, tmp_pat
     # Session i runs on rank i % n: (2, 0, 1) fails rank 1 while rank 0 waits for it at the gather;
     # (3, 1, 0) fails rank 0 in the second step; (3, 0, 5) fails rank 2 of three.
     rd = run_dir(tmp_path / "run", [f"ranks={n}", "steps=2", "sessions_per_step=9", f"job=crash{n}{step}{index}",
-                                    "workload.env._target_=tests.mpi_crash_env.CrashAt",
+                                    "workload.env._target_=tests.helpers.mpi_crash_env.CrashAt",
                                     f"+workload.env.step={step}", f"+workload.env.index={index}"], stack)
     code, out = ranks(rd, n)
     assert code != 0, out

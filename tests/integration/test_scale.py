@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import finish, start_launch, wait_for
-from tests.test_launch import assert_no_process_left, check_outputs
-from toolkit.cluster import Cluster, Component
+from tests.helpers.outputs import check_outputs
+from tests.helpers.procs import assert_no_process_left, finish, start_launch, wait_for
 from toolkit.config import compose_config, save_run_config
 from toolkit.core.errors import ConfigError, ToolkitError
 from toolkit.core.rundir import RunDir
-from toolkit.launch.scale import _parse, request, settled
+from toolkit.launch.scale import _parse, request
 
 
 def _scale(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -37,14 +36,6 @@ def test_scale_requests_are_checked_before_they_reach_the_run(tmp_path: Path) ->
     with pytest.raises(ToolkitError, match="no launch is running"):
         request(tmp_path, {"throughput": 2})
     assert not rd.scale_request.exists()
-
-
-def test_settled_means_exact_counts_ready_and_nothing_draining() -> None:
-    st = {"applied_seq": 2, "groups": {"throughput": {"target": 1, "members": 1, "draining": 0, "ready": 1}}}
-    assert settled(st, 2, {"throughput": 1})
-    assert not settled(st, 3, {"throughput": 1})
-    st["groups"]["throughput"]["ready"] = 3  # the router has not seen the drained ones leave yet
-    assert not settled(st, 2, {"throughput": 1})
 
 
 @pytest.mark.slow
@@ -76,76 +67,3 @@ def test_scaling_a_group_up_and_down_mid_run_loses_and_duplicates_no_session(tmp
     assert report["router"].get("duplicates", 0) == 0  # no client had to resend: no answer was lost
     assert all(st["requests_by_status"].keys() == {"ok"} for st in steps), [st["requests_by_status"] for st in steps]
     assert_no_process_left(run)
-
-
-class _Proc(Component):
-    """A component that is alive until told otherwise (the backend is not what is tested here)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.running = True
-
-    def alive(self) -> bool:
-        return self.running
-
-    def state(self) -> str:
-        return "RUNNING" if self.running else "COMPLETED"
-
-    def exit_code(self) -> int | None:
-        return None if self.running else 0
-
-    def cancel(self) -> None:
-        self.running = False
-
-    def kill(self) -> None:
-        self.running = False
-
-    def refs(self) -> list:  # type: ignore[type-arg]
-        return []
-
-
-class _Allocation(Cluster):
-    """Room for two throughput replicas, as an sbatch allocation sized for two."""
-
-    def start_router(self) -> Component:
-        raise NotImplementedError
-
-    def start_replica(self, group: str, index: int) -> Component:
-        return _Proc(f"replica-{group}-{index}")
-
-    def start_ranks(self, n: int, first_step: int = 0) -> Component:
-        raise NotImplementedError
-
-    def max_replicas(self, group: str) -> int | None:
-        return 2
-
-
-def test_an_allocation_reuses_a_slot_only_once_its_draining_replica_left(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from toolkit.core.lifecycle import ProcessRef
-    from toolkit.core.rundir import atomic_write
-    from toolkit.launch import replicas as replicas_mod
-    from toolkit.launch.replicas import ReplicaSet
-
-    drains: list[list[str]] = []
-    monkeypatch.setattr(replicas_mod, "send_drain", lambda addr, names, migrate, **kw: drains.append(names))
-    cfg = compose_config(["groups.throughput.replicas=2"])
-    rd = RunDir(tmp_path)
-    rd.make()
-    rs = ReplicaSet(cfg, _Allocation(cfg, rd, ProcessRef.self()), rd)
-    rs.start()
-    assert sorted(rs.members) == [("tail", 0), ("throughput", 0), ("throughput", 1)]
-    atomic_write(rd.scale_request, json.dumps({"seq": 1, "groups": {"throughput": 1}}))
-    rs.tick("tcp://router", None)
-    assert sorted(rs.draining) == [("throughput", 1)] and drains == [["throughput-1"]]
-    atomic_write(rd.scale_request, json.dumps({"seq": 2, "groups": {"throughput": 2}}))
-    rs.tick("tcp://router", None)
-    assert ("throughput", 1) not in rs.members and rs.count("throughput") == 1  # its slot is not free yet
-    rs.draining[("throughput", 1)].comp.cancel()  # the drained replica exits
-    rs.tick("tcp://router", None)
-    assert ("throughput", 1) in rs.members and not rs.draining and rs.count("throughput") == 2
-    atomic_write(rd.scale_request, json.dumps({"seq": 3, "groups": {"throughput": 5}}))
-    rs.tick("tcp://router", None)
-    assert rs.count("throughput") == 2 and "room for 2" in rs.error
-    kinds = [e["kind"] for e in rd.read_events()]
-    assert kinds == ["replica_draining", "replica_removed", "replica_added"]

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
-from pathlib import Path
 
 import msgspec
 import pytest
-from hydra.errors import ConfigCompositionException
 
-from tests.conftest import compose_config, wait_for, with_client
+from tests.helpers.aio import with_client
+from tests.helpers.procs import wait_for
+from tests.helpers.requests import gen as request
 from toolkit.client import RouterClient
-from toolkit.config import ConfigError
 from toolkit.core.protocol import Generate, Sampling
 from toolkit.engine.sim import plan_output
-from toolkit.launch.validation import validate
-from toolkit.router.tail import flip_count
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
 # The count flip alone (the seed's behaviour): every group serves a step until its flip.
@@ -27,8 +23,7 @@ COUNT = [*FAST, "tail.policy=count", "tail.migrate_inflight=false"]
 
 
 def gen(rid: str, step: int, prompt: list[int], max_tokens: int = 32, group: str | None = None) -> Generate:
-    return Generate(rid, job="j", session_id=rid, step=step, prompt_token_ids=prompt,
-                    sampling=Sampling(max_tokens=max_tokens), group=group)
+    return request(rid, prompt, max_tokens, step=step, group=group)
 
 
 async def generated(c: RouterClient) -> int:
@@ -52,12 +47,6 @@ async def assert_generated_once(c: RouterClient, before: int, want: int) -> None
         await asyncio.sleep(0.1)
     await asyncio.sleep(1.0)  # more heartbeats: nothing further arrives
     assert await generated(c) - before == n == want
-
-
-@pytest.mark.parametrize(("threshold", "n", "expected"), [(0.95, 128, 122), (0.9, 32, 29), (1.0, 7, 7),
-                                                          (0.95, 100, 95), (0.01, 10, 1)])
-def test_flip_count(threshold: float, n: int, expected: int) -> None:
-    assert flip_count(threshold, n) == expected == max(1, math.ceil(round(threshold * n, 9)))
 
 
 def test_flip_at_exact_count_and_sentinel_removed_at_each_step_begin(make_run) -> None:  # type: ignore[no-untyped-def]
@@ -266,58 +255,6 @@ def test_the_speed_weighted_ring_keeps_a_sessions_turns_on_one_replica_within_a_
         assert moved, "the ring did not change with the learned speeds"
 
     asyncio.run(with_client(rd, body))
-
-
-def test_each_tail_validation_error_is_reported_at_setup() -> None:
-    bad = {
-        "tail.threshold=0": "tail.threshold",
-        "tail.threshold=1.01": "tail.threshold",
-        "tail.group=nope": "tail.group",
-    }
-    for override, field in bad.items():
-        with pytest.raises(ConfigError) as info:
-            validate(compose_config(["tail.threshold=0.9", override]))
-        assert field in {e.field for e in info.value.errors}, override
-    with pytest.raises(ConfigError) as info:
-        validate(compose_config(["groups=single", "tail.threshold=0.9", "tail.group=throughput"]))
-    assert "besides the tail group" in str(info.value)
-    # Everything at once.
-    with pytest.raises(ConfigError) as info:
-        validate(compose_config(["tail.threshold=2", "groups.tail.replicas=0", "job="]))
-    assert {"tail.threshold", "groups.tail.replicas", "job"} <= {e.field for e in info.value.errors}
-    # How moves take their context, and trades: each bad value named, with what is allowed.
-    with pytest.raises(ConfigError) as info:
-        validate(compose_config(["tail.move=teleport", "tail.trade_margin=-5"]))
-    found = {(e.field, e.value) for e in info.value.errors}
-    assert found == {("tail.move", "teleport"), ("tail.trade_margin", -5)}
-    with pytest.raises(ConfigError, match="cannot receive a request's KV") as info:
-        validate(compose_config(["tail.move=kv", "engine=vllm", "engine.model=/m"]))
-    validate(compose_config(["tail.move=kv", "tail.policy=age", "tail.trade_margin=0"]))
-    # There is always a router: the structured config refuses to drop it, at composition.
-    with pytest.raises(ConfigCompositionException, match="router=null") as composed:
-        compose_config(["tail.threshold=0.9", "router=null"])
-    assert "not Optional" in str(composed.value.__cause__)
-
-
-def test_the_step_report_waits_for_a_flip_the_last_session_made(tmp_path: Path) -> None:
-    """tail.threshold=1: the step's last SessionDone flips it as the ranks finish; rank 0's report
-    reads the sentinel afresh and waits for the router's write instead of missing the flip."""
-    import threading
-
-    from toolkit.core.rundir import RunDir, atomic_write
-    from toolkit.rollout.coordination import TailWatch
-
-    rd = RunDir(tmp_path)
-    watch = TailWatch(rd, "j", "tail", enabled=True)
-    assert watch.info() is None  # read (and cached) before the flip
-    flip = {"job": "j", "step": 3, "time": 1.0, "count": 8, "n_sessions": 8, "group": "tail"}
-    writer = threading.Timer(0.3, lambda: atomic_write(rd.sentinel("j"), json.dumps(flip)))
-    writer.start()
-    try:
-        assert watch.flip_of(3, wait_s=30) == flip
-    finally:
-        writer.cancel()
-    assert watch.flip_of(4, wait_s=0.1) is None  # another step's sentinel is not this step's flip
 
 
 def turn(session: str, k: int, step: int, max_tokens: int) -> Generate:

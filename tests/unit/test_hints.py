@@ -76,7 +76,7 @@ def test_every_bad_length_hint_setting_is_reported_at_setup() -> None:
                                           r"build \(Prompt.__init__\(\) missing 1 required positional argument"):
         validate(compose_config(["+workload.length_hint={_target_:toolkit.rollout.prompts.Prompt}"]))
     with pytest.raises(ConfigError, match="expected_tokens is a plain def"):
-        validate(compose_config(["+workload.length_hint={_target_:tests.test_hints.AsyncHint}"]))
+        validate(compose_config(["+workload.length_hint={_target_:tests.unit.test_hints.AsyncHint}"]))
     with pytest.raises(ConfigError, match="empty with workload.agent"):
         validate(compose_config(["workload=agent", "+workload.length_hint=" + ORACLE % 0.25]))
     validate(compose_config(["+workload.length_hint=" + ORACLE % 0.25]))

@@ -6,11 +6,12 @@ import random
 import pytest
 
 from toolkit.core.errors import ConfigError
-from toolkit.router.policy import ConsistentHash, LeastLoaded, PowerOfTwo, Replica, RoundRobin, make_policy
+from toolkit.router.policy import ConsistentHash, LeastLoaded, PowerOfTwo, RoundRobin, make_policy
+from toolkit.router.replica import Replica
 
 
-def free(rs: list[Replica]) -> list[Replica]:
-    return [r for r in rs if r.free]
+def with_room(rs: list[Replica]) -> list[Replica]:
+    return [r for r in rs if r.has_room]
 
 
 def replicas(n: int, cap: int = 1000) -> list[Replica]:
@@ -20,8 +21,8 @@ def replicas(n: int, cap: int = 1000) -> list[Replica]:
 def test_consistent_hash_keeps_a_session_on_one_replica() -> None:
     rs = replicas(4)
     p = ConsistentHash(rs, 1.25)
-    first = {f"s{i}": p.choose(f"s{i}", 0, free(rs)) for i in range(50)}
-    assert all(p.choose(s, 0, free(rs)) is r for s, r in first.items())
+    first = {f"s{i}": p.choose(f"s{i}", 0, with_room(rs)) for i in range(50)}
+    assert all(p.choose(s, 0, with_room(rs)) is r for s, r in first.items())
     assert len({r.replica_id for r in first.values()}) == 4  # sessions spread over replicas
 
 
@@ -35,7 +36,7 @@ def test_consistent_hash_bounded_load_never_exceeds_bound() -> None:
         # Skewed keys: plain consistent hashing would pile these onto one or two replicas.
         sid = rng.choice(hot) if rng.random() < 0.8 else f"s{k}"
         bound = math.ceil(1.25 * (total + 1) / len(rs))
-        r = p.choose(sid, total, free(rs))
+        r = p.choose(sid, total, with_room(rs))
         assert r is not None
         r.inflight[f"q{k}"] = None
         total += 1
@@ -49,7 +50,7 @@ def test_bounded_load_is_in_proportion_to_replica_size() -> None:
     rs = [big, small]
     p = ConsistentHash(rs, 1.25)
     for k in range(80):
-        r = p.choose(f"s{k}", k, free(rs))
+        r = p.choose(f"s{k}", k, with_room(rs))
         assert r is not None, k
         r.inflight[f"q{k}"] = None
     assert big.load == 64 and small.load == 16
@@ -58,10 +59,10 @@ def test_bounded_load_is_in_proportion_to_replica_size() -> None:
 def test_consistent_hash_moves_few_sessions_when_a_replica_joins() -> None:
     rs = replicas(4)
     p = ConsistentHash(rs, 100.0)
-    before = {f"s{i}": p.choose(f"s{i}", 0, free(rs)).replica_id for i in range(400)}
+    before = {f"s{i}": p.choose(f"s{i}", 0, with_room(rs)).replica_id for i in range(400)}
     rs2 = rs + replicas(5)[4:]
     p.update(rs2)
-    after = {s: p.choose(s, 0, free(rs2)).replica_id for s in before}
+    after = {s: p.choose(s, 0, with_room(rs2)).replica_id for s in before}
     moved = sum(before[s] != after[s] for s in before)
     assert moved < 400 * 0.35  # about 1/5 should move
 
@@ -70,19 +71,19 @@ def test_least_loaded_and_full_replicas() -> None:
     rs = replicas(3, cap=2)
     p = LeastLoaded(rs)
     rs[0].inflight = {"a": None}
-    assert p.choose("x", 1, free(rs)) is rs[1]
+    assert p.choose("x", 1, with_room(rs)) is rs[1]
     for r in rs:
         r.inflight = {"a": None, "b": None}
-    assert p.choose("x", 6, free(rs)) is None
+    assert p.choose("x", 6, with_room(rs)) is None
 
 
 def test_round_robin_cycles_and_skips_full() -> None:
     rs = replicas(3, cap=1)
     p = RoundRobin(rs)
-    picks = [p.choose("x", 0, free(rs)) for _ in range(3)]
+    picks = [p.choose("x", 0, with_room(rs)) for _ in range(3)]
     assert [r.replica_id for r in picks] == ["r0", "r1", "r2"]
     rs[0].inflight = {"a": None}
-    assert p.choose("x", 1, free(rs)) is rs[1]
+    assert p.choose("x", 1, with_room(rs)) is rs[1]
 
 
 def test_power_of_two_prefers_less_loaded_and_finds_free() -> None:
@@ -90,7 +91,7 @@ def test_power_of_two_prefers_less_loaded_and_finds_free() -> None:
     p = PowerOfTwo(rs, seed=1)
     for r in rs[:5]:
         r.inflight = {"a": None}
-    assert p.choose("x", 5, free(rs)) is rs[5]
+    assert p.choose("x", 5, with_room(rs)) is rs[5]
 
 
 def test_consistent_hash_when_nearly_saturated_takes_a_free_replica() -> None:
@@ -99,7 +100,7 @@ def test_consistent_hash_when_nearly_saturated_takes_a_free_replica() -> None:
     for r in rs:
         r.inflight = {"a": None, "b": None}
     rs[17].inflight = {"a": None}
-    assert p.choose("any-session", 127, free(rs)) is rs[17]
+    assert p.choose("any-session", 127, with_room(rs)) is rs[17]
 
 
 def test_unknown_policy_names_the_options() -> None:

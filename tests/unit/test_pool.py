@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from toolkit.config import compose_config
-from toolkit.router.policy import Replica
+from toolkit.core.protocol import Generate
 from toolkit.router.pool import ReplicaPool
+from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
 
 
 def pool() -> ReplicaPool:
@@ -16,6 +18,12 @@ def replica(n: int, group: str, max_inflight: int = 2, max_model_len: int = 100,
     return Replica(f"{group}-{n}@h:{n}", f"id{n}".encode(), group, max_inflight, max_model_len, vocab)
 
 
+def request(rid: str, deaths: int = 0) -> Request:
+    req = Request(Generate(rid, prompt_token_ids=[1, 2, 3]), b"", b"client", "j", 0, 0.0)
+    req.deaths = deaths
+    return req
+
+
 def test_a_replica_serves_only_once_ready_and_every_count_follows_it() -> None:
     p = pool()
     a, b = replica(0, "throughput"), replica(1, "tail", max_inflight=3, max_model_len=40, vocab=30)
@@ -24,19 +32,23 @@ def test_a_replica_serves_only_once_ready_and_every_count_follows_it() -> None:
     assert p.get(a.replica_id) is a and p.choose(None, "s") is None  # registered, not probed yet
     p.set_ready(a)
     p.set_ready(b)
-    assert (p.capacity[None], p.free[None], p.capacity["tail"]) == (5, 5, 3)
-    assert p.limits == {None: (40, 30), "throughput": (100, 50), "tail": (40, 30)}
+    assert (p.capacity(None), p.spare_slots(None), p.capacity("tail")) == (5, 5, 3)
+    assert [p.limits(g) for g in (None, "throughput", "tail")] == [(40, 30), (100, 50), (40, 30)]
     assert p.choose("tail", "s") is b and p.choose("nope", "s") is None
-    p.take_slot(b, -3)
-    b.inflight.update({"r1": None, "r2": None, "r3": None})
-    assert p.free["tail"] == 0 and p.choose("tail", "s") is None and p.choose(None, "s") is a
-    p.withdraw(b)  # draining: out of every count though it still holds requests
-    b.draining = True
-    assert (p.capacity[None], p.free[None], p.groups["tail"], p.limits.get("tail")) == (2, 2, [], None)
-    p.take_slot(b, +1)  # a drained replica's freed slot is not offered
-    assert p.free[None] == 2 and b not in p.free_sets[None]
+    held = [request(f"r{i}") for i in range(3)]
+    for req in held:
+        p.take_slot(b, req)
+    assert set(b.inflight) == {"r0", "r1", "r2"} and b.load == 3
+    assert p.spare_slots("tail") == 0 and p.choose("tail", "s") is None and p.choose(None, "s") is a
+    p.set_draining(b)  # out of every count though it still holds requests
+    assert b.draining and b.load == 3
+    assert (p.capacity(None), p.spare_slots(None), p.members("tail"), p.limits("tail")) == (2, 2, [], None)
+    assert p.release_slot(b, held[0])  # a drained replica's released slot is not offered
+    assert not p.release_slot(b, held[0])  # released once
+    assert p.spare_slots(None) == 2 and b not in p.with_room(None)
     p.remove(a)
-    assert p.get(a.replica_id) is None and p.capacity[None] == 0 and p.free[None] == 0 and not p.free_sets[None]
+    assert p.get(a.replica_id) is None and p.capacity(None) == 0 and p.spare_slots(None) == 0
+    assert not p.with_room(None)
 
 
 def test_a_suspect_goes_to_the_least_loaded_replica_without_one() -> None:
@@ -45,32 +57,44 @@ def test_a_suspect_goes_to_the_least_loaded_replica_without_one() -> None:
     for r in (a, b):
         p.add(r)
         p.set_ready(r)
-    a.suspects = 1
-    b.inflight.update({"x": None})
-    p.take_slot(b, -1)
+    p.take_slot(a, request("dead", deaths=1))
+    p.take_slot(b, request("x"))
+    p.take_slot(b, request("y"))
+    assert (a.suspects, b.suspects) == (1, 0)
     assert p.choose_for_suspect("throughput") is b  # a holds a suspect already (cap 1), b is busier
-    b.suspects = 1
+    p.take_slot(b, request("z", deaths=1))
     assert p.choose_for_suspect("throughput") is None
 
 
 def test_a_replica_whose_engine_died_leaves_dispatch_and_comes_back_with_its_slots() -> None:
-    # The router's engine_died: withdraw and un-ready it; its requests finish meanwhile; a new probe
-    # (set_ready) offers exactly its free slots again.
+    # The router's engine_died: set_unready; its requests finish meanwhile; a new probe (set_ready)
+    # offers exactly its spare slots again.
     p = pool()
     a, b = replica(0, "throughput", max_inflight=3), replica(1, "throughput", max_inflight=3)
     for r in (a, b):
         p.add(r)
         p.set_ready(r)
-    for rid in ("r1", "r2"):
-        a.inflight[rid] = None
-        p.take_slot(a, -1)
-    assert p.free["throughput"] == 4
-    p.withdraw(a)
-    a.ready = False
-    assert (p.capacity["throughput"], p.free["throughput"], p.groups["throughput"]) == (3, 3, [b])
-    del a.inflight["r1"]
-    p.take_slot(a, +1)  # an answer from the dead engine frees nothing that is offered
-    assert p.free["throughput"] == 3 and a not in p.free_sets["throughput"]
+    r1, r2 = request("r1"), request("r2")
+    p.take_slot(a, r1)
+    p.take_slot(a, r2)
+    assert p.spare_slots("throughput") == 4
+    p.set_unready(a)
+    assert not a.ready
+    assert (p.capacity("throughput"), p.spare_slots("throughput"), p.members("throughput")) == (3, 3, [b])
+    assert p.release_slot(a, r1)  # an answer from the dead engine releases nothing that is offered
+    assert p.spare_slots("throughput") == 3 and a not in p.with_room("throughput")
     assert all(p.choose("throughput", f"s{i}") is b for i in range(5))
-    p.set_ready(a)  # its probe passed: back with max_inflight - load free slots
-    assert (p.capacity["throughput"], p.free["throughput"]) == (6, 5) and a in p.free_sets["throughput"]
+    p.set_ready(a)  # its probe passed: back with max_inflight - load spare slots
+    assert (p.capacity("throughput"), p.spare_slots("throughput")) == (6, 5) and a in p.with_room("throughput")
+
+
+def test_a_dropped_replica_hands_back_what_it_held() -> None:
+    p = pool()
+    a = replica(0, "throughput", max_inflight=3)
+    p.add(a)
+    p.set_ready(a)
+    held = [request("r1"), request("r2")]
+    for req in held:
+        p.take_slot(a, req)
+    assert p.remove(a) == held and not a.inflight
+    assert p.known(a.identity) is None and p.spare_slots(None) == 0 and p.capacity("throughput") == 0

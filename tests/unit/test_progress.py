@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import io
 import time
-from pathlib import Path
 
-import pytest
 from rich.console import Console
 
-from tests.conftest import launch
 from toolkit.core import protocol as P
 from toolkit.launch.progress import Progress
 
@@ -53,16 +50,3 @@ def test_a_log_gets_a_plain_line_per_interval_and_a_terminal_a_redrawn_one() -> 
     assert p.live is not None and "8/32 sessions" in tty.getvalue()
     p.step_done()
     assert p.live is None and "progress:" not in tty.getvalue()
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_launch_in_a_log_prints_progress_lines_between_its_step_lines(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.5", "report.log_interval_s=0.2"])
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = out.stdout.splitlines()
-    progress = [i for i, line in enumerate(lines) if line.startswith("progress: step 1/2 · ")]
-    first_step_line = next(i for i, line in enumerate(lines) if line.startswith("step 1/2 · "))
-    assert progress and max(progress) < first_step_line  # while step 1 ran, before its step line
-    assert all("/32 sessions" in lines[i] and "tok/s" in lines[i] for i in progress)

@@ -10,14 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import compose_config
+from toolkit.config import compose_config
 from toolkit.core.errors import ConfigError
+from toolkit.launch.composition import check_overrides
 from toolkit.launch.validation import validate
 from toolkit.model.tokenizer import ByteTokenizer, load_tokenizer
 from toolkit.rollout.envs import SingleTurnEnv
 from toolkit.rollout.prompts import FilePrompts, Prompt, SyntheticPrompts
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BYTE = {"_target_": "toolkit.model.tokenizer.ByteTokenizer"}
 
 
@@ -92,7 +93,7 @@ def test_a_tokenizer_json_is_loaded_with_the_tokenizers_library(tmp_path: Path) 
 
 
 def test_single_turn_env_scores_with_a_reward_function_from_the_prompt_metadata() -> None:
-    env = SingleTurnEnv(reward_fn="tests.test_prompts.exact_answer")
+    env = SingleTurnEnv(reward_fn="tests.unit.test_prompts.exact_answer")
     env.reset(Prompt([1, 2], {"answer": [7, 8]}))
     assert env.step([7, 8], "stop").reward == 1.0
     env.reset(Prompt([1, 2], {"answer": [7, 8]}))
@@ -108,6 +109,7 @@ def exact_answer(prompt: Prompt, generated: list[int], finish_reason: str) -> fl
 
 def errors_of(overrides: list[str]) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
+        check_overrides(overrides)  # a bad choice fails at composition, listed with validation's errors
         validate(compose_config(overrides))
     return {e.field: e.allowed for e in info.value.errors}
 

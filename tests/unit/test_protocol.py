@@ -7,7 +7,9 @@ from toolkit.core import protocol as P
 
 EXAMPLES = [
     P.Register("r1", "throughput", {"group": "throughput"}, "m", 8, 4096, 32000),
-    P.Heartbeat("r1", 3, 1, 0.5, 100, 200, 2),
+    P.Register("r1", "throughput", weights=P.UpdateWeights("/ckpt/3", 3, 4)),
+    P.Heartbeat("r1", P.ReplicaStats(3, 1, 0.5, 100, 200, 2, 1000)),
+    P.Heartbeat("r1"),
     P.Generate("req", "job", "s1", 4, [1, 2, 3], P.Sampling(16, 0.7, 0.9, 5), "tail", None, 12.5),
     P.Result("req", "ok", [4, 5], [-0.1, -0.2], "stop", "r1", "tail", 16, 2, ""),
     P.Route(0.1, 1234.5, 1),

@@ -1,15 +1,15 @@
-"""``python -m toolkit.report.run_report``: the step table reads whole at 80 columns (a default terminal, a Slurm
+"""``python -m toolkit.report``: the step table reads whole at 80 columns (a default terminal, a Slurm
 log), a step per row when it fits, a step per column when it does not; numbers carry their units."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+from toolkit.report.run_report import main as run_report_main
 from toolkit.report.run_report import report_tables, si, summary_table
 
 
@@ -60,15 +60,14 @@ def test_a_wide_terminal_gets_a_step_per_row() -> None:
     assert len(rows) == 10 and all("3.51s" in r and "1.93x" in r and " 43 " in r and " 17 " in r for r in rows)
 
 
-def test_the_summary_is_a_table_and_json_is_for_machines(tmp_path: Path) -> None:
+def test_the_summary_is_a_table_and_json_is_for_machines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = render(80, summary_table(REPORT["summary"]))
     assert "mean step time" in text and "3.51s" in text and "812,345" in text and "timeout 5" in text
     assert "{" not in text
     (tmp_path / "report.json").write_text(json.dumps(REPORT))
-    out = subprocess.run([sys.executable, "-m", "toolkit.report.run_report", str(tmp_path), "--json"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == REPORT
+    capsys.readouterr()
+    assert run_report_main([str(tmp_path), "--json"]) == 0  # python -m toolkit.report.run_report DIR --json
+    assert json.loads(capsys.readouterr().out) == REPORT
 
 
 def test_the_step_reports_tokens_are_the_engines_not_the_rows(tmp_path: Path) -> None:
@@ -119,7 +118,7 @@ def test_the_timeline_draws_the_last_steps_of_a_long_run(tmp_path: Path) -> None
     assert height == round((2.4 * TIMELINE_STEPS + 0.6) * 110)
 
 
-def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path) -> None:
+def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from toolkit.core.rundir import RunDir
     from toolkit.report.run_report import current_report
 
@@ -131,9 +130,9 @@ def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path) -> 
     rd.lease.write_text(json.dumps({"epoch": 1, "released": False}))
     live = current_report(rd)
     assert live is not None and live["status"] == "running" and [s["step"] for s in live["steps"]] == [0, 1]
-    out = subprocess.run([sys.executable, "-m", "toolkit.report.run_report", str(tmp_path)], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and "step" in out.stdout, out.stderr
+    capsys.readouterr()
+    assert run_report_main([str(tmp_path)]) == 0  # python -m toolkit.report.run_report DIR
+    assert "step" in capsys.readouterr().out
     # The launch ended and wrote its report: that one, whole.
     rd.report.write_text(json.dumps({**REPORT, "status": "ok", "steps": [step(0), step(1)]}))
     rd.lease.write_text(json.dumps({"epoch": 1, "released": True}))

@@ -1,11 +1,9 @@
-"""sbatch scripts: stored renderings (tests/data/sbatch/), slurm/*.sbatch kept equal to their
+"""sbatch scripts: stored renderings (tests/helpers/data/sbatch/), slurm/*.sbatch kept equal to their
 rendering, and the allocation layout they are sized from."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +11,10 @@ import pytest
 from toolkit.cluster.allocation import mem_mb, plan_allocation
 from toolkit.cluster.sbatch import render_sbatch
 from toolkit.launch.sbatch import SLURM_DIR, TEMPLATES, compose, render_template
+from toolkit.launch.sbatch import main as sbatch_main
 
-DATA = Path(__file__).resolve().parent / "data" / "sbatch"
-# Regenerate the stored files after a deliberate change: TOOLKIT_UPDATE_STORED=1 pytest tests/test_sbatch.py
+DATA = Path(__file__).resolve().parents[1] / "helpers" / "data" / "sbatch"
+# Regenerate the stored files after a deliberate change: TOOLKIT_UPDATE_STORED=1 pytest tests/unit/test_sbatch.py
 UPDATE = os.environ.get("TOOLKIT_UPDATE_STORED") == "1"
 
 CASES: dict[str, list[str]] = {
@@ -44,14 +43,12 @@ def test_rendering_matches_the_stored_file(case: str) -> None:
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_slurm_templates_are_their_rendering(name: str) -> None:
     assert (SLURM_DIR / f"{name}.sbatch").read_text() == render_template(name), (
-        f"slurm/{name}.sbatch is stale: python -m toolkit.cluster.sbatch --write-templates")
+        f"slurm/{name}.sbatch is stale: python -m toolkit.launch.sbatch --write-templates")
 
 
-def test_the_cli_prints_the_same_rendering() -> None:
-    out = subprocess.run([sys.executable, "-m", "toolkit.cluster.sbatch", *CASES["site"], "--name", "site"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout == (DATA / "site.sbatch").read_text()
+def test_the_cli_prints_the_same_rendering(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sbatch_main([*CASES["site"], "--name", "site"]) == 0  # python -m toolkit.launch.sbatch ...
+    assert capsys.readouterr().out == (DATA / "site.sbatch").read_text()
 
 
 def test_layout_packs_gpus_and_gives_wide_replicas_whole_nodes() -> None:

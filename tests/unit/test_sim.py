@@ -6,13 +6,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tests.helpers.aio import run
+from tests.helpers.requests import gen
 from toolkit.config import SimEngineConfig
 from toolkit.core.protocol import Generate, Sampling
 from toolkit.engine.sim import PrefixCache, SimEngine, plan_output
-
-
-def gen(rid: str, prompt: list[int], max_tokens: int = 64, seed: int | None = None) -> Generate:
-    return Generate(rid, prompt_token_ids=prompt, sampling=Sampling(max_tokens=max_tokens, seed=seed))
 
 
 def test_step_time_matches_the_documented_model() -> None:
@@ -114,10 +112,6 @@ def test_prefix_cache_matches_block_prefixes_and_evicts_lru() -> None:
     assert cache.match(a[:8] + [99] * 8) == 8
     cache.insert(list(range(100, 120)))  # 5 new blocks push a's blocks out
     assert cache.match(a) == 0
-
-
-def run(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 def test_engine_generates_batches_and_counts_prefix_hits() -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_config, launch
 from toolkit.cluster.slurm import job_identity, node_role, outside_job
 from toolkit.cluster.storage import mount_of, node_local_reason
 from toolkit.config import (
     ConfigError,
     SlurmClusterConfig,
+    compose_config,
     curve_enabled,
     load_run_config,
     replica_nodes,
@@ -92,31 +92,35 @@ def test_node_local_storage_rule(path: str, nodes: int, refused: str | None) -> 
     assert mount_of(Path("/home/me"), MOUNTS) == ("/home", "nfs4")
 
 
-def test_a_run_dir_in_tmp_is_refused_before_anything_starts(tmp_path: Path) -> None:
+def test_a_run_dir_in_tmp_is_refused_before_anything_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch's preflight (before it writes or starts anything; a ConfigError there is launch's exit 2,
+    tests/integration/test_config.py) on a Slurm of one host (sinfo's answer)."""
+    import toolkit.cluster
+    from toolkit.cluster import preflight
+
+    monkeypatch.setattr(toolkit.cluster, "cluster_nodes", lambda partition: 1)
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", "cluster=slurm"], timeout_s=60)
-    assert out.returncode == 2, out.stdout + out.stderr
-    text = out.stdout + out.stderr
+    cfg = compose_config(["cluster=slurm"])
+    validate(cfg)
+    with pytest.raises(ConfigError) as info:
+        preflight(cfg, run)
+    text = str(info.value)
     assert "hydra.run.dir" in text and "node-local storage" in text and "cluster.shared_fs_check=false" in text
-    assert not (run / "logs").exists() and not (run / "keys").exists()
+    assert not run.exists()
 
 
-def test_node_roles_of_a_multi_node_replica() -> None:
+def test_node_roles_of_a_multi_node_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.cluster import slurm as slurm_mod
+
+    # ``scontrol show hostnames`` expands a node list (on a real Slurm: tests/cluster/test_slurm.py).
+    monkeypatch.setattr(slurm_mod, "hostnames", lambda nodelist: nodelist.split(","))
     base = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu7"}
     role = node_role({**base, "SLURM_NODEID": "0"})
     assert role["TOOLKIT_NODE_RANK"] == "0" and role["TOOLKIT_NNODES"] == "1"
     assert role["TOOLKIT_MASTER_ADDR"] == "gpu7"
-    other = node_role({**base, "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu7,gpu9"}) \
-        if _has_scontrol() else None
-    if other is not None:
-        assert other["TOOLKIT_NODE_RANK"] == "1" and other["TOOLKIT_MASTER_ADDR"] == "gpu7"
-        assert other["TOOLKIT_MASTER_PORT"] == role["TOOLKIT_MASTER_PORT"]  # same job step, same port
-
-
-def _has_scontrol() -> bool:
-    import shutil
-
-    return shutil.which("scontrol") is not None
+    other = node_role({**base, "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu7,gpu9"})
+    assert other["TOOLKIT_NODE_RANK"] == "1" and other["TOOLKIT_MASTER_ADDR"] == "gpu7"
+    assert other["TOOLKIT_MASTER_PORT"] == role["TOOLKIT_MASTER_PORT"]  # same job step, same port
 
 
 def test_gpus_per_node_and_tensor_x_pipeline_parallel_place_a_replica() -> None:

@@ -3,13 +3,13 @@ the sim engine's structured requests (an encoded instance, ``stop``; cut at the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.helpers.aio import run
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, Sampling, Structured
@@ -191,10 +191,6 @@ def test_sim_refuses_what_it_cannot_serve() -> None:
         plan_output(SimEngineConfig(), sgen("t", CITY_S))
     with pytest.raises(ToolkitError, match="engine.vocab_size 100"):
         plan_output(SimEngineConfig(vocab_size=100), sgen("v", CITY_S), TOK)
-
-
-def run(coro):  # type: ignore[no-untyped-def]
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 def test_sim_engine_structured_requests() -> None:

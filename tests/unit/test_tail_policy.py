@@ -11,9 +11,10 @@ import pytest
 from toolkit.config import compose_config
 from toolkit.core.protocol import Generate, Sampling
 from toolkit.core.rundir import FileWriter, RunDir
-from toolkit.router.policy import ConsistentHash, Replica
+from toolkit.router.policy import ConsistentHash
 from toolkit.router.pool import BULK, ReplicaPool
 from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
 from toolkit.router.speed import SpeedMeter
 from toolkit.router.tail.age import AgePolicy
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord
@@ -153,8 +154,7 @@ class Fleet:
         self.tail.step_begin("j", 0, 8)
 
     def run(self, req: Request, r: Replica, now: float = 0.0) -> None:
-        r.inflight[req.request_id] = req
-        self.pool.take_slot(r, -1)
+        self.pool.take_slot(r, req)
         req.replica = r.replica_id
         self.tail.dispatched(req, r, now)
 
@@ -183,12 +183,10 @@ def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Pa
     assert f.tail.room() == 0 and f.tail.to_move(2.5) == []  # the tail's 2 slots are spoken for
     # Extrapolated between heartbeats: by t=4, b's requests are at 50 + 2 * 50 = 150 tokens.
     for req in early:  # the moved requests run on the tail replica now: their room is theirs
-        a.inflight.pop(req.request_id)
-        f.pool.take_slot(a, +1)
+        assert f.pool.release_slot(a, req)
         f.run(req, f.fast, 2.1)
     assert f.tail.room() == 0
-    f.fast.inflight.pop("e0")
-    f.pool.take_slot(f.fast, +1)
+    assert f.pool.release_slot(f.fast, early[0])
     moved = f.tail.to_move(4.0)
     assert [req.request_id for req, _ in moved] == ["l0"]  # one slot: the oldest (lowest seq) of equals
     assert f.tail.targets(request("l0/1", "l0")) == (BULK, None)  # it prefers the tail: no room left there
@@ -312,6 +310,12 @@ def test_a_request_s_tokens_are_estimated_from_heartbeats() -> None:
     assert m.tokens_since(3.0, 9.0) == pytest.approx(0.0)
 
 
+def known(router, replica_id: str) -> Replica:  # type: ignore[no-untyped-def]
+    r = router.pool.known(replica_id.encode())
+    assert r is not None
+    return r
+
+
 def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A router in this process (no engines: replicas are registered by hand, their messages sent by
     the test) with one long runner moving to a busy tail replica."""
@@ -330,10 +334,10 @@ def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
     router = Router(cfg, rd, ctx)
     router.bind("127.0.0.1")
     for rid, group, slots in (("tp0", "throughput", 8), ("tl0", "tail", 1)):
-        router.register(rid.encode(), P.Register(rid, group, {}, "m", slots, 10_000, 1000))
-        router.pool.set_ready(router.replicas[rid.encode()])
-        router.heartbeat(rid.encode(), P.Heartbeat(rid))
-    tp, tl = router.replicas[b"tp0"], router.replicas[b"tl0"]
+        router.membership.register(rid.encode(), P.Register(rid, group, {}, "m", slots, 10_000, 1000))
+        router.pool.set_ready(known(router, rid))
+        router.membership.heartbeat(rid.encode(), P.Heartbeat(rid))
+    tp, tl = known(router, "tp0"), known(router, "tl0")
     router.tail.step_begin("j", 0, 4)
     router.tail.records["j"].finished("z", "", 5)  # past the step's start: only long runners go to the tail
 
@@ -348,7 +352,7 @@ def router_with_a_move(tmp_path: Path):  # type: ignore[no-untyped-def]
     t = router.live["long"].est_mark
     tp.speed.update(t + 1.0, 100, 1)  # a heartbeat a second later: about 100 tokens, past long_tokens
     for req, r in router.tail.to_move(t + 1.0):  # what move_long_runners does, at that time
-        router._start_migration(req, r, "age", "tail")
+        router.migrations.start(req, r, "age", "tail")
     assert router.live["long"].migrating == "age" and router.tail.inbound == {"long"}
     submit("busy", group="tail")  # the tail replica's one slot is taken meanwhile
     assert "busy" in tl.inflight
@@ -371,7 +375,7 @@ def test_a_moved_request_waiting_for_room_expires_cleanly_and_frees_nothing_twic
         done = P.Result("busy", "ok", [1], [-0.1], "stop", "tl0", "tail")
         router._on_result(b"tl0", done, P._encoder.encode(done))
         router.dispatch()
-        assert not tl.inflight and router.pool.free["tail"] == 1  # nothing stale sent, no slot leaked
+        assert not tl.inflight and router.pool.spare_slots("tail") == 1  # nothing stale sent, no slot leaked
     finally:
         router.close()
         ctx.term()
@@ -380,7 +384,7 @@ def test_a_moved_request_waiting_for_room_expires_cleanly_and_frees_nothing_twic
 def test_a_move_whose_replica_dies_gives_back_the_tail_room(tmp_path: Path) -> None:
     router, ctx, tp, tl = router_with_a_move(tmp_path)
     try:
-        router.drop(tp, "test: its engine died")  # before the partial Result came back
+        router.membership.drop(tp, "test: its engine died")  # before the partial Result came back
         req = router.live["long"]
         assert req.deaths == 1 and not req.migrating and not router.tail.inbound
     finally:
@@ -492,24 +496,19 @@ def test_no_trade_below_the_margin_in_a_jobs_first_step_or_after_the_flip(tmp_pa
 @pytest.mark.parametrize(("move", "kv"), [("recompute", 0), ("kv", 5), ("auto", 5)])
 def test_a_continuation_brings_its_whole_context_as_kv_only_with_tail_move_kv(
         tmp_path: Path, files: FileWriter, move: str, kv: int) -> None:
-    from collections import Counter
-
     from toolkit.config import moves_carry_kv
     from toolkit.core.protocol import Result
-    from toolkit.router.migration import MigrationMixin
+    from toolkit.router.migration import Migrations
     from toolkit.router.queue import FairQueue
     from toolkit.router.timeline import Timeline
 
-    class Router(MigrationMixin):
-        def __init__(self) -> None:
-            self.kv_moves = moves_carry_kv(compose_config([f"tail.move={move}"]))
-            self.queue, self.stats = FairQueue(), Counter[str]()
-            self.timeline = Timeline(RunDir(tmp_path / "run"), files)
-
-    router, req = Router(), request("r", "s")
-    router._continue(req, Result("r", status="cancelled", output_token_ids=[7, 8]), "age")
+    queue = FairQueue()
+    migrations = Migrations(moves_carry_kv(compose_config([f"tail.move={move}"])), lambda ident, msg: None, queue,
+                            Timeline(RunDir(tmp_path / "run"), files))
+    req = request("r", "s")
+    migrations.resume(req, Result("r", status="cancelled", output_token_ids=[7, 8]), "age")
     assert req.msg.prompt_token_ids == [1, 2, 3, 7, 8] and req.msg.resumed_tokens == 2
-    assert req.msg.kv_tokens == kv and router.queue.size == 1
+    assert req.msg.kv_tokens == kv and queue.size == 1 and migrations.events == {"migrated:age": 1}
 
 
 def test_auto_moves_carry_kv_only_when_every_engine_can_receive_it() -> None:

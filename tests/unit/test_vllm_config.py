@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_config
-from toolkit.config import ENGINES, ConfigError, VllmEngineConfig, group_engine
+from toolkit.config import ENGINES, ConfigError, VllmEngineConfig, compose_config, group_engine
 from toolkit.engine.vllm import VllmEngine
 from toolkit.engine.vllm_lora import adapter_present
 from toolkit.engine.vllm_setup import cpu_thread_binding

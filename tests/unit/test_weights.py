@@ -1,135 +1,35 @@
-"""Weight reloads through the router with sim replicas (no vLLM needed): every replica acknowledges,
-requests in the engine finish on the old weights, later ones carry the new version, a replica that
-registers later gets the weights before it is ready, and ``rollout.weights_dir`` reaches the Parquet.
-The published-checkpoint rules and ``rollout.max_staleness`` are in ``tests/test_handshake.py``."""
+"""Weight reloads at the router, a router in a thread with fake replicas: updates while the file system
+hangs, loads past their bound, restarted routers and the weights replicas hold. With real router and
+sim replica processes (every replica acknowledges, results carry versions, ``rollout.weights_dir``
+reaches the Parquet): tests/integration/test_weights.py. The published-checkpoint rules and
+``rollout.max_staleness`` are in ``tests/unit/test_handshake.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import launch, wait_for
+from tests.helpers.aio import with_client
+from tests.helpers.procs import wait_for
+from tests.helpers.requests import gen as _gen
 from toolkit.client import RouterClient, router_status
 from toolkit.core import protocol as P
-from toolkit.core.protocol import Generate, Sampling
 
-FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
-
-
-def gen(rid: str, session: str = "", max_tokens: int = 16, group: str | None = None) -> Generate:
-    return Generate(rid, job="j", session_id=session or rid, step=0, prompt_token_ids=[5, 6, 7, len(rid)],
-                    sampling=Sampling(max_tokens=max_tokens), group=group)
-
-
-async def with_client(rd, fn):  # type: ignore[no-untyped-def]
-    c = RouterClient(rd)
-    await c.connect(10)
-    try:
-        return await asyncio.wait_for(fn(c), 60)
-    finally:
-        await c.close()
-
-
-def test_reload_reaches_every_replica_and_versions_every_result(make_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    # drain: the request in the engine finishes on the old weights (pause: tests/test_update_mode.py).
-    cfg, rd, stack = make_run([*FAST, "rollout.update_mode=drain", "router.probe_timeout_s=0.5"])
-    stack.start(timeout_s=30)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-
-    async def body(c: RouterClient) -> None:
-        before, _ = await c.generate(gen("before"))
-        assert before.status == "ok" and before.weight_version == 0
-        # One request in the engine when the update arrives, one sent right after it.
-        inflight = asyncio.create_task(c.generate(gen("inflight", max_tokens=200)))
-        await asyncio.sleep(0.05)
-        update = asyncio.create_task(c.update_weights(str(ckpt), 7))
-        await asyncio.sleep(0.05)
-        after_task = asyncio.create_task(c.generate(gen("after")))
-        ack = await update
-        assert ack.replicas == 3 and ack.version == 7 and not ack.error
-        (old, _), (new, _) = await asyncio.gather(inflight, after_task)
-        assert old.status == "ok" and old.weight_version == 0
-        assert new.status == "ok" and new.weight_version == 7
-        outs = await asyncio.gather(*(c.generate(gen(f"s{i}", session=f"s{i}")) for i in range(30)))
-        assert {res.weight_version for res, _ in outs} == {7}
-        again = await c.update_weights(str(ckpt), 7)  # idempotent: acknowledged at once
-        assert again.replicas == 3
-
-    asyncio.run(with_client(rd, body))
-
-    # A replica that registers now is handed the weights before its readiness probe.
-    stack.start_replica("throughput", 2)
-    wait_for(lambda: (st := router_status(stack.frontend, 1.0)) is not None and st.groups["throughput"].ready == 3,
-             30, "the third throughput replica")
-
-    async def late(c: RouterClient) -> None:
-        outs = await asyncio.gather(*(c.generate(gen(f"l{i}", session=f"l{i}", group="throughput"))
-                                      for i in range(40)))
-        assert {res.weight_version for res, _ in outs} == {7}
-        assert any(res.replica_id.startswith("throughput-2@") for res, _ in outs)
-
-    asyncio.run(with_client(rd, late))
-
-    # One that cannot load them (the trainer's cleanup took the checkpoint) stays out of service, not
-    # serving the model's own weights, and is asked again until it can.
-    def status():  # type: ignore[no-untyped-def]
-        return router_status(stack.frontend, 1.0).groups["throughput"]  # type: ignore[union-attr]
-
-    ckpt.rmdir()
-    stack.start_replica("throughput", 3)
-    wait_for(lambda: status().stale_weights == 1, 30, "the fourth replica's failed load")
-    assert status().registered == 4 and status().ready == 3
-    ckpt.mkdir()
-    wait_for(lambda: status().ready == 4, 30, "the fourth replica, once the checkpoint is back")
-    assert status().stale_weights == 0
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_launch_loads_step_checkpoints_and_parquet_carries_versions(tmp_path: Path) -> None:
-    weights = tmp_path / "weights"
-    (weights / "step_00001").mkdir(parents=True)
-    (weights / "step_00001" / "config.json").write_text("{}")  # copied by hand (the sim loads any directory)
-    run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.2", "sessions_per_step=8",
-                  f"rollout.weights_dir={weights}"])
-    assert out.returncode == 0, out.stdout + out.stderr
-    step0 = pq.read_table(run / "steps" / "step_00000.parquet").to_pylist()
-    step1 = pq.read_table(run / "steps" / "step_00001.parquet").to_pylist()
-    assert all(r["weight_versions"] == [0] for r in step0)
-    assert all(r["weight_versions"] == [1] for r in step1)
-
-
-def test_a_restarted_router_adopts_the_latest_weights(make_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    import zmq
-
-    from toolkit.router.server import Router
-
-    cfg, rd, stack = make_run(FAST)
-    stack.start(timeout_s=30)
-    asyncio.run(with_client(rd, lambda c: c.update_weights(str(tmp_path), 5)))
-    ctx = zmq.Context()
-    router = Router(cfg, rd, ctx)  # what a new router process of this run starts with
-    try:
-        assert router.weights is not None and (router.weights.path, router.weights.version) == (str(tmp_path), 5)
-    finally:
-        router.close()
-        ctx.term()
+gen = functools.partial(_gen, max_tokens=16)
 
 
 @contextlib.contextmanager
 def fake_router(tmp_path: Path, overrides: tuple[str, ...] = ("router.heartbeat_s=5",)):  # type: ignore[no-untyped-def]
     """A router in this process, one ready fake replica and a raw client socket."""
-    from tests.test_router_drain import FakeReplica, RouterThread
+    from tests.helpers.router import FakeReplica, RouterThread
     from toolkit.config import compose_config
     from toolkit.launch.validation import validate
 
@@ -170,7 +70,7 @@ def test_the_router_forwards_an_update_while_the_file_system_hangs(tmp_path: Pat
     """The router keeps ``weights.json`` for a restarted router, but an fsync on a busy disk or a shared
     file system can take seconds: the replicas get the update at once, and the client its answer once
     the file is written (a router restarted after the answer must not hand out older weights)."""
-    from tests.test_router_drain import quiet, recv
+    from tests.helpers.router import quiet, recv
 
     with weights_record_hung(tmp_path, monkeypatch) as (replica, client, release):
         update_loaded_everywhere(replica, client, 3)  # while the file's write hangs
@@ -198,7 +98,10 @@ def weights_record_hung(tmp_path: Path, monkeypatch):  # type: ignore[no-untyped
 
     try:
         with one_replica(tmp_path, monkeypatch, hung_disk) as (replica, client):
-            yield replica, client, release
+            try:
+                yield replica, client, release
+            finally:
+                release.set()  # before the router stops: its thread may be in the hung write
     finally:
         release.set()
 
@@ -208,7 +111,7 @@ def test_an_update_the_router_cannot_record_fails_and_a_resend_records_it(tmp_pa
     """A failed write of ``weights.json`` (a full disk) is the client's error, naming the file; updating
     again writes it again."""
     import toolkit.core.rundir as rundir
-    from tests.test_router_drain import recv
+    from tests.helpers.router import recv
 
     full = [True]
     real = rundir.atomic_write
@@ -237,7 +140,7 @@ def test_a_replica_loading_weights_is_not_taken_for_a_stalled_one(tmp_path: Path
     is the load, not a hang; once it is acknowledged the stall clock runs again."""
     import time
 
-    from tests.test_router_drain import recv, status
+    from tests.helpers.router import recv, status
 
     with fake_router(tmp_path, ("router.heartbeat_s=0.2", "router.missed_heartbeats=100",
                                 "router.stall_timeout_s=0.5")) as (rt, replica, client):
@@ -245,7 +148,7 @@ def test_a_replica_loading_weights_is_not_taken_for_a_stalled_one(tmp_path: Path
         assert isinstance(replica.recv(), P.Generate)
         client.send_multipart(P.encode(P.UpdateWeights(str(tmp_path), 1)))
         assert isinstance(replica.recv(), P.UpdateWeights)
-        beat = P.Heartbeat(replica.replica_id, running=1)  # no token generated: the engine is paused
+        beat = P.Heartbeat(replica.replica_id, P.ReplicaStats(running=1))  # no token generated: the engine is paused
         for _ in range(20):  # many stall timeouts
             replica.send(beat)
             time.sleep(0.1)
@@ -321,14 +224,13 @@ def test_a_load_whose_record_hangs_says_so(tmp_path: Path, monkeypatch) -> None:
         loader.join(10)
 
 
-
 @pytest.mark.timeout(60)
 def test_a_restarted_router_takes_the_newer_weights_a_replica_holds(tmp_path: Path) -> None:
     """The previous router forwarded version 5 and died before recording it (weights.json says 4, the
     fourth update): a replica that registers holding 5, handed out as the fifth, makes 5 the run's weights, so a replica registered on 4 loads 5
     (not 4, then 5 on the trainer's resend) and a later one gets 5 at once; a client's update then
     rules as always."""
-    from tests.test_router_drain import FakeReplica, recv
+    from tests.helpers.router import FakeReplica, recv
 
     with restarted_router(tmp_path, {"path": "/ckpt/4", "version": 4, "serial": 4}) as (rt, rd):
         on_old = FakeReplica(rt, "throughput-0")
@@ -364,7 +266,7 @@ def test_a_restarted_router_keeps_a_rollback_a_replica_missed(tmp_path: Path) ->
     registers with the restarted router holding 5, a higher version than the file's but handed out
     before it: the router keeps 3 and tells it to load 3 (a version comparison would have made 5 the
     run's again, and every replica would have generated on the weights the trainer rolled back from)."""
-    from tests.test_router_drain import recv
+    from tests.helpers.router import recv
 
     with restarted_router(tmp_path, {"path": "/ckpt/3", "version": 3, "serial": 6}) as (rt, rd):
         behind = holding(rt, 0, "/ckpt/5", 5, 5)
@@ -377,13 +279,12 @@ def test_a_restarted_router_keeps_a_rollback_a_replica_missed(tmp_path: Path) ->
             s.close(0)
 
 
-
 @pytest.mark.timeout(60)
 def test_a_replica_that_registers_again_after_a_failed_load_is_handed_the_weights(tmp_path: Path) -> None:
     """Its engine restarted after a failed load (it holds nothing now) and it registers again before the
     router dropped it: the failed acknowledgement of its earlier registration must not count as this
     one's, which would leave it without the run's weights until the next update."""
-    from tests.test_router_drain import recv
+    from tests.helpers.router import recv
 
     with fake_router(tmp_path) as (rt, replica, client):
         client.send_multipart(P.encode(P.UpdateWeights("/ckpt/1", 1)))
@@ -398,7 +299,7 @@ def test_a_replica_that_registers_again_after_a_failed_load_is_handed_the_weight
 def restarted_router(tmp_path: Path, recorded: dict[str, Any]):  # type: ignore[no-untyped-def]
     """A router (in this process) started on a run dir whose ``weights.json`` says ``recorded``, as a
     restarted router of the run is; yields it and the run dir."""
-    from tests.test_router_drain import RouterThread
+    from tests.helpers.router import RouterThread
     from toolkit.config import compose_config
     from toolkit.core.rundir import RunDir
     from toolkit.launch.validation import validate
@@ -417,10 +318,10 @@ def restarted_router(tmp_path: Path, recorded: dict[str, Any]):  # type: ignore[
 
 def holding(rt, index: int, path: str, version: int, serial: int):  # type: ignore[no-untyped-def]
     """A fake replica that registers holding checkpoint ``path`` as ``version``, handed out as ``serial``."""
-    from tests.test_router_drain import FakeReplica
+    from tests.helpers.router import FakeReplica
 
     replica = FakeReplica.__new__(FakeReplica)
     replica.replica_id, replica.sock = f"throughput-{index}@testhost:1", rt.socket(f"throughput-{index}@testhost:1")
-    replica.send(P.Register(replica.replica_id, "throughput", max_inflight=4, weights_path=path,
-                            weights_version=version, weights_serial=serial))
+    replica.send(P.Register(replica.replica_id, "throughput", max_inflight=4,
+                            weights=P.UpdateWeights(path, version, serial)))
     return replica

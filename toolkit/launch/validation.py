@@ -33,7 +33,7 @@ from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.registry import Registry
 from toolkit.gateway.config import validate_agent
 from toolkit.model.tokenizer import tokenizer_problem
-from toolkit.report.trackers import PACKAGES
+from toolkit.report import trackers as report_trackers
 from toolkit.rollout.hints import LengthHint
 from toolkit.router.tail import TAIL_POLICIES
 
@@ -251,11 +251,12 @@ def trackers(cfg: Config) -> list[FieldError]:
     """Every tracker known, once, its library installed (named for pip)."""
     errors = []
     for i, name in enumerate(cfg.report.trackers):
-        if name not in PACKAGES:
-            errors.append(FieldError(f"report.trackers[{i}]", name, f"one of {sorted(PACKAGES)}"))
-        elif importlib.util.find_spec(PACKAGES[name][0]) is None:
+        packages = report_trackers.PACKAGES
+        if name not in packages:
+            errors.append(FieldError(f"report.trackers[{i}]", name, f"one of {sorted(packages)}"))
+        elif importlib.util.find_spec(packages[name][0]) is None:
             errors.append(FieldError(f"report.trackers[{i}]", name,
-                                     f"its library is not installed: pip install {PACKAGES[name][1]}"))
+                                     f"its library is not installed: pip install {packages[name][1]}"))
     if len(set(cfg.report.trackers)) != len(cfg.report.trackers):
         errors.append(FieldError("report.trackers", list(cfg.report.trackers), "each tracker once"))
     return errors

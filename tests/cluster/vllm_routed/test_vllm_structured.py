@@ -1,6 +1,6 @@
 """Structured outputs on real vLLM (the CPU build) through a router and one replica, on the tiny model:
 a JSON schema and a choice constrain the decoded output; a bad schema is a ``client_error`` and the
-engine goes on. Fixtures and helpers come from ``tests/test_vllm.py`` (skipped there without vLLM)."""
+engine goes on. Fixtures: tests/cluster/conftest.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.test_vllm import gen, models, routed, with_client  # noqa: F401  (fixtures: models, routed)
+from tests.helpers.aio import with_client
+from tests.helpers.vllm import gen
 from toolkit.client import RouterClient
 from toolkit.core import protocol as P
 from toolkit.launch.stack import LocalStack
@@ -69,7 +70,7 @@ def test_json_schema_and_choice_constrain_the_output_and_a_bad_schema_is_a_clien
         plain, _ = await c.generate(gen("plain"))
         assert plain.status == "ok"
 
-    with_client(routed, body)
+    asyncio.run(with_client(routed.run_dir, body, 120))
 
 
 def test_the_mapping_to_vllm_structured_outputs() -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_vllm import models, routed  # noqa: F401  (fixtures)
 from toolkit.bench.gateway import RecordingClient
 from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import Gateway, Settings

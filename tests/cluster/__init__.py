@@ -1,0 +1,1 @@
+"""Test-tier: cluster tests: need the local Slurm cluster or vLLM's CPU build."""

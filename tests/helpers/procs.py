@@ -1,0 +1,82 @@
+"""Processes in integration and cluster tests: ``python -m toolkit.launch`` in the foreground or the
+background, waiting for a condition, and what a run leaves behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from toolkit.core.lifecycle import read_pidfiles
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def launch(args: list[str], timeout_s: float = 180, **kw: Any) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "toolkit.launch", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, **kw)
+
+
+def start_launch(args: list[str], **kw: Any) -> subprocess.Popen[str]:
+    """``launch`` in the background (stdout and stderr together), for tests that act on it mid-run."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    return subprocess.Popen([sys.executable, "-m", "toolkit.launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, **kw)
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
+    """Launch's output once it exits. If it does not exit in time, it gets SIGINT (its teardown:
+    stop by pid, scancel) and, failing that, SIGKILL."""
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    return output
+
+
+def ranks_started(run: Path) -> bool:
+    pids = run / "pids"
+    return pids.exists() and any(pids.glob("rank-*.pid"))
+
+
+def lose_node_rank(run: Path, timeout_s: float, replica: str = "replica-throughput-0", node: int = 1) -> list[int]:
+    """Once the run's first step is written and node rank ``node`` of ``replica`` runs (its process and
+    its engine worker: two pid files), SIGKILL all of them at once, as when that node is lost; their pids."""
+
+    def procs() -> list:  # type: ignore[type-arg]
+        return [r for r in read_pidfiles(run / "pids") if r.name.startswith(f"{replica}-node{node}") and r.alive()]
+
+    wait_for(lambda: len(procs()) >= 2 and (run / "steps" / "step_00000.json").exists(), timeout_s,
+             f"the first step with node rank {node} of {replica} up")
+    killed = []
+    for ref in procs():
+        os.kill(ref.pid, signal.SIGKILL)
+        killed.append(ref.pid)
+    return killed
+
+
+def assert_no_process_left(run: Path) -> None:
+    refs = read_pidfiles(run / "pids")
+    names = {r.name for r in refs}
+    assert "router" in names and any(n.startswith("rank-") for n in names), names
+    alive = [(r.pid, r.name) for r in refs if r.alive()]
+    assert not alive, f"still running after the run: {alive}"

@@ -1,0 +1,1 @@
+"""Test-tier: integration tests: start real processes (router, replicas, MPI ranks, launch)."""

@@ -1,0 +1,1 @@
+"""Test-tier: unit tests: no processes (in-process objects, threads, loopback sockets)."""
