@@ -145,8 +145,11 @@ def typed_groups(raw: Any) -> dict[str, GroupConfig]:
 
 def register_configs() -> None:
     """The schemas the YAML in ``conf/`` builds on: the whole config, each backend's (from the
-    registries beside the engine and cluster base classes) and the workload's."""
+    registries beside the engine and cluster base classes) and the workload's. Once per process: a store
+    that holds them already is left as it is (storing converts every schema to OmegaConf again)."""
     cs = ConfigStore.instance()
+    if "config_schema.yaml" in cs.repo:
+        return
     cs.store(name="config_schema", node=ConfigSchema)
     for group, registry in (("cluster", CLUSTERS), ("engine", ENGINES)):
         for name in registry.names():
