@@ -161,7 +161,7 @@ def test_a_requeue_that_slurm_refuses_ends_the_trainers_wait(tmp_path: Path, mon
 
     from toolkit.config import compose_config
     from toolkit.core.rundir import RunDir, atomic_write
-    from toolkit.launch.app import app as launch_mod
+    from toolkit.launch import app as launch_mod
     from toolkit.samples import RunEnded, wait_step
 
     rd = RunDir(tmp_path)

@@ -148,7 +148,7 @@ class TestReplica:
         assert greedy.status == "ok" and greedy.weight_version == 4
         for i in range(3):
             b.send(gen(f"long{i}", max_tokens=900, prompt=[5, 6, 7, i], ignore_eos=True))
-        wait_for(lambda: b.recv(P.Heartbeat, 5).running > 0, 30, "requests running in the engine")
+        wait_for(lambda: b.recv(P.Heartbeat, 5).stats.running > 0, 30, "requests running in the engine")
         old = engine_core_pid(stack.run_dir)
         os.kill(old, signal.SIGKILL)
         dead = b.results(3, 60)
