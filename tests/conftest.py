@@ -42,7 +42,6 @@ def tier_of(path: Path | str) -> str | None:
     return first if first in TIERS else None
 
 
-_tier_of_test: dict[str, str] = {}
 _misplaced = pytest.StashKey[str]()
 
 
@@ -57,9 +56,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier is None:
             item.stash[_misplaced] = "a test must be under tests/unit, tests/integration or tests/cluster"
             continue
-        _tier_of_test[item.nodeid] = tier
         item.add_marker(getattr(pytest.mark, tier))
         marks = {m.name for m in item.iter_markers()}
+        # pytest-xdist (--dist loadgroup): the vLLM tests run one after another on one worker, the Slurm
+        # tests on another; the rest spread over every worker.
+        if group := next((m for m in ("vllm", "slurm") if m in marks), None):
+            item.add_marker(pytest.mark.xdist_group(group))
         if tier == "unit" and marks & {"slurm", "vllm", "mpi"}:
             item.stash[_misplaced] = (f"a unit test marked {sorted(marks & {'slurm', 'vllm', 'mpi'})}: "
                                       "it belongs in tests/integration or tests/cluster")
@@ -99,7 +101,8 @@ _outcomes: dict[str, Counter[str]] = defaultdict(Counter)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    tier = _tier_of_test.get(report.nodeid, "other")
+    # From the node id (under pytest-xdist the reports reach a controller that collected nothing).
+    tier = tier_of(TESTS.parent / report.nodeid.split("::")[0]) or "other"
     _durations[tier] += report.duration
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         _counts[tier] += 1

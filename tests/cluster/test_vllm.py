@@ -43,13 +43,24 @@ from toolkit.weights import publish  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-def engine_core_pid(run_dir: RunDir) -> int:
-    for ref in read_pidfiles(run_dir.pids):
-        if ref.name.endswith("-engine") and ref.alive():
-            comm = Path(f"/proc/{ref.pid}/comm").read_text()
-            if comm.startswith("VLLM::EngineCor"):
-                return ref.pid
-    raise AssertionError(f"no live engine core among the pid files of {run_dir}")
+def engine_core_pid(run_dir: RunDir, timeout_s: float = 120.0) -> int:
+    """The replica's live engine core (one restarted a moment ago may still be starting: waited for)."""
+    found: list[int] = []
+
+    def live_core() -> bool:
+        for ref in read_pidfiles(run_dir.pids):
+            if ref.name.endswith("-engine") and ref.alive():
+                try:
+                    comm = Path(f"/proc/{ref.pid}/comm").read_text()
+                except OSError:  # gone between the two reads
+                    continue
+                if comm.startswith("VLLM::EngineCor"):
+                    found.append(ref.pid)
+                    return True
+        return False
+
+    wait_for(live_core, timeout_s, f"a live engine core among the pid files of {run_dir}")
+    return found[-1]
 
 
 # ---- one replica, the test as its router --------------------------------------------------------

@@ -106,3 +106,24 @@ def test_consistent_hash_when_nearly_saturated_takes_a_free_replica() -> None:
 def test_unknown_policy_names_the_options() -> None:
     with pytest.raises(ConfigError, match="least_loaded"):
         make_policy("random", replicas(1))
+
+
+def test_a_fleet_registering_one_by_one_builds_the_ring_once_and_as_a_fresh_one_would(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each registration changes the group; the ring is rebuilt at the next choice only (hashing every
+    replica's points at every registration made a 512-replica fleet's start quadratic)."""
+    rs = replicas(64)
+    p = ConsistentHash(rs[:1], 1.25)
+    builds = []
+    real = ConsistentHash._rebuild
+    monkeypatch.setattr(ConsistentHash, "_rebuild", lambda self: (builds.append(self), real(self)))
+    for n in range(2, len(rs) + 1):
+        p.update(rs[:n])
+    sessions = [f"s{i}" for i in range(200)]
+    got = [p.choose(s, 0, with_room(rs)) for s in sessions]
+    assert builds == [p]
+    fresh = ConsistentHash(rs, 1.25)
+    assert got == [fresh.choose(s, 0, with_room(rs)) for s in sessions]
+    # A replica that leaves takes its points with it; the others keep their sessions.
+    p.update(rs[1:])
+    moved = [s for s, r in zip(sessions, got, strict=True) if r is not rs[0] and p.choose(s, 0, with_room(rs[1:])) is not r]
+    assert moved == [] and [b for b in builds if b is p] == [p, p]

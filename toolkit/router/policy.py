@@ -107,20 +107,35 @@ class ConsistentHash(Policy):
         self._ring: list[int] = []
         self._owners: list[Replica] = []
         self._capacity = 1
+        self._stale = True
+        self._points: dict[tuple[str, int], list[int]] = {}
+        """Each replica's ring points by (replica id, virtual nodes)."""
         self.weights: dict[str, float] = {}
         """Ring weight per replica id (mean 1 over those with a known speed; 1 for the others)."""
         super().__init__(replicas)
         self.update(replicas)
 
     def update(self, replicas: list[Replica]) -> None:
+        # The ring is rebuilt at the next choice, not here: a fleet of n replicas registering one by one
+        # would otherwise rebuild it n times (at 512 replicas, a minute of the router's loop).
         self.replicas = replicas
-        vnodes = {r.replica_id: max(1, round(self.VNODES * self.weights.get(r.replica_id, 1.0))) for r in replicas}
-        points = sorted(
-            (_hash64(f"{r.replica_id}#{v}"), i) for i, r in enumerate(replicas) for v in range(vnodes[r.replica_id])
-        )
-        self._ring = [p for p, _ in points]
-        self._owners = [replicas[i] for _, i in points]
         self._capacity = max(1, sum(r.max_inflight for r in replicas))
+        self._stale = True
+
+    def _rebuild(self) -> None:
+        """The ring of the current replicas; each replica's points are hashed once per weight."""
+        points: list[tuple[int, int]] = []
+        known: dict[tuple[str, int], list[int]] = {}
+        for i, r in enumerate(self.replicas):
+            key = (r.replica_id, max(1, round(self.VNODES * self.weights.get(r.replica_id, 1.0))))
+            hashes = self._points.get(key) or [_hash64(f"{r.replica_id}#{v}") for v in range(key[1])]
+            known[key] = hashes
+            points.extend((h, i) for h in hashes)
+        points.sort()
+        self._points = known  # only the replicas of this ring: gone ones are forgotten
+        self._ring = [p for p, _ in points]
+        self._owners = [self.replicas[i] for _, i in points]
+        self._stale = False
 
     def reweight(self) -> None:
         self.set_speeds({r.replica_id: r.speed.peak_tokens_per_s for r in self.replicas
@@ -154,6 +169,8 @@ class ConsistentHash(Policy):
             # Nearly saturated: the session's own replica is almost surely full, and walking the ring
             # to the few with room costs VNODES x n / |with_room| steps. Take the best of those.
             return self._best_with_room(with_room, group_load)
+        if self._stale:
+            self._rebuild()
         start = bisect.bisect(self._ring, _hash64(session_id))
         size = len(self._ring)
         for k in range(min(size, self.WALK)):
