@@ -179,7 +179,7 @@ class TestReplica:
         stack, b = replica
         os.kill(engine_core_pid(stack.run_dir), signal.SIGKILL)  # one death more than max_restarts=1
         proc = stack.replicas[("throughput", 0)]
-        assert proc.wait(timeout=120) == 75
+        assert proc.wait(timeout=300) == 75  # on a loaded machine (other tests beside it), well over a minute
         engines = [r for r in read_pidfiles(stack.run_dir.pids) if r.name.endswith("-engine")]
         assert len(engines) >= 4  # two engines, each a core and a worker
         wait_for(lambda: not any(r.alive() for r in engines), 30, "the engine processes to be gone")

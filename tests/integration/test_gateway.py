@@ -174,8 +174,11 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
                     return r.status, await r.json()
             st, err = await post("/chat/completions", b'{"model": "m", "messages": [')
             assert st == 400 and err["error"]["type"] == "invalid_request_error"
-            st, err = await post("/chat/completions", b"[" * 5000 + b"]" * 5000)  # msgspec: RecursionError
-            assert st == 400 and "nested too deeply" in err["error"]["message"]
+            st, err = await post("/chat/completions", b"[" * 5000 + b"]" * 5000)
+            # msgspec's depth follows the process's recursion limit (a RecursionError past it), which other
+            # code in the process may have raised: then the body decodes, and is refused as not an object.
+            assert st == 400 and any(why in err["error"]["message"]
+                                     for why in ("nested too deeply", "must be a JSON object")), err
             # A key with a byte that is not UTF-8: a wrong key, in the protocol's own error body.
             host, port = url.split("//")[1].split("/")[0].split(":")
             reader, writer = await asyncio.open_connection(host, int(port))

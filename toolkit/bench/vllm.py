@@ -92,7 +92,7 @@ async def _compare(stack: Any, cfg: Any, batches: list[list[Generate]]) -> dict[
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    n, prompt_tokens, max_tokens, rounds = (64, 64, 32, 1) if quick else (256, 64, 64, 5)
+    n, prompt_tokens, max_tokens, rounds = (32, 64, 16, 1) if quick else (256, 64, 64, 5)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         cfg = bench_config(str(Path(tmp) / "cache"))
         # Round 0 warms both arms up; the rest are measured.
