@@ -52,6 +52,14 @@ def check_full_budget(cfg: Config, msgs: list[Generate], outs: list) -> int:  # 
 
 
 # ---- real processes ------------------------------------------------------------------------------
+async def long_requests_in_flight(c: RouterClient, n: int) -> tuple[list, list]:  # type: ignore[type-arg]
+    """``n`` requests of 300 tokens sent, and every one of them in flight at the router."""
+    msgs = [gen(f"m{i}", [1, 2, 50 + i], max_tokens=300) for i in range(n)]
+    tasks = [asyncio.create_task(c.generate(m)) for m in msgs]
+    await wait_status(c, lambda st: st.inflight == n, "every request in flight")
+    return msgs, tasks
+
+
 @pytest.mark.timeout(180)
 def test_drain_with_migrate_moves_inflight_requests_and_the_replica_exits_0(make_run) -> None:  # type: ignore[no-untyped-def]
     cfg, rd, stack = make_run([*FAST, *LONG])
@@ -59,9 +67,7 @@ def test_drain_with_migrate_moves_inflight_requests_and_the_replica_exits_0(make
     victim = stack.replicas[("throughput", 0)]
 
     async def body(c: RouterClient) -> None:
-        msgs = [gen(f"m{i}", [1, 2, 50 + i], max_tokens=300) for i in range(40)]
-        tasks = [asyncio.create_task(c.generate(m)) for m in msgs]
-        await wait_status(c, lambda st: st.inflight == 40, "every request in flight")
+        msgs, tasks = await long_requests_in_flight(c, 40)
         st = await asyncio.to_thread(send_drain, stack.frontend, ["throughput-0", "nope-9"])
         assert st is not None
         assert (st.groups["throughput"].draining, st.groups["throughput"].ready) == (1, 1)
@@ -90,9 +96,7 @@ def test_drain_without_migrate_lets_inflight_requests_finish_there(make_run) -> 
     victim = stack.replicas[("throughput", 0)]
 
     async def body(c: RouterClient) -> None:
-        msgs = [gen(f"m{i}", [1, 2, 50 + i], max_tokens=300) for i in range(20)]
-        tasks = [asyncio.create_task(c.generate(m)) for m in msgs]
-        await wait_status(c, lambda st: st.inflight == 20, "every request in flight")
+        msgs, tasks = await long_requests_in_flight(c, 20)
         await c.drain(["throughput-0"], migrate=False)
         await wait_status(c, lambda st: st.groups["throughput"].draining == 1, "the drain")
         # New work goes to the other replica only, while the drained one still runs its own.
