@@ -58,10 +58,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         item.add_marker(getattr(pytest.mark, tier))
         marks = {m.name for m in item.iter_markers()}
-        # Under pytest-xdist (-n 3 --dist loadgroup): the vLLM tests run one after another on one worker,
-        # the other Slurm tests on another; the rest spread over every worker.
-        if group := next((m for m in ("vllm", "slurm") if m in marks), None):
-            item.add_marker(pytest.mark.xdist_group(group))
         if tier == "unit" and marks & {"slurm", "vllm", "mpi"}:
             item.stash[_misplaced] = (f"a unit test marked {sorted(marks & {'slurm', 'vllm', 'mpi'})}: "
                                       "it belongs in tests/integration or tests/cluster")
