@@ -193,7 +193,7 @@ class TestReplica:
         assert proc.wait(timeout=300) == 75
         engines = [r for r in read_pidfiles(stack.run_dir.pids) if r.name.endswith("-engine")]
         assert len(engines) >= 4  # two engines, each a core and a worker
-        wait_for(lambda: not any(r.alive() for r in engines), 30, "the engine processes to be gone")
+        wait_for(lambda: not any(r.alive() for r in engines), 120, "the engine processes to be gone")
 
 
 # ---- the whole pipeline, and the benchmark -----------------------------------------------------
