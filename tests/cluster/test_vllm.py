@@ -58,9 +58,7 @@ def live_engine_core(run_dir: RunDir, other_than: int = 0) -> int | None:
 
 def engine_core_pid(run_dir: RunDir, timeout_s: float = 120.0) -> int:
     """The replica's live engine core (one restarted a moment ago may still be starting: waited for)."""
-    wait_for(lambda: live_engine_core(run_dir) is not None, timeout_s, f"a live engine core among the pid files of {run_dir}")
-    pid = live_engine_core(run_dir)
-    assert pid is not None
+    pid: int = wait_for(lambda: live_engine_core(run_dir), timeout_s, f"a live engine core among the pid files of {run_dir}")
     return pid
 
 
@@ -184,11 +182,9 @@ class TestReplica:
         # once; run alone (or on another worker), the first kill here is that one, and a restart follows.
         core = engine_core_pid(stack.run_dir)
         os.kill(core, signal.SIGKILL)
-        wait_for(lambda: proc.poll() is not None or live_engine_core(stack.run_dir, core) is not None, 600,
-                 "the replica to exit or restart its engine")
-        if proc.poll() is None:
-            restarted = live_engine_core(stack.run_dir, core)
-            assert restarted is not None
+        restarted = wait_for(lambda: live_engine_core(stack.run_dir, core) or proc.poll() is not None, 600,
+                             "the replica to exit or restart its engine")
+        if restarted is not True:  # a pid: the engine came back
             os.kill(restarted, signal.SIGKILL)
         assert proc.wait(timeout=300) == 75
         engines = [r for r in read_pidfiles(stack.run_dir.pids) if r.name.endswith("-engine")]

@@ -15,11 +15,12 @@ from typing import Any
 from toolkit.core.lifecycle import read_pidfiles
 
 
-def wait_for(pred: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> None:
+def wait_for(pred: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition") -> Any:
+    """The predicate's first truthy value, polled every 50 ms for at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if pred():
-            return
+        if value := pred():
+            return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
