@@ -12,7 +12,9 @@ PLACEMENT = {"num_replicas", "cached_tokens", "groups", "replicas"}
 uninterrupted runs too. Every other column must be equal."""
 
 
-def check_outputs(run: Path, steps: int, sessions: int) -> list[dict]:  # type: ignore[type-arg]
+def check_outputs(run: Path, steps: int, sessions: int, status: str = "ok") -> list[dict]:  # type: ignore[type-arg]
+    """Every step of ``steps`` complete (each of ``sessions`` exactly once) and the report's ``status``
+    (``interrupted`` for a run stopped by a signal); returns the report's steps."""
     for s in range(steps):
         table = pq.read_table(run / "steps" / f"step_{s:05d}.parquet")
         assert table.num_rows == sessions
@@ -25,7 +27,7 @@ def check_outputs(run: Path, steps: int, sessions: int) -> list[dict]:  # type: 
             assert sum(r["loss_mask"]) == r["generated_tokens"] > 0
             assert r["response_length"] == len(r["tokens"]) - r["prompt_length"]
     report = json.loads((run / "report.json").read_text())
-    assert report["status"] == "ok"
+    assert report["status"] == status
     assert [s["step"] for s in report["steps"]] == list(range(steps))
     assert report["summary"]["sessions"] == steps * sessions
     return report["steps"]  # type: ignore[no-any-return]

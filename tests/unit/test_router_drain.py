@@ -7,7 +7,8 @@ the no-replica clock. Real router and sim replica processes: tests/integration/t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -213,6 +214,71 @@ def test_draining_takes_a_replica_out_of_every_count(tmp_path: Path) -> None:
     router.membership.drop(a, "no heartbeat")  # gone after its shutdown: the counts do not move again
     assert pool.spare_slots(None) == 4 and pool.capacity(None) == 4
     router.close()
+
+
+TailRouter = Callable[..., tuple[Router, Replica, Replica]]
+
+
+@pytest.fixture
+def tail_router(tmp_path: Path) -> Iterator[TailRouter]:
+    """``tail_router(*overrides) -> (router, throughput-0, tail-0)``: a router (never bound) with both
+    replicas ready and the no-replica timeout at 10 s; closed after the test, failed or not."""
+    routers: list[Router] = []
+
+    def make(*overrides: str) -> tuple[Router, Replica, Replica]:
+        cfg = compose_config(["router.no_replica_timeout_s=10", *overrides])
+        validate(cfg)
+        rd = RunDir(tmp_path / "run")
+        rd.make()
+        router = Router(cfg, rd, zmq.Context())
+        routers.append(router)
+        for ident, rid, group in ((b"t0", "throughput-0@h:1", "throughput"), (b"l0", "tail-0@h:2", "tail")):
+            router.membership.register(ident, P.Register(rid, group, max_inflight=4))
+            router.pool.set_ready(known(router, ident))
+        return router, known(router, b"t0"), known(router, b"l0")
+
+    yield make
+    for router in routers:
+        router.close()
+
+
+def test_a_move_to_a_tail_group_scaled_to_zero_continues_on_the_bulk(tail_router: TailRouter) -> None:
+    """``scale tail=0 --finish`` while a long runner is on its way to the tail group: its continuation
+    runs on the bulk at once instead of waiting for a tail replica that will not come (and failing
+    ``no_replica`` after the timeout)."""
+    router, thr, tail = tail_router("tail.policy=age")
+    msg = gen("r1", [1, 2, 3], max_tokens=10)
+    router.submit(b"c", msg, msgspec.msgpack.encode(msg))
+    router.dispatch()
+    req = router.live["r1"]
+    assert req.replica == thr.replica_id
+    router.migrations.start(req, thr, "age", "tail")  # what move_long_runners does with a long runner
+    router.elastic.drain(["tail-0"], migrate=False)  # tail=0 --finish: the tail replica holds nothing, it goes
+    assert tail.shutdown_sent and router.pool.members("tail") == []
+    router._on_result(thr.identity, P.Result("r1", "cancelled", [11, 12], [-1.0, -2.0], "abort", thr.replica_id), b"")
+    assert req.msg.group == "tail" and req.named_group is None  # the router's choice, not its client's
+    router.dispatch()
+    assert req.replica == thr.replica_id and req.msg.prompt_token_ids == [1, 2, 3, 11, 12]
+    router.empty_groups.check(time.time() + 60)
+    assert router.answered.result("r1") is None  # running, not failed
+    # A request whose client named the tail group still waits for it (and fails after the timeout).
+    named = gen("r2", [1, 2, 4], group="tail")
+    router.submit(b"c", named, msgspec.msgpack.encode(named))
+    router.dispatch()
+    assert router.live["r2"].replica is None
+
+
+def test_a_flipped_step_goes_on_on_the_bulk_while_the_tail_group_has_no_replica(tail_router: TailRouter) -> None:
+    router, thr, tail = tail_router("tail.threshold=0.5")
+    router.tail.step_begin("j", 0, 2)
+    assert router.tail.session_done("j", 0, "s0") is not None  # 1 of 2 sessions done: the step flips
+    first = gen("r1", [1, 2, 3], session="s1")
+    router.submit(b"c", first, msgspec.msgpack.encode(first))
+    router.dispatch()
+    assert router.live["r1"].replica == tail.replica_id  # the rest of the step: to the tail group
+    router.membership.drop(tail, "no heartbeat")  # lost: its request waits for a replica again
+    router.dispatch()
+    assert router.live["r1"].replica == thr.replica_id
 
 
 def test_no_replica_reaches_the_step_report_by_name() -> None:

@@ -22,7 +22,7 @@ class Request:
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
-        "prompt_len", "est_mark", "moves", "group", "first_cached",
+        "prompt_len", "est_mark", "moves", "group", "first_cached", "named_group",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -54,6 +54,9 @@ class Request:
         self.est_mark = 0.0
         self.moves = 0
         self.group = ""  # the group of the replica it was last sent to
+        # The group its client named (None: any). A move's continuation names the group the router
+        # moved it to in ``msg.group``; this one never changes.
+        self.named_group = msg.group
 
 
 class JobQueue:

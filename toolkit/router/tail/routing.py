@@ -111,14 +111,19 @@ class TailRouting:
     # ---- placement -------------------------------------------------------------------------
     def targets(self, req: Request) -> tuple[PoolKey, PoolKey]:
         """Where ``req`` goes: (a pool key, or None for any group; a second key to try when the first
-        has no room, or None to wait for it). A request that names its group goes there."""
+        has no room, or None to wait for it). A request that names its group goes there; what the router
+        sent to the tail group goes to the bulk while the tail group has no serving replica."""
         m = req.msg
         if m.group is not None:
+            if m.group == self.group and req.named_group is None and not self.pool.members(self.group):
+                return self._bulk, None  # moved to the tail group by the router, which has no replica now
             return m.group, None
         if self.policy is None:
             return None, None
         if self.flipped(m.job, m.step):
-            return self.group, None
+            # The rest of a flipped step waits for the tail group's slots, but not for a tail group with
+            # no serving replica (scaled to 0, all of it lost): the bulk goes on with it.
+            return (self.group, None) if self.pool.members(self.group) else (self._bulk, None)
         bulk = self._bulk
         rec = self._record(m)
         if (rec is not None and m.session_id and self.room() > 0
