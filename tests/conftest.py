@@ -45,11 +45,16 @@ def tier_of(path: Path | str) -> str | None:
 _misplaced = pytest.StashKey[str]()
 
 
+# Before pytest-xdist's own hook, which reads the xdist_group marks (hence tryfirst).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test with its tier, and keep the markers honest (a test that breaks a rule fails):
     a unit test needs no Slurm, vLLM or MPI; a cluster test needs Slurm or vLLM; ``slurm``/``vllm`` tests
     are cluster tests.
-    The unit tier runs first, then integration, then cluster (in file order within each)."""
+    The unit tier runs first, then integration, then cluster (in file order within each). Under
+    pytest-xdist (``--dist loadgroup``) the ``slurm`` tests are one group and the other ``vllm`` tests
+    another: each group runs on one worker, in order, so two tests never compete for the Slurm nodes'
+    CPUs or boot vLLM engines side by side, and a fixture's replica serves its whole file."""
     items.sort(key=lambda item: (TIERS + (None,)).index(tier_of(item.path)))
     for item in items:
         tier = tier_of(item.path)
@@ -58,6 +63,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         item.add_marker(getattr(pytest.mark, tier))
         marks = {m.name for m in item.iter_markers()}
+        group = "slurm" if "slurm" in marks else "vllm" if "vllm" in marks else None
+        if group is not None and tier == "cluster":
+            item.add_marker(pytest.mark.xdist_group(group))
         if tier == "unit" and marks & {"slurm", "vllm", "mpi"}:
             item.stash[_misplaced] = (f"a unit test marked {sorted(marks & {'slurm', 'vllm', 'mpi'})}: "
                                       "it belongs in tests/integration or tests/cluster")

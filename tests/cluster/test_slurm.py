@@ -242,6 +242,7 @@ def test_a_sweep_through_hydra_submitit_writes_the_summary(slurm_run: tuple[Path
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # two vLLM boots, then a third; beside the vLLM tests' worker over 420 s
 def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(slurm_run: tuple[Path, str]) -> None:
     """The dev cluster's `multi` partition: two nodes emulated on this host by two slurmd. One replica of
     tensor parallel 2 is one job of two nodes: node rank 0 serves the engine, node rank 1 runs vLLM's
