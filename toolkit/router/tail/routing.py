@@ -115,21 +115,24 @@ class TailRouting:
         sent to the tail group goes to the bulk while the tail group has no serving replica."""
         m = req.msg
         if m.group is not None:
-            if m.group == self.group and req.named_group is None and not self.pool.members(self.group):
-                return self._bulk, None  # moved to the tail group by the router, which has no replica now
+            if m.group == self.group and req.named_group is None:
+                return self._tail_or_bulk()  # the router moved it there, its client did not ask
             return m.group, None
         if self.policy is None:
             return None, None
         if self.flipped(m.job, m.step):
-            # The rest of a flipped step waits for the tail group's slots, but not for a tail group with
-            # no serving replica (scaled to 0, all of it lost): the bulk goes on with it.
-            return (self.group, None) if self.pool.members(self.group) else (self._bulk, None)
+            return self._tail_or_bulk()
         bulk = self._bulk
         rec = self._record(m)
         if (rec is not None and m.session_id and self.room() > 0
                 and self.policy.start_on_tail(rec, m.session_id, m.prompt_key, max(0, hinted(m) - m.resumed_tokens))):
             return self.group, bulk
         return bulk, None
+
+    def _tail_or_bulk(self) -> tuple[PoolKey, PoolKey]:
+        """Where the router's own tail placements go (a move, a flipped step's rest): the tail group,
+        waiting for its slots; while it has no serving replica (scaled to 0, all of it lost), the bulk."""
+        return (self.group, None) if self.pool.members(self.group) else (self._bulk, None)
 
     def dispatched(self, req: Request, r: Replica, now: float) -> None:
         """``req`` was sent to ``r`` (``now``: monotonic): the origin of its token estimate there."""
