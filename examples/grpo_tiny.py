@@ -11,6 +11,11 @@ trainer. For every step it
 4. publishes the new weights for the next step (``toolkit.weights.publish``), which the engines load
    before it begins (``rollout.max_staleness=0``: strictly on-policy).
 
+``--partial``: steps close on a count (``rollout.close=count``, ``over_sample=0.25``,
+``max_staleness=1``): the rollout runs a step ahead, a step's slowest sessions carry into the next
+under the newer weights, and the trainer trains on whole groups that landed, their logprobs the
+engine's (the clipped ratio corrects for the older weights).
+
 The task has a verifiable reward a random model scores low on: the share of generated tokens that
 fall in a target set of 64 of the 512 ids. It writes ``reward.csv`` and ``reward.png``::
 
@@ -56,9 +61,24 @@ def launch_args(args: argparse.Namespace, run: Path, weights: Path, prompts: Pat
         "+workload.env.reward_fn=examples.grpo_tiny.reward", f"workload.max_tokens={args.max_tokens}",
         f"workload.prompts.path={prompts}", f"workload.prompts.samples_per_prompt={args.group}",
         "workload.prompts.tokenizer=null", f"sessions_per_step={sessions}", f"steps={args.steps}",
-        f"engine.cache_dir={args.cache}", f"rollout.weights_dir={weights}", "rollout.max_staleness=0",
+        f"engine.cache_dir={args.cache}", f"rollout.weights_dir={weights}",
+        *(PARTIAL if args.partial else ["rollout.max_staleness=0"]),
         f"rollout.weights_timeout_s={args.timeout}", f"hydra.run.dir={run}", f"seed={args.seed}",
     ]
+
+
+PARTIAL = ["rollout.close=count", "rollout.over_sample=0.25", "rollout.max_staleness=1"]
+"""``--partial``'s settings (docs/partial.md)."""
+
+
+def trainable(rows: list[dict[str, Any]], group: int) -> list[dict[str, Any]]:
+    """The step's rows in whole groups that count: a group (one prompt's ``group`` sessions, landed
+    together) is left out if any row of it was dropped as stale or filtered."""
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["started_step"], r["index"] // group), []).append(r)
+    return [r for members in groups.values() if not any(m["status"] in ("stale", "filtered") for m in members)
+            for r in members]
 
 
 def token_logprobs(model: Any, rows: list[dict[str, Any]]) -> tuple[Any, Any]:
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a step (or weights)")
     p.add_argument("--cache", type=Path, default=Path("~/.cache/rollout-toolkit").expanduser())
+    p.add_argument("--partial", action="store_true", help="steps close on a count (docs/partial.md)")
     args = p.parse_args(argv)
 
     import pyarrow.parquet  # noqa: F401 - wait_step reads Parquet
@@ -155,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     history: list[dict[str, Any]] = []
     try:
         for step in range(args.steps):
-            rows = wait_step(run, step, args.timeout).to_pylist()
+            rows = trainable(wait_step(run, step, args.timeout).to_pylist(), args.group)
             stats = grpo_step(model, opt, rows, args.group, args.clip)
             versions = sorted({v for r in rows for v in r["weight_versions"]})
             rec = {"step": step, "reward_mean": sum(r["reward"] for r in rows) / len(rows),
-                   "weight_versions": versions, **stats}
+                   "weight_versions": versions, "carried": sum(r["carried"] > 0 for r in rows),
+                   "staleness_max": max(r["staleness"] for r in rows), **stats}
             history.append(rec)
             print(json.dumps(rec), flush=True)
             # The weights for the next step: the engines load them before it begins.

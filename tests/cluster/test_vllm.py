@@ -221,6 +221,36 @@ def test_launch_engine_vllm_model_tiny_end_to_end(models: dict[str, Path], tmp_p
     assert any(r.name.endswith("-engine") for r in read_pidfiles(run / "pids"))
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_partial_steps_carry_a_session_across_weight_updates(models: dict[str, Path], tmp_path: Path) -> None:
+    """``rollout.close=count`` on vLLM: session 0/0 holds in its first tool call until step 1 is
+    written, so it runs on while the replica loads version 1 and then 2 in place, and lands in step 2."""
+    weights = tmp_path / "weights"
+    for version in (1, 2):
+        publish(weights, version, models["ckpt"])
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={models['cache']}",
+                  "groups=single", "steps=3", "sessions_per_step=4", "workload.max_tokens=24",
+                  "rollout.close=count", "rollout.over_sample=0.5", f"rollout.weights_dir={weights}",
+                  "rollout.max_staleness=2", "rollout.update_mode=pause",
+                  "workload.env._target_=tests.helpers.partial_env.SlowSessions", "+workload.env.slow=[0/0]",
+                  f"+workload.env.until={run}/steps/step_00001.json"], timeout_s=800)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [pq.read_table(run / "steps" / f"step_{s:05d}.parquet").to_pylist() for s in range(3)]
+    assert all(len(step) == 4 for step in rows)
+    ids = [r["session_id"] for step in rows for r in step]
+    assert len(ids) == len(set(ids))
+    [(landed, held)] = [(s, r) for s, step in enumerate(rows) for r in step if r["session_id"] == "rollout/0/0"]
+    assert landed == 2 and held["carried"] == 2 and held["status"] in ("completed", "truncated")
+    # Its first turn ran on the model's own weights, its last on a version the replica loaded meanwhile.
+    turns = held["turn_weight_versions"]
+    assert turns[0] == [0] and turns[-1][-1] >= 1 and held["staleness"] <= 2
+    for step in rows:
+        for r in step:
+            assert sum(r["loss_mask"]) == r["generated_tokens"] > 0
+
+
 @pytest.mark.timeout(900)
 def test_vllm_benchmark_reports_its_fields(tmp_path: Path) -> None:
     out = tmp_path / "vllm.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 from typing import Any
 
 import aiohttp
@@ -72,3 +73,14 @@ async def flaky(base_url: str, task: dict[str, Any]) -> float:
                 headers={"content-type": "application/json"}) as r:
             raise ValueError(f"the gateway answered {r.status}: {(await r.json())['error']['message'][:60]}")
     return await openai_tools(base_url, task)
+
+
+async def carried(base_url: str, task: dict[str, Any], slow: tuple[str, ...] = (), until: str = "") -> float:
+    """``openai_tools``; the sessions named in ``slow`` (``"step/index"``) first wait (at most 60 s)
+    until the file ``until`` exists, so they are carried past that step (``rollout.close=count``)."""
+    if f"{task['step']}/{task['index']}" in slow:
+        for _ in range(1200):
+            if os.path.exists(until):
+                break
+            await asyncio.sleep(0.05)
+    return await openai_tools(base_url, task, turns=2, tool_latency_s=0.01)

@@ -85,3 +85,22 @@ def test_loop_bench_reports_its_fields_and_aborts_nothing(tmp_path: Path) -> Non
     # of overlap is at most one behind.
     assert r["aborted_requests"] == 0 and r["async_mid_step"]["aborted_requests"] == 0
     assert r["mean_staleness"]["sync"] == 0 and 0 <= r["mean_staleness"]["async"] <= 1
+
+
+@pytest.mark.mpi
+def test_partial_bench_reports_its_fields_and_loses_no_token(tmp_path: Path) -> None:
+    r = bench("partial", tmp_path)
+    assert set(r["arms"]) == {"off", "tail", "partial", "partial+tail", "partial+updates"}
+    for name, arm in r["arms"].items():
+        assert {"samples_per_s", "ratio_vs_off", "ci95", "staleness_mean", "staleness_max", "tokens_discarded",
+                "tokens_lost", "fleet_busy", "throughput_bound_ratio"} <= set(arm)
+        assert arm["samples_per_s"] > 0 and arm["ci95"][0] <= arm["ratio_vs_off"] <= arm["ci95"][1], name
+        # Every generated token of a landed session in exactly one row; every session in one step.
+        assert arm["tokens_lost"] == 0 and arm["sessions_in_two_steps"] == 0, name
+        assert 0 < arm["fleet_busy"] <= 1 and arm["throughput_bound_ratio"] > 0
+    assert r["arms"]["off"]["ratio_vs_off"] == 1.0
+    for name in ("partial", "partial+tail", "partial+updates"):
+        assert r["arms"][name]["staleness_max"] <= 1
+    f = r["filter"]
+    assert f["useful_groups"] > 0 and f["group_starts"] > 0 and f["filtered_groups"] > 0
+    assert f["tokens_lost"] == 0 and f["sessions_twice"] == 0

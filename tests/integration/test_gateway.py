@@ -18,7 +18,7 @@ from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import SESSION_CALLS, Gateway, gateway_settings
 from toolkit.gateway.types import ChatRequest, GatewayError
 from toolkit.model.tokenizer import chat_tokenizer_dir
-from toolkit.session.requests import RequestLog
+from toolkit.session.requests import OpenStep, RequestLog
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -54,7 +54,7 @@ def test_openai_chat_tools_streaming_n_and_logprobs_keep_the_engines_ids(make_ru
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, sess = gw.open_session(0, 7, "rollout/0/7", RequestLog())
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 7, "rollout/0/7")
         gw.set_prompt_key(key, "0/3")  # a GRPO sibling's: every call of the session carries it
         oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=30)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
@@ -114,7 +114,7 @@ def test_responses_api_and_anthropic_messages_with_tools(make_run) -> None:  # t
                "parameters": TOOLS[0]["function"]["parameters"]}
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, sess = gw.open_session(0, 1, "rollout/0/1", RequestLog())
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 1, "rollout/0/1")
         oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=30)
         r1 = await oai.responses.create(model="m", instructions="Be brief.", input="Weather in Rome?",
                                         tools=[fn_tool], tool_choice="required")
@@ -135,7 +135,7 @@ def test_responses_api_and_anthropic_messages_with_tools(make_run) -> None:  # t
         assert generated(sample) == (client.results["rollout/0/1/1"].output_token_ids
                                      + client.results["rollout/0/1/2"].output_token_ids)
 
-        key, sess = gw.open_session(0, 2, "rollout/0/2", RequestLog())
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 2, "rollout/0/2")
         ant = anthropic.AsyncAnthropic(base_url=gw.base_url(key)[:-3], api_key="x", max_retries=0, timeout=30)
         a_tools = [{"name": "weather", "description": "Weather of a city.",
                     "input_schema": TOOLS[0]["function"]["parameters"]}]
@@ -163,7 +163,7 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, sess = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
         url = gw.base_url(key)
         auth = {"authorization": "Bearer sekrit"}
         good = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -205,7 +205,7 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
             st, err = await post("/chat/completions", {**good, "pad": "y" * 70000})
             assert st == 413  # the body is over gateway.max_body_mb
             gw.s.max_concurrent_requests = 1
-            other, _ = gw.open_session(0, 1, "rollout/0/1", RequestLog())
+            other, _ = gw.open_session(OpenStep(0, RequestLog()), 1, "rollout/0/1")
 
             async def post_other(body: Any) -> tuple[int, Any]:
                 async with http.post(gw.base_url(other) + "/chat/completions", json=body, headers=auth) as r:
@@ -234,7 +234,7 @@ def test_a_session_closed_as_its_call_starts_leaves_nothing_running(make_run) ->
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, _ = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        key, _ = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
         entry = gw.sessions[key]
         call = asyncio.create_task(gw.turn(entry, ChatRequest([{"role": "user", "content": "hi"}],
                                                               max_tokens=100000)))
@@ -259,7 +259,7 @@ def test_a_caller_that_goes_away_aborts_its_call_and_leaves_the_session_as_it_wa
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, sess = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
         url = gw.base_url(key) + "/chat/completions"
         auth = {"authorization": "Bearer sekrit"}
         call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
@@ -294,7 +294,7 @@ def test_a_long_streaming_turn_keeps_its_connection_alive_and_fails_as_an_error_
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, _ = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        key, _ = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
         call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True}
         async with aiohttp.ClientSession() as http:
             async with http.post(gw.base_url(key) + "/chat/completions", json=call,
@@ -310,7 +310,7 @@ def test_a_long_streaming_turn_keeps_its_connection_alive_and_fails_as_an_error_
         chunks = [c async for c in await sdk.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "again"}], max_tokens=100, stream=True)]
         assert chunks[-1].choices[0].finish_reason == "length"
-        other, _ = gw.open_session(0, 1, "rollout/0/1", RequestLog())
+        other, _ = gw.open_session(OpenStep(0, RequestLog()), 1, "rollout/0/1")
         claude = anthropic.AsyncAnthropic(base_url=gw.base_url(other)[: -len("/v1")], api_key="sekrit", max_retries=0)
         async with claude.messages.stream(model="m", max_tokens=100,
                                           messages=[{"role": "user", "content": "hi"}]) as events:
@@ -344,7 +344,7 @@ def test_a_session_that_ends_while_a_big_call_is_planned_sends_the_engines_nothi
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, sess = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
         planning, release = threading.Event(), threading.Event()
         real = sess.plan
 
@@ -384,7 +384,7 @@ def test_a_caller_gone_while_its_call_winds_up_frees_its_place(make_run, monkeyp
     stack.start()
 
     async def body(gw: Gateway, client: RecordingClient) -> None:
-        key, _ = gw.open_session(0, 0, "rollout/0/0", RequestLog())
+        key, _ = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
         call = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         async with aiohttp.ClientSession() as http:
             with pytest.raises(asyncio.TimeoutError):

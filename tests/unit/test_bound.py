@@ -96,3 +96,20 @@ def test_other_engines_are_bound_by_the_speeds_the_router_measured() -> None:
     assert b["bound"]["throughput_s"] == pytest.approx(530 / 1500.0)
     assert b["bound_s"] == pytest.approx(4.0) and b["bound_ratio"] == pytest.approx(5.0)
     assert step_bound(cfg, req, 20.0, {"tail": GroupStatus()}) is None  # nothing measured yet
+
+
+def test_an_agents_time_between_its_calls_is_on_its_critical_path() -> None:
+    # Session 0: two calls, each answered 1 s after it was sent; its harness takes 5 s between them.
+    req = log_of([(0, 0.0, [(100, 0, 50)]), (0, 6.0, [(160, 140, 60)]), (1, 0.0, [(100, 0, 10)])])
+    env = step_bound(compose_config(["engine.time_scale=1.0"]), req, wall_s=20.0)
+    agent = step_bound(compose_config(["engine.time_scale=1.0", "workload=agent"]), req, wall_s=20.0)
+    assert env is not None and agent is not None
+    assert agent["bound"]["critical_path_s"] == pytest.approx(env["bound"]["critical_path_s"] + 5.0)
+    assert agent["bound"]["critical_session"] == 0
+
+
+def test_the_throughput_bound_at_max_inflight_is_at_most_as_good_as_at_full_batches() -> None:
+    req = log_of([(i, 0.0, [(100, 0, 200)]) for i in range(64)])
+    b = step_bound(compose_config(["engine.time_scale=1.0"]), req, wall_s=20.0)
+    assert b is not None
+    assert b["bound"]["throughput_at_max_inflight_s"] > b["bound"]["throughput_s"] > 0

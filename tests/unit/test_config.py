@@ -293,3 +293,32 @@ def test_every_config_field_has_a_docstring_under_it(module: object) -> None:
             if at and not lines[at[0] + 1].strip().startswith('"""'):  # no line: inherited, checked in its class
                 missing.append(f"{cls.__name__}.{f.name}")
     assert not missing
+
+
+def test_partial_steps_are_checked_at_setup_naming_every_bad_field() -> None:
+    # What only close=count reads, set with close=all.
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["rollout.over_sample=0.25", "rollout.filter_groups=zero_variance",
+                                 "rollout.max_group_starts_per_step=8"]))
+    assert {e.field for e in info.value.errors} == {
+        "rollout.over_sample", "rollout.filter_groups", "rollout.max_group_starts_per_step"}
+    assert "applies to rollout.close=count only" in str(info.value)
+    # close=count: on-policy with carried sessions, partial groups, a filter on groups of one, too few groups.
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["rollout.close=count", "rollout.weights_dir=/w", "rollout.max_staleness=0",
+                                 "sessions_per_step=10", "+workload.prompts.samples_per_prompt=4",
+                                 "rollout.filter_groups=zero_variance"]))
+    errors = {e.field: e.allowed for e in info.value.errors}
+    assert set(errors) == {"rollout.max_staleness", "sessions_per_step"}
+    assert "cannot be on-policy" in errors["rollout.max_staleness"]
+    assert "multiple of workload.prompts.samples_per_prompt (4)" in errors["sessions_per_step"]
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["rollout.close=count", "rollout.filter_groups=zero_variance", "sessions_per_step=1"]))
+    assert {e.field for e in info.value.errors} == {"rollout.filter_groups", "sessions_per_step"}
+    # Bounded carrying without weights, and a bad choice named with its options.
+    validate(compose_config(["rollout.close=count", "rollout.max_staleness=1", "rollout.over_sample=0.5"]))
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["rollout.close=some", "rollout.stale=keep", "rollout.over_sample=-1"])
+    assert {("rollout.close", "one of ['all', 'count']"), ("rollout.stale", "one of ['drop', 'restart']")} <= {
+        (e.field, e.allowed) for e in info.value.errors}
+    assert "in [0, 4]" in [e.allowed for e in info.value.errors if e.field == "rollout.over_sample"]

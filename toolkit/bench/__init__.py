@@ -16,4 +16,5 @@ BENCHMARKS = {
     "tail_model": "toolkit.bench.tail_model",
     "gateway": "toolkit.bench.gateway",
     "loop": "toolkit.bench.loop",
+    "partial": "toolkit.bench.partial",
 }

@@ -30,7 +30,7 @@ from toolkit.gateway.server import Gateway, gateway_settings
 from toolkit.launch.stack import LocalStack
 from toolkit.launch.validation import validate
 from toolkit.model.tokenizer import chat_tokenizer_dir
-from toolkit.session.requests import RequestLog
+from toolkit.session.requests import OpenStep, RequestLog
 
 SESSIONS_PER_RANK = 256
 RANKS = 2
@@ -112,7 +112,7 @@ async def _gateway_rank(run_dir: Path, rank: int, n: int, harness: str, tool_s: 
 
     async def session(i: int, http: Any) -> tuple[float, Any]:
         # Session ids new in every run: the router answers a request id it has seen from its cache.
-        key, sess = gw.open_session(0, i, f"bench-{nonce}/0/{rank}-{i}", log)
+        key, sess = gw.open_session(OpenStep(0, log), i, f"bench-{nonce}/0/{rank}-{i}")
         url = gw.base_url(key)
         if harness == "openai":
             # The session's own SDK client over plain HTTP on the node (no TLS context to build:

@@ -32,7 +32,9 @@ from toolkit.config.backends import (
 )
 from toolkit.config.constraints import Choice, bounded, field_errors, matching, nonempty
 from toolkit.config.sections import (
+    CloseMode,
     GatewayConfig,
+    GroupFilter,
     Move,
     Output,
     QueueOrder,
@@ -40,6 +42,7 @@ from toolkit.config.sections import (
     RolloutConfig,
     RouterConfig,
     RouterPolicyName,
+    StaleAction,
     TailConfig,
     TailPolicyName,
     ToolParser,
@@ -52,13 +55,14 @@ from toolkit.core.errors import ConfigError, FieldError, ToolkitError
 from toolkit.core.rundir import RunDir, atomic_write
 
 __all__ = [
-    "CONF_DIR", "VLLM_OWN_ARGS", "Backend", "Choice", "ClusterConfig", "Config", "ConfigError",
-    "ConfigSchema", "GatewayConfig", "GroupConfig", "Move", "Output", "QueueOrder", "ReplicaResources",
+    "CONF_DIR", "VLLM_OWN_ARGS", "Backend", "Choice", "CloseMode", "ClusterConfig", "Config", "ConfigError",
+    "ConfigSchema", "GatewayConfig", "GroupConfig", "GroupFilter", "Move", "Output", "QueueOrder", "ReplicaResources",
     "ReportConfig", "RolloutConfig", "RouterConfig", "RouterPolicyName", "SimEngineConfig",
-    "SlurmClusterConfig", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",
+    "SlurmClusterConfig", "StaleAction", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",
     "WandbMode", "WorkloadConfig", "compose_config", "engine_variants", "field_errors", "flip_count",
     "from_dictconfig", "group_engine", "load_run_config", "moves_carry_kv", "register_configs",
-    "replica_devices", "replica_nodes", "replica_resources", "replica_shape", "save_run_config",
+    "replica_devices", "replica_nodes", "replica_resources", "replica_shape", "samples_per_prompt",
+    "save_run_config",
     "typed_groups",
 ]
 
@@ -282,3 +286,9 @@ def curve_enabled(cfg: Config) -> bool:
     if cfg.router.curve is not None:
         return cfg.router.curve
     return cfg.cluster.type != "local"
+
+
+def samples_per_prompt(cfg: Config) -> int:
+    """The workload's GRPO group size (``workload.prompts.samples_per_prompt``; 1 if it has none)."""
+    n = cfg.workload.prompts.get("samples_per_prompt", 1) if cfg.workload.prompts else 1
+    return n if isinstance(n, int) and n >= 1 else 1

@@ -146,6 +146,27 @@ class UpdateMode(Choice):
     drain = "drain"
 
 
+class CloseMode(Choice):
+    """``rollout.close``."""
+
+    all = "all"
+    count = "count"
+
+
+class StaleAction(Choice):
+    """``rollout.stale``."""
+
+    drop = "drop"
+    restart = "restart"
+
+
+class GroupFilter(Choice):
+    """``rollout.filter_groups``."""
+
+    none = "none"
+    zero_variance = "zero_variance"
+
+
 @dataclass
 class RolloutConfig:
     max_concurrent_rollouts: int | None = None
@@ -186,6 +207,25 @@ class RolloutConfig:
     weights_poll_s: float = bounded(0.2, gt=0)
     """How often rank 0 looks in ``weights_dir`` for a new checkpoint: while a step waits for one, and
     while a step runs (a checkpoint up to the running step is loaded as soon as it is published)."""
+    close: CloseMode = CloseMode.all
+    """When a step ends: ``all``: once every session it started has ended; ``count``: once
+    ``sessions_per_step`` sessions (in whole GRPO groups) have ended, wherever they started. The sessions
+    still running are carried on, not aborted, and land in the step in which they end (docs/partial.md)."""
+    over_sample: float = bounded(0.0, ge=0, le=4)
+    """``close=count``: keep ``sessions_per_step * (1 + over_sample)`` sessions (whole groups) in flight:
+    each step starts as many new ones as that needs, closes on the fastest, and carries the rest."""
+    stale: StaleAction = StaleAction.drop
+    """``close=count`` with ``max_staleness = k``: a carried session whose oldest token's weights would
+    be more than ``k`` versions behind the newest when it lands (without ``weights_dir``: carried across
+    more than ``k`` step boundaries) is ``drop``ped (its rows written with status ``stale``) or ``restart``ed
+    from its first turn on the current weights."""
+    filter_groups: GroupFilter = GroupFilter.none
+    """``close=count``: ``zero_variance``: a finished group whose rewards are all equal (no gradient for
+    GRPO) does not count toward closing its step (rows written with status ``filtered``), and another
+    group is started in its place."""
+    max_group_starts_per_step: int | None = bounded(None, ge=1, null="(4x the groups a step keeps in flight)")
+    """``close=count``: groups a step may start, replacements of filtered ones included; a step that
+    reaches it and has nothing left to land closes short (its report says so)."""
 
 
 @dataclass

@@ -204,6 +204,10 @@ class GroupStatus(Message):
     """The highest per-request rate seen on one of its ready replicas (about a request alone there)."""
     stale_weights: int = 0
     """Registered replicas kept out of service because they could not load the run's current weights."""
+    replica_s: float = 0.0
+    """Replica-seconds between its replicas' heartbeats since this router started (monotonic)."""
+    busy_s: float = 0.0
+    """Of those, the seconds in which tokens came out: ``busy_s / replica_s`` is how busy it was."""
 
 
 class StepProgress(Message):

@@ -43,7 +43,7 @@ from toolkit.gateway.session import GatewaySession
 from toolkit.gateway.stream import Stream, answer
 from toolkit.gateway.toolcalls import get_parser, parse_constrained_call, tool_call_schema
 from toolkit.gateway.types import ChatRequest, ChatResult, Choice, GatewayError
-from toolkit.session.requests import RequestLog
+from toolkit.session.requests import OpenStep
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,8 +83,10 @@ class Entry:
     """A live session: its state, its step's request log, and the requests it has in flight."""
 
     session: GatewaySession
-    step: int
-    log: RequestLog
+    open: OpenStep
+    """The rank's open step: the one the session's next call may land in, and its request log."""
+    rid_prefix: str
+    """Its calls' request ids start with it: the session id, and a restart's attempt after it."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     attempts: int = 0
     inflight: set[str] = field(default_factory=set)
@@ -152,11 +154,12 @@ class Gateway:
             await self._runner.cleanup()
             self._runner = None
 
-    def open_session(self, step: int, index: int, session_id: str, log: RequestLog,
-                     record_messages: bool = False) -> tuple[str, GatewaySession]:
-        key = f"{step}-{index}-{secrets.token_hex(4)}"
+    def open_session(self, open_step: OpenStep, index: int, session_id: str, record_messages: bool = False,
+                     attempt: int = 0) -> tuple[str, GatewaySession]:
+        """A session (``attempt`` > 0: a restart of one, whose calls need request ids of their own)."""
+        key = f"{open_step.step}-{index}-{secrets.token_hex(4)}"
         sess = GatewaySession(index, session_id, self.chat, record_messages)
-        self.sessions[key] = Entry(sess, step, log)
+        self.sessions[key] = Entry(sess, open_step, f"{session_id}~{attempt}" if attempt else session_id)
         return key, sess
 
     def set_prompt_key(self, key: str, prompt_key: str) -> None:
@@ -330,8 +333,8 @@ class Gateway:
             base = req.seed if req.seed is not None else secrets.randbits(31)
             seeds = [req.seed] + [base + k for k in range(1, req.n)]
             gens = [Generate(
-                request_id=f"{sess.session_id}/{entry.attempts}" + (f"/{k}" if k else ""), job=s.job,
-                session_id=sess.session_id, step=entry.step, prompt_token_ids=plan.prompt,
+                request_id=f"{entry.rid_prefix}/{entry.attempts}" + (f"/{k}" if k else ""), job=s.job,
+                session_id=sess.session_id, step=entry.open.step, prompt_token_ids=plan.prompt,
                 sampling=Sampling(budget, temperature, top_p, seeds[k], True, structured=structured),
                 deadline=time.time() + s.request_timeout_s,
                 expected_tokens=req.expected_tokens, prompt_key=entry.prompt_key,
@@ -351,7 +354,8 @@ class Gateway:
                 entry.inflight.difference_update(g.request_id for g in gens)
             done = time.time()
             for res, route in outs:
-                entry.log.add(res, route, len(plan.prompt), sent, done, entry.session.index)
+                entry.open.log.add(res, route, len(plan.prompt), sent, done, entry.session.index)
+                entry.open.generated[sess.session_id] += len(res.output_token_ids)
             if entry.closed:
                 raise GatewayError(404, "the session ended while this call ran")
             for res, _ in outs:

@@ -31,7 +31,7 @@ from toolkit.launch.composition import precheck
 from toolkit.launch.resume import check
 from toolkit.launch.run import STOP, Run
 from toolkit.launch.validation import validate
-from toolkit.report.run_report import draw_timeline
+from toolkit.report.run_report import by_status, draw_timeline
 from toolkit.report.sweep import SWEEP_EXIT
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     table.add_row("mean step time", f"{summary['step_wall_s_mean']:.2f}s" if summary["step_wall_s_mean"] else "-")
     table.add_row("generated tokens", f"{summary['generated_tokens']:,}")
     table.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-")
+    table.add_row("sessions by status", by_status(summary.get("sessions_by_status") or {}))
     table.add_row("failed requests", str(summary["failed_requests"] or "none"))
     table.add_row("outputs", f"{run_dir.steps}/step_*.parquet, {run_dir.report}, {run_dir.timeline_png}")
     console.print(table)

@@ -328,11 +328,11 @@ class Run:
         events = Counter(str(e.get("kind")) for e in self.run_dir.read_events())
         wall = [r["wall_s"] for r in reps]
         tokens = sum(r["generated_tokens"] for r in reps)
-        failures: dict[str, int] = {}
+        failures: Counter[str] = Counter()
+        sessions: Counter[str] = Counter()
         for r in reps:
-            for k, v in r["requests_by_status"].items():
-                if k != "ok":
-                    failures[k] = failures.get(k, 0) + v
+            failures.update({k: v for k, v in r["requests_by_status"].items() if k != "ok"})
+            sessions.update(r.get("sessions_by_status", {}))
         return {
             "steps": len(reps),
             "sessions": sum(r["sessions"] for r in reps),
@@ -340,7 +340,8 @@ class Run:
             "step_wall_s_mean": sum(wall) / len(wall) if wall else None,
             "generated_tokens": tokens,
             "tokens_per_s": tokens / sum(wall) if wall and sum(wall) > 0 else None,
-            "failed_requests": failures,
+            "failed_requests": dict(failures),
+            "sessions_by_status": dict(sessions),
             # From the run's events: every launch of a resumed run counted.
             "replica_restarts": events["replica_restarted"],
             "replicas_added": events["replica_added"],
@@ -406,6 +407,14 @@ def progress_line(rep: dict[str, Any], steps: int) -> str:
         parts.append(f"reward {rep['reward_mean']:.3f}")
     if rep.get("prefix_hit_rate") is not None:
         parts.append(f"prefix hit {100 * rep['prefix_hit_rate']:.1f}%")
+    if rep.get("close") == "count":
+        # What it carried in and on, what it left out, and how far behind its sessions' oldest weights were.
+        worst = max((int(k) for k in rep.get("staleness") or {}), default=0)
+        parts.append(f"carried in {rep['carried_in']}, on {rep['carried_out']}, staleness <= {worst}"
+                     + (f", dropped stale {rep['dropped_stale']}" if rep.get("dropped_stale") else "")
+                     + (f", restarted {rep['restarted_stale']}" if rep.get("restarted_stale") else "")
+                     + (f", filtered groups {rep['filtered_groups']}" if rep.get("filtered_groups") else "")
+                     + (" [yellow](closed short)[/yellow]" if rep.get("closed_short") else ""))
     tail = rep.get("tail")
     if tail:
         # Moves to the tail group, and with trades the residents' moves back to the bulk.

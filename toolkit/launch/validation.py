@@ -21,13 +21,16 @@ from hydra.utils import instantiate
 from toolkit.config import (
     CLUSTERS,
     ENGINES,
+    CloseMode,
     Config,
+    GroupFilter,
     ReplicaResources,
     SlurmClusterConfig,
     engine_variants,
     field_errors,
     group_engine,
     replica_resources,
+    samples_per_prompt,
 )
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.registry import Registry
@@ -167,10 +170,42 @@ def decoding(cfg: Config) -> list[FieldError]:
 
 def staleness(cfg: Config) -> list[FieldError]:
     k = cfg.rollout.max_staleness
-    if k is None or cfg.rollout.weights_dir:
-        return []
+    if k is None or cfg.rollout.weights_dir or cfg.rollout.close == CloseMode.count:
+        return []  # with close=count and no weights, k bounds the step boundaries a session is carried across
     return [FieldError("rollout.max_staleness", k,
                        "needs rollout.weights_dir (where the trainer publishes the weights to wait for), or null")]
+
+
+def partial_steps(cfg: Config) -> list[FieldError]:
+    """``rollout.close`` and what only ``close=count`` reads (docs/partial.md)."""
+    r = cfg.rollout
+    if r.close != CloseMode.count:
+        return [FieldError(f"rollout.{name}", value, f"{allowed} (it applies to rollout.close=count only)")
+                for name, value, allowed, unset in (
+                    ("over_sample", r.over_sample, "0.0", r.over_sample == 0),
+                    ("filter_groups", r.filter_groups, "none", r.filter_groups == GroupFilter.none),
+                    ("max_group_starts_per_step", r.max_group_starts_per_step, "null",
+                     r.max_group_starts_per_step is None))
+                if not unset]
+    errors = []
+    if r.max_staleness == 0 and r.weights_dir:
+        errors.append(FieldError("rollout.max_staleness", 0,
+                                 ">= 1 with rollout.close=count, or close=all: a session carried into the "
+                                 "next step ran on older weights, so it cannot be on-policy"))
+    group = samples_per_prompt(cfg)
+    if cfg.sessions_per_step // group < cfg.ranks:
+        errors.append(FieldError("sessions_per_step", cfg.sessions_per_step,
+                                 f">= ranks ({cfg.ranks}) groups of samples_per_prompt ({group}) with "
+                                 "rollout.close=count: every rank closes its step on its own share"))
+    if cfg.sessions_per_step % group:
+        errors.append(FieldError("sessions_per_step", cfg.sessions_per_step,
+                                 f"a multiple of workload.prompts.samples_per_prompt ({group}) with "
+                                 "rollout.close=count: a step closes on whole groups"))
+    if r.filter_groups == GroupFilter.zero_variance and group < 2:
+        errors.append(FieldError("rollout.filter_groups", r.filter_groups,
+                                 "none with samples_per_prompt = 1 (a group of one always has zero variance), "
+                                 "or set workload.prompts.samples_per_prompt >= 2"))
+    return errors
 
 
 def agent_workload(cfg: Config) -> list[FieldError]:
@@ -264,6 +299,7 @@ def trackers(cfg: Config) -> list[FieldError]:
 
 RULES: tuple[Rule, ...] = (
     backend_types, backend_checks, replica_placement, tail_groups, kv_moves, concurrency_cap, decoding, staleness,
+    partial_steps,
     agent_workload, workload_sources, length_hint, trackers,
 )
 """What :func:`validate` checks after each field's own constraint, in this order."""

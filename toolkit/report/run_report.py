@@ -102,6 +102,15 @@ def _failed(s: dict[str, Any]) -> str:
     return str(sum(v for k, v in s.get("requests_by_status", {}).items() if k != "ok"))
 
 
+def by_status(counts: dict[str, int], skip: str = "") -> str:
+    """``{"completed": 30, "failed": 2}`` as "30 completed, 2 failed" (without ``skip``); "-" if none."""
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]) if k != skip) or "-"
+
+
+def _carried(s: dict[str, Any]) -> str:
+    return f"{s['carried_in']}/{s['carried_out']}" if s.get("close") == "count" else "-"
+
+
 def _flip(s: dict[str, Any]) -> str:
     flip = s.get("flip")
     return "-" if not flip else f"{flip.get('count')}/{flip.get('expected_count')}" if flip.get("count") else "no"
@@ -124,7 +133,10 @@ STEP_FIELDS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
      lambda s: str((s.get("tail") or {}).get("started", "-"))),
     ("flip", "sessions done at the flip / expected", _flip),
     ("flip@", "time of the flip", lambda s: secs((s.get("flip") or {}).get("time_s"))),
-    ("failed", "requests that did not end ok", _failed),
+    ("not done", "sessions by status, other than completed (failed, truncated, stale, filtered...)",
+     lambda s: by_status(s.get("sessions_by_status") or {}, "completed")),
+    ("carried", "sessions carried in / on (rollout.close=count)", _carried),
+    ("req fail", "requests that did not end ok", _failed),
 ]
 
 
@@ -186,6 +198,7 @@ SUMMARY_FIELDS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("step_wall_s_mean", "mean step time", secs),
     ("generated_tokens", "generated tokens", lambda v: f"{v:,}"),
     ("tokens_per_s", "tokens/s", si),
+    ("sessions_by_status", "sessions by status", lambda v: by_status(v or {})),
     ("failed_requests", "failed requests", lambda v: ", ".join(f"{k} {n}" for k, n in v.items()) or "none"),
     ("replica_restarts", "replica restarts", str),
     ("router_restarts", "router restarts", str),

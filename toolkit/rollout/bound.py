@@ -16,6 +16,9 @@ Prefill is counted schedule-free: only the tokens a turn adds to its session's p
 (observations, tool results), which no prefix cache can hold; a session's first turn and all cached
 context cost nothing. So a schedule with better cache hits does not get a lower bound.
 
+For agent sessions (``workload.agent``) the critical path also holds each session's own time between
+its calls (its tools, its harness: from one answer to its next call), which no scheduling shortens.
+
 ``bound_ratio = wall_s / bound_s`` says how far scheduling (and everything outside generation:
 environments, tools, the step's bookkeeping) left the step from that floor.
 
@@ -43,21 +46,25 @@ class _Costs:
     """The sim's time model per group, taken apart from :func:`step_seconds` (so the bound follows
     any change to it), in seconds after ``time_scale``."""
 
-    def __init__(self, c: SimEngineConfig) -> None:
+    def __init__(self, c: SimEngineConfig, max_inflight: int | None = None) -> None:
         base = step_seconds(c, 0)
         self.step = base * c.time_scale                                    # one step: weights + overhead
         self.kv = (step_seconds(c, 1) - base) * c.time_scale               # per token of context read
         self.prefill = (step_seconds(c, 0, 1) - base) * c.time_scale       # per prefilled token
         self.batch = c.max_num_seqs
+        self.inflight = min(c.max_num_seqs, max_inflight or c.max_num_seqs)
+        """The batch the router fills it to: its group's ``max_inflight``."""
 
     def alone(self, prompt: np.ndarray, new: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Each request alone on one replica: its ``new`` tokens prefilled in its first step, then one
         decode step per token at context ``prompt + k`` (the sum over k in closed form)."""
         return out * self.step + self.kv * (out * prompt + out * (out - 1) / 2) + self.prefill * new
 
-    def batched(self, prompt: np.ndarray, new: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Each request's share of full batches: the step's fixed cost split ``max_num_seqs`` ways."""
-        return out * self.step / self.batch + self.kv * (out * prompt + out * (out - 1) / 2) + self.prefill * new
+    def batched(self, prompt: np.ndarray, new: np.ndarray, out: np.ndarray, batch: int | None = None) -> np.ndarray:
+        """Each request's share of full batches: the step's fixed cost split ``batch`` (default
+        ``max_num_seqs``) ways."""
+        return (out * self.step / (batch or self.batch) + self.kv * (out * prompt + out * (out - 1) / 2)
+                + self.prefill * new)
 
 
 def _calls(req: Columns) -> tuple[np.ndarray, np.ndarray]:
@@ -85,9 +92,10 @@ def step_bound(cfg: Config, req: Columns, wall_s: float,
     req = {k: v[ran] for k, v in req.items() if k != "session_done_at"}
     if has_time_model(cfg):
         counts = {g: measured[g].ready if measured and g in measured else cfg.groups[g].replicas for g in cfg.groups}
-        return _modelled({g: group_engine(cfg, g) for g in cfg.groups}, counts, req, wall_s)
+        return _modelled({g: group_engine(cfg, g) for g in cfg.groups}, counts, req, wall_s,
+                         {g: cfg.groups[g].max_inflight for g in cfg.groups}, bool(cfg.workload.agent))
     if measured:
-        return _measured(req, req["output_tokens"].astype(np.float64), measured, wall_s)
+        return _measured(req, req["output_tokens"].astype(np.float64), measured, wall_s, bool(cfg.workload.agent))
     return None
 
 
@@ -101,7 +109,24 @@ def _result(critical: float, throughput: float, session: int, wall_s: float, sou
     }
 
 
-def _measured(req: Columns, out: np.ndarray, groups: dict[str, GroupStatus], wall_s: float) -> dict[str, Any] | None:
+def _between_calls(req: Columns, call: np.ndarray, call_session: np.ndarray, n_sessions: int) -> np.ndarray:
+    """Per session, the time between its calls: from each answer to its next call (an agent's tools
+    and harness), on its critical path whatever the scheduling."""
+    sent = req["done_at"] - req["latency_s"]
+    n_calls = int(call.max()) + 1
+    start = np.full(n_calls, np.inf)
+    np.minimum.at(start, call, sent)
+    end = np.zeros(n_calls)
+    np.maximum.at(end, call, req["done_at"])
+    order = np.lexsort((start, call_session))
+    session = call_session[order]
+    gap = np.maximum(0.0, start[order][1:] - end[order][:-1])
+    same = session[1:] == session[:-1]
+    return np.bincount(session[1:][same], weights=gap[same], minlength=n_sessions)
+
+
+def _measured(req: Columns, out: np.ndarray, groups: dict[str, GroupStatus], wall_s: float,
+              agent: bool = False) -> dict[str, Any] | None:
     alone = max((g.peak_request_tokens_per_s for g in groups.values()), default=0.0)
     fleet = sum(g.peak_tokens_per_s for g in groups.values())
     if alone <= 0 or fleet <= 0:
@@ -110,6 +135,8 @@ def _measured(req: Columns, out: np.ndarray, groups: dict[str, GroupStatus], wal
     per_call = np.zeros(int(call.max()) + 1)
     np.maximum.at(per_call, call, out / alone)
     per_session = np.bincount(call_session, weights=per_call)
+    if agent:
+        per_session += _between_calls(req, call, call_session, per_session.size)
     return _result(float(per_session.max()), float(out.sum() / fleet), int(np.argmax(per_session)), wall_s,
                    "measured")
 
@@ -135,8 +162,9 @@ def _new_tokens(req: Columns, call: np.ndarray) -> np.ndarray:
     return new
 
 
-def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wall_s: float) -> dict[str, Any] | None:
-    groups = {g: _Costs(c) for g, c in engines.items() if counts[g] > 0}  # scaled to zero: none
+def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wall_s: float,
+              inflight: dict[str, int] | None = None, agent: bool = False) -> dict[str, Any] | None:
+    groups = {g: _Costs(c, (inflight or {}).get(g)) for g, c in engines.items() if counts[g] > 0}  # scaled to 0: none
     replicas = sum(counts[g] for g in groups)
     if not groups:
         return None
@@ -147,11 +175,18 @@ def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wal
     n_sessions = int(call_session.max()) + 1
     best_session = np.full(n_sessions, np.inf)
     cheapest = np.full(out.size, np.inf)
+    at_inflight = np.full(out.size, np.inf)
     for costs in groups.values():
         # Critical path: each session alone on this group; a call lasts as long as its longest request.
         per_call = np.zeros(int(call.max()) + 1)
         np.maximum.at(per_call, call, costs.alone(prompt, new, out))
         best_session = np.minimum(best_session, np.bincount(call_session, weights=per_call, minlength=n_sessions))
         cheapest = np.minimum(cheapest, costs.batched(prompt, new, out))
-    return _result(float(best_session.max()), float(cheapest.sum() / replicas), int(np.argmax(best_session)),
-                   wall_s, "model")
+        at_inflight = np.minimum(at_inflight, costs.batched(prompt, new, out, costs.inflight))
+    if agent:
+        best_session += _between_calls(req, call, call_session, n_sessions)
+    result = _result(float(best_session.max()), float(cheapest.sum() / replicas), int(np.argmax(best_session)),
+                     wall_s, "model")
+    # The same with each replica's batch at its group's max_inflight, the most the router puts in it.
+    result["bound"]["throughput_at_max_inflight_s"] = float(at_inflight.sum() / replicas)
+    return result

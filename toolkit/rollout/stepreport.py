@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from toolkit.config import Config, flip_count
+from toolkit.config import CloseMode, Config, flip_count
 from toolkit.core.protocol import STATUSES, GroupStatus
 from toolkit.core.rundir import atomic_write
 from toolkit.rollout.bound import step_bound
+from toolkit.rollout.close import STEP_COUNTERS
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
 
@@ -58,6 +59,8 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
     report: dict[str, Any] = {
         "step": step,
         "wall_s": wall_s,
+        "started_at": t0,
+        "ended_at": t0 + wall_s,
         "sessions": int(final.sum()),
         "rows": int(cols["index"].size),
         "sessions_by_status": dict(statuses),
@@ -66,6 +69,9 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "generated_tokens": gen,
         "tokens_per_s": gen / wall_s if wall_s > 0 else None,
         "reward_mean": float(cols["reward"][final].mean()) if final.any() else None,
+        # How far behind the step its sessions' oldest policy was: {versions behind: sessions}.
+        "staleness": {str(k): int(v) for k, v in
+                      zip(*np.unique(cols["staleness"][final], return_counts=True), strict=True)},
         "latency_s": {"p50": _pct(req["latency_s"], 50), "p99": _pct(req["latency_s"], 99)},
         "queue_wait_s": {cfg.job: {"p50": _pct(req["queue_s"], 50), "p99": _pct(req["queue_s"], 99)}},
         "prefix_hit_rate": (int(req["cached_tokens"].sum()) / prompt_all) if prompt_all else None,
@@ -78,6 +84,10 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "tail": None,
     }
     report.update(step_bound(cfg, req, wall_s, speeds) or {})
+    # Each group's replica-seconds and busy seconds so far, from heartbeats (the router's counts since it
+    # started): between two steps' reports, how busy the fleet was.
+    report["fleet_time"] = ({g: {"replica_s": s.replica_s, "busy_s": s.busy_s} for g, s in speeds.items()}
+                            if speeds else None)
     if cfg.tail.active:
         moved = req["moves"] > 0
         report["tail"] = {
@@ -109,6 +119,18 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
                 "spillover": (int((after & (req["group"] != tail_code)).sum()) / n_after) if n_after else 0.0,
             })
     return report
+
+
+def closing_report(closing: Columns, close: CloseMode) -> dict[str, Any]:
+    """The step report's counts of how the step closed (summed over ranks); with ``close=count`` also
+    ``carried_groups``, the groups still running (``[started_step, group, attempt]``) that a resumed run
+    restarts."""
+    counts = closing["counts"].reshape(-1, len(STEP_COUNTERS)).sum(axis=0)
+    out: dict[str, Any] = {"close": str(close), **{k: int(v) for k, v in zip(STEP_COUNTERS, counts, strict=True)}}
+    out["closed_short"] = bool(out["closed_short"])
+    if close == CloseMode.count:
+        out["carried_groups"] = closing["in_flight"].reshape(-1, 3).tolist()
+    return out
 
 
 def write_step_report(path: Path, report: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from hydra.utils import instantiate
 
 from toolkit.client import RouterClient
-from toolkit.config import Config, group_engine
+from toolkit.config import CloseMode, Config, group_engine, samples_per_prompt
 from toolkit.config.entry import enter_component
 from toolkit.core.errors import RouterUnavailable, ToolkitError
 from toolkit.core.lifecycle import ProcessRef, quiet_gc
@@ -33,6 +33,7 @@ from toolkit.core.sockets import own_bind_host
 from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import Gateway, gateway_settings
 from toolkit.model.tokenizer import chat_tokenizer_dir, load_tokenizer
+from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.guard import (
@@ -49,11 +50,10 @@ from toolkit.rollout.loopwatch import LoopWatch
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
-from toolkit.rollout.stepreport import step_report, write_step_report
+from toolkit.rollout.stepreport import closing_report, step_report, write_step_report
 from toolkit.rollout.stepweights import StepWeights
 from toolkit.session.columns import (
     STAT_COLUMNS,
-    ColumnBuilder,
     Columns,
     gather_columns,
     to_table,
@@ -94,6 +94,10 @@ class RankRunner:
                           if cfg.rollout.decode_responses and self.agent is None else None)
         self.weights = StepWeights(cfg.rollout, self.client, run_dir.stop_request.exists)  # rank 0's
         self.metrics = RankMetrics() if cfg.report.metrics else None
+        self.sem: asyncio.Semaphore | None = None
+        self.closer = CLOSERS[cfg.rollout.close](
+            cfg, self.rank, self.size, samples_per_prompt(cfg), self._run_session, self.group_names,
+            lambda: RequestLog(self.metrics.request if self.metrics is not None else None), first_step)
 
     def _my_cap(self) -> int:
         cap = self.cfg.rollout.max_concurrent_rollouts
@@ -108,9 +112,11 @@ class RankRunner:
         if self.metrics is not None:
             endpoint = Endpoint(self.metrics.registry, own_bind_host(self.cfg.router.host, self.cfg.cluster.type),
                                 self.run_dir, f"rank-{self.rank}", {"rank": str(self.rank)})
+        self.sem = asyncio.Semaphore(self._my_cap())
         try:
             if self.agent is not None:
                 await self._start_gateway()
+            self.closer.resume(self._carried_into(self.first_step))
             quiet_gc()
             async with LoopWatch() as self.watch:
                 for step in range(self.first_step, self.cfg.steps):
@@ -119,6 +125,7 @@ class RankRunner:
                         break
                     await self.run_step(step)
         finally:
+            await self.closer.aclose()  # sessions carried past the run's last step
             if self.gateway is not None:
                 await self.gateway.close()
             await self.client.close()
@@ -153,50 +160,46 @@ class RankRunner:
                 await self.client.step_begin(cfg.job, step, cfg.sessions_per_step)
         return await async_bcast_flag(self.comm, go)
 
+    def _carried_into(self, step: int) -> list[tuple[int, int, int]]:
+        """This rank's share of the groups a resumed run restarts: what the step before ``step`` carried
+        on (``close=count``), by its step report."""
+        if step == 0 or self.cfg.rollout.close != CloseMode.count:
+            return []
+        path = self.run_dir.step_report(step - 1)
+        groups = json.loads(path.read_text()).get("carried_groups", []) if path.exists() else []
+        return [tuple(g) for i, g in enumerate(groups) if i % self.size == self.rank]
+
     async def run_step(self, step: int) -> None:
         cfg = self.cfg
-        n = cfg.sessions_per_step
         t0 = time.time()
-        sem = asyncio.Semaphore(self._my_cap())
-        mine = range(self.rank, n, self.size)
-        log = RequestLog(self.metrics.request if self.metrics is not None else None)
         if self.metrics is not None:
-            self.metrics.begin(step, len(mine))
-        run = self.agent_session if self.agent is not None else self.session
+            self.metrics.begin(step, self.closer.sessions_to_close())
         done = asyncio.Event()
         follow = (asyncio.create_task(self.weights.follow(step, done), name="weights")
                   if self.rank == 0 and cfg.rollout.weights_dir else None)
-        builder = ColumnBuilder(self.group_names)
-
-        async def packed(index: int) -> None:
-            # Packed as the session ends: its Python lists take ~60 B a token, the columns 9 B, so a
-            # rank never holds a whole step of finished samples as lists.
-            for sample in await run(step, index, sem, log):
-                builder.add(sample)
-
-        sessions = asyncio.gather(*(packed(i) for i in mine))
+        collect = asyncio.create_task(self.closer.collect(step), name=f"step {step}")
         try:
             if follow is not None:
                 # A load that fails mid-step ends the run: at once, not once every session has ended.
-                await asyncio.wait({sessions, follow}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({collect, follow}, return_when=asyncio.FIRST_COMPLETED)
                 if follow.done() and not follow.cancelled() and follow.exception() is not None:
-                    sessions.cancel()
-                    await asyncio.gather(sessions, return_exceptions=True)
+                    collect.cancel()
+                    await asyncio.gather(collect, return_exceptions=True)
                     await follow  # raises the load's error
-            await sessions
+            landed = await collect
         except BaseException:
-            sessions.cancel()
+            collect.cancel()
             if follow is not None:
                 follow.cancel()  # the step failed: its error is the one to report, not a load's
             raise
         done.set()
         if follow is not None:
             await follow  # a load under way is finished: the report lists every version the rows hold
-        cols = builder.columns()  # in the order sessions ended; the step's files are written sorted
+        cols = landed.builder.columns()  # in the order sessions landed; the step's files are written sorted
         shard: tuple[int, int] | None = None
         if cfg.rollout.output == "shards":
             # Each rank writes its own rows; only the per-session stats of the step report go to rank 0.
-            table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
+            table = to_table(cols, self.group_names, self._session_ids(cols), sort=False)
             shard = write_shard(self.run_dir, step, self.rank, table)
             cols = {name: cols[name] for name in STAT_COLUMNS}
         # Rank 0's sessions are done: the groups for the step's bound, while the other ranks finish
@@ -208,11 +211,12 @@ class RankRunner:
         with self.watch.held() if self.watch is not None else contextlib.nullcontext():
             gathered = gather_columns(self.comm, cols)
             del cols  # rank 0 holds its own rows twice otherwise while it writes the step
-            requests = gather_columns(self.comm, log.columns(self.group_names))
+            requests = gather_columns(self.comm, landed.log.columns(self.group_names))
+            closing = gather_columns(self.comm, _closing_columns(landed))
             shards = gather_shard_info(self.comm, *shard) if shard is not None else None
             if self.rank == 0:
-                assert gathered is not None and requests is not None
-                self._write_step(step, t0, gathered, requests, shards, speeds)
+                assert gathered is not None and requests is not None and closing is not None
+                self._write_step(step, t0, gathered, requests, closing, shards, speeds)
 
     async def _group_status(self) -> dict[str, GroupStatus] | None:
         """Rank 0, for the step's bound: the router's groups at the step's end (the replicas serving;
@@ -223,17 +227,17 @@ class RankRunner:
             logger.warning("no speeds for the step's bound: %s", exc)
             return None
 
-    def _session_ids(self, step: int, cols: Columns) -> list[str]:
-        return [f"{self.cfg.job}/{step}/{i}" + (f"#{b}" if b else "")
-                for i, b in zip(cols["index"].tolist(), cols["branch"].tolist(), strict=True)]
+    def _session_ids(self, cols: Columns) -> list[str]:
+        return [f"{self.cfg.job}/{s}/{i}" + (f"#{b}" if b else "") for s, i, b in
+                zip(cols["started_step"].tolist(), cols["index"].tolist(), cols["branch"].tolist(), strict=True)]
 
-    def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns,
+    def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns, closing: Columns,
                     shards: np.ndarray | None = None, speeds: dict[str, GroupStatus] | None = None) -> None:
         cfg = self.cfg
         if shards is not None:
             write_manifest(self.run_dir, step, shards)
         else:
-            table = to_table(cols, self.group_names, self._session_ids(step, cols), sort=False)
+            table = to_table(cols, self.group_names, self._session_ids(cols), sort=False)
             write_parquet(table, self.run_dir.step_parquet(step))
         wall = time.time() - t0
         # Every session of the step has sent its SessionDone: a threshold flipped it, at most a moment ago.
@@ -246,38 +250,48 @@ class RankRunner:
                                    if (e.get("step") == step and e.get("kind") == "resume")
                                    or t0 <= float(e.get("t", 0)) <= end]
         report["weights"] = self.weights.report(step)
+        report.update(closing_report(closing, cfg.rollout.close))
         write_step_report(self.run_dir.step_report(step), report)
         check_failure_budget(step, cols, self.cfg.rollout.max_failed_fraction)
 
-    async def _done(self, step: int, sid: str, samples: list[Sample], log: RequestLog) -> list[Sample]:
+    async def _run_session(self, started: int, index: int, attempt: int) -> list[Sample]:
+        """Session ``index`` of step ``started`` to its end (``attempt`` > 0: restarted)."""
+        assert self.sem is not None
+        run = self.agent_session if self.agent is not None else self.session
+        async with self.sem:
+            samples = await run(started, index, attempt)
+        return await self._done(f"{self.cfg.job}/{started}/{index}", samples)
+
+    async def _done(self, sid: str, samples: list[Sample]) -> list[Sample]:
         if self.tokenizer is not None:
             for s in samples:
                 try:
                     s.decode_response(self.tokenizer)
                 except Exception as exc:  # noqa: BLE001 - a user's tokenizer, or ids it does not know
                     s.mark("failed", f"decoding the response raised {type(exc).__name__}: {exc}")
-        log.sessions_done_at.append(time.time())
+        self.closer.open.log.sessions_done_at.append(time.time())
         if self.metrics is not None and samples:
             self.metrics.session_done(samples[-1].status)  # the step report's outcome: the last row
-        await self.client.session_done(self.cfg.job, step, sid)
+        # Counted toward the open step's tail flip: the step the session may land in.
+        await self.client.session_done(self.cfg.job, self.closer.open.step, sid)
         return samples
 
-    async def session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> list[Sample]:
+    async def session(self, step: int, index: int, attempt: int = 0) -> list[Sample]:
         sid = f"{self.cfg.job}/{step}/{index}"
-        async with sem:
-            sample = Sample.start(index, sid, [])
-            # The toolkit's own failures (the router gone...) are not the environment's.
-            waits = Waits()
-            _, error = await guarded("environment", sid, self._turns(step, sid, sample, log, waits),
-                                     self.cfg.workload.env_timeout_s, (ToolkitError,), waits)
-            if error:
-                sample.mark("failed", error)
-        return await self._done(step, sid, [sample], log)
+        sample = Sample.start(index, sid, [])
+        # The toolkit's own failures (the router gone...) are not the environment's.
+        waits = Waits()
+        _, error = await guarded("environment", sid, self._turns(step, sid, sample, waits, attempt),
+                                 self.cfg.workload.env_timeout_s, (ToolkitError,), waits)
+        if error:
+            sample.mark("failed", error)
+        return [sample]
 
-    async def _turns(self, step: int, sid: str, sample: Sample, log: RequestLog, waits: Waits) -> None:
+    async def _turns(self, step: int, sid: str, sample: Sample, waits: Waits, attempt: int) -> None:
         cfg = self.cfg
         assert self.env_factory is not None
         env: Environment = self.env_factory()
+        open_step = self.closer.open  # the step it may land in: read at each request
         context = token_ids(await user_call(env.reset, self.prompts.get(step, sample.index)), "reset's prompt")
         sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
         sample.prompt_length = len(context)
@@ -287,7 +301,8 @@ class RankRunner:
                 sample.mark("truncated", "context reached max_model_len")
                 return
             msg = Generate(
-                request_id=f"{sid}/{turn}", job=cfg.job, session_id=sid, step=step,
+                request_id=f"{sid}/{turn}" + (f"~{attempt}" if attempt else ""), job=cfg.job, session_id=sid,
+                step=open_step.step,
                 prompt_token_ids=context,
                 sampling=Sampling(budget, self.sampling.temperature, self.sampling.top_p),
                 deadline=time.time() + cfg.rollout.request_timeout_s,
@@ -308,7 +323,8 @@ class RankRunner:
                 raise
             finally:
                 waits.end()
-            log.add(res, route, len(context), sent, time.time(), sample.index)
+            open_step.log.add(res, route, len(context), sent, time.time(), sample.index)
+            open_step.generated[sid] += len(res.output_token_ids)
             if res.status != "ok":
                 sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
                 return
@@ -325,20 +341,18 @@ class RankRunner:
             context = list(sample.tokens)
         sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
 
-    async def agent_session(self, step: int, index: int, sem: asyncio.Semaphore, log: RequestLog) -> list[Sample]:
+    async def agent_session(self, step: int, index: int, attempt: int = 0) -> list[Sample]:
         """One session of an agent over HTTP: the agent runs against its own base URL on this rank's
-        gateway; whatever it does, the session ends with its samples and a SessionDone."""
+        gateway; whatever it does, the session ends with its samples (then a SessionDone)."""
         cfg = self.cfg
         sid = f"{cfg.job}/{step}/{index}"
-        async with sem:
-            key, sess = self.gateway.open_session(step, index, sid, log, cfg.workload.record_messages)
-            try:
-                got, error = await guarded("agent", sid, self._agent(key, step, index), self.cfg.workload.env_timeout_s)
-            finally:
-                await self.gateway.close_session(key)
-            reward = float(got) if got is not None else (sess.reward or 0.0)
-            samples = sess.samples("failed" if error else "completed", error, reward)
-        return await self._done(step, sid, samples, log)
+        key, sess = self.gateway.open_session(self.closer.open, index, sid, cfg.workload.record_messages, attempt)
+        try:
+            got, error = await guarded("agent", sid, self._agent(key, step, index), self.cfg.workload.env_timeout_s)
+        finally:
+            await self.gateway.close_session(key)
+        reward = float(got) if got is not None else (sess.reward or 0.0)
+        return sess.samples("failed" if error else "completed", error, reward)
 
     async def _agent(self, key: str, step: int, index: int) -> Any:
         task = dict(self.prompts.get(step, index).metadata)
@@ -350,6 +364,11 @@ class RankRunner:
         # An async agent behind a plain decorator looks sync: its thread hands back the coroutine.
         got = await maybe_await(got)
         return None if got is None else float(got)  # a reward that is not a number fails the session
+
+
+def _closing_columns(landed: Landed) -> Columns:
+    return {"counts": np.array([landed.counts[k] for k in STEP_COUNTERS], dtype=np.int64),
+            "in_flight": np.array(landed.in_flight, dtype=np.int64).reshape(-1)}
 
 
 def main(argv: list[str] | None = None) -> int:

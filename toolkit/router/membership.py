@@ -44,12 +44,12 @@ class Membership:
                 self.send(ident, P.Reregister("unknown replica"))
             return
         now = time.monotonic()
-        r.last_seen = now
+        interval, r.last_seen = now - r.last_seen, now
         before, s = r.stats, msg.stats
         r.stats = s
         r.speed.update(now, s.generated_tokens, s.running)
         if r.heartbeats:  # the first heartbeat after (re-)registering sets the baseline, counted before
-            self.pool.count_generated(r, max(0, s.generated_tokens - before.generated_tokens))  # < 0: restarted
+            self.pool.count_generated(r, max(0, s.generated_tokens - before.generated_tokens), interval)  # < 0: restarted
         r.heartbeats += 1
         if s.generated_tokens != before.generated_tokens:
             r.progress_at = now

@@ -31,7 +31,8 @@ PoolKey = str | None
 class GroupPool:
     """The serving replicas under one key, their policy and their slot counts (kept by :class:`ReplicaPool`)."""
 
-    __slots__ = ("members", "policy", "capacity", "spare_slots", "with_room", "limits", "generated_tokens")
+    __slots__ = ("members", "policy", "capacity", "spare_slots", "with_room", "limits", "generated_tokens",
+                 "replica_s", "busy_s")
 
     def __init__(self) -> None:
         self.members: list[Replica] = []
@@ -48,6 +49,9 @@ class GroupPool:
         self.generated_tokens = 0
         """Tokens its group's replicas generated since the router started (heartbeat increments; kept
         under a group's own key only)."""
+        self.replica_s = 0.0
+        """Replica-seconds between heartbeats, and of them those in which tokens came out."""
+        self.busy_s = 0.0
 
     def update_limits(self) -> None:
         m = self.members
@@ -229,9 +233,13 @@ class ReplicaPool:
                 gp.policy.reweight()
 
     # ---- heartbeats and status -------------------------------------------------------------
-    def count_generated(self, r: Replica, tokens: int) -> None:
-        """``r`` generated ``tokens`` more (a heartbeat's increment)."""
-        self._group(r.group).generated_tokens += tokens
+    def count_generated(self, r: Replica, tokens: int, interval_s: float) -> None:
+        """``r`` generated ``tokens`` more in the ``interval_s`` since its last heartbeat."""
+        gp = self._group(r.group)
+        gp.generated_tokens += tokens
+        gp.replica_s += interval_s
+        if tokens > 0:
+            gp.busy_s += interval_s
 
     def group_status(self, names: Iterable[str], stale: Callable[[Replica], bool]) -> dict[str, P.GroupStatus]:
         """Per group (``names`` and any group a replica registered under): counts and learned speeds;
@@ -253,6 +261,8 @@ class ReplicaPool:
                 peak_tokens_per_s=sum(r.speed.peak_tokens_per_s for r in serving),
                 peak_request_tokens_per_s=max((r.speed.peak_request_tokens_per_s for r in serving), default=0.0),
                 stale_weights=sum(stale(r) for r in members),
+                replica_s=gp.replica_s if gp is not None else 0.0,
+                busy_s=gp.busy_s if gp is not None else 0.0,
             )
         return out
 

@@ -34,7 +34,8 @@ TEXT_COLUMNS = ("response", "error", "replicas", "messages")
 SCALAR_COLUMNS = {"index": np.int64, "reward": np.float64, "status": np.int8, "prompt_length": np.int32,
                   "response_length": np.int32, "generated_tokens": np.int32, "num_turns": np.int32,
                   "num_replicas": np.int32, "cached_tokens": np.int64, "groups_mask": np.int64,
-                  "response_decoded": np.int8, "branch": np.int32}
+                  "response_decoded": np.int8, "branch": np.int32, "started_step": np.int64,
+                  "carried": np.int32, "staleness": np.int32}
 # What the step report needs: with rollout.output=shards only these travel to rank 0.
 STAT_COLUMNS = tuple(SCALAR_COLUMNS)
 # Tokens per Parquet row group (about 9 MB of tokens, mask and logprobs before compression): small
@@ -92,6 +93,7 @@ class ColumnBuilder:
             "generated_tokens": s.generated_tokens, "num_turns": s.num_turns, "num_replicas": len(s.replicas),
             "cached_tokens": s.cached_tokens, "groups_mask": sum(self.bit.get(g, 0) for g in s.groups),
             "response_decoded": int(s.response_decoded), "branch": s.branch,
+            "started_step": s.started_step, "carried": s.carried, "staleness": s.staleness,
         }
         for name, value in row.items():
             self._scalars[name].append(value)
@@ -123,6 +125,9 @@ def final_rows(cols: Columns) -> np.ndarray:
     last = np.ones(idx.size, dtype=bool)
     if idx.size > 1:
         last[:-1] = idx[1:] != idx[:-1]
+        started = cols.get("started_step")
+        if started is not None:  # a step closed on a count holds sessions of several starting steps
+            last[:-1] |= started[1:] != started[:-1]
     return last
 
 
@@ -199,11 +204,14 @@ def to_table(cols: Columns, group_names: list[str], session_ids: list[str] | Non
 
 
 def _order(table: pa.Table) -> np.ndarray | None:
-    """The permutation that sorts ``table`` by index; None if it is sorted already."""
+    """The permutation that sorts ``table`` by (started step, index); None if it is sorted already."""
     idx = table.column("index").to_numpy()
-    if idx.size < 2 or bool(np.all(idx[1:] >= idx[:-1])):
+    started = (table.column("started_step").to_numpy() if "started_step" in table.column_names
+               else np.zeros_like(idx))
+    if idx.size < 2:
         return None
-    return np.argsort(idx, kind="stable")
+    order = np.lexsort((idx, started))  # stable: a session's rows (its branches) keep their order
+    return None if bool(np.all(order == np.arange(idx.size))) else order
 
 
 def _sorted(table: pa.Table) -> pa.Table:

@@ -1,7 +1,9 @@
-"""The log of a rank's generation requests: one row per request, gathered to rank 0 as flat columns."""
+"""The log of a rank's generation requests: one row per request, gathered to rank 0 as flat columns;
+and the rank's open step, which a session that outlives the step it started in reads at each request."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -56,3 +58,16 @@ class RequestLog:
             # Its own length (one per session), gathered like the rest.
             "session_done_at": np.array(self.sessions_done_at, dtype=np.float64),
         }
+
+
+class OpenStep:
+    """The step a rank is collecting and its request log. With ``rollout.close=count`` a session runs on
+    across step boundaries: each of its requests names the step it may land in (the tail flip and the
+    fair queue count it there) and is logged in that step's report."""
+
+    def __init__(self, step: int, log: RequestLog) -> None:
+        self.step = step
+        self.log = log
+        self.generated: Counter[str] = Counter()
+        """Tokens the engines answered each running session with so far (by session id): a step's books
+        balance with what its sessions land, discard and carry on (``tokens_in_flight``)."""

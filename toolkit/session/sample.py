@@ -20,7 +20,9 @@ from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Result
 from toolkit.model.tokenizer import Tokenizer
 
-SAMPLE_STATUSES = ("completed", "truncated", "aborted", "failed")
+SAMPLE_STATUSES = ("completed", "truncated", "aborted", "failed", "stale", "filtered")
+"""Row outcomes. ``stale``: a carried session dropped for ``rollout.max_staleness``; ``filtered``: a member
+of a group whose rewards were all equal (``rollout.filter_groups``). Both are written, never counted."""
 
 
 class NonPrefixTurn(ToolkitError):
@@ -55,6 +57,13 @@ class Sample:
     rewrote its history, or the other choices of an ``n > 1`` turn), in the order they started."""
     messages: str = ""
     """The conversation as JSON (gateway sessions with ``workload.record_messages``), else ``""``."""
+    started_step: int = -1
+    """The step the session started in (-1: not set; the step it lands in, with ``rollout.close=all``)."""
+    carried: int = 0
+    """Step boundaries the session ran across before it landed (``rollout.close=count``)."""
+    staleness: int = 0
+    """How far its oldest token's policy was behind when it landed: the newest weight version the
+    engines held minus its oldest (without ``rollout.weights_dir``: steps since its attempt began)."""
 
     @classmethod
     def start(cls, index: int, session_id: str, prompt: list[int]) -> Sample:

@@ -1,0 +1,165 @@
+"""Steps that close on a count (``rollout.close=count``) with the real router, sim replicas and MPI
+ranks: carried sessions land once, in a later step, with their versions per turn; ``max_staleness``
+drops or restarts a constructed slow session; zero-variance groups are filtered and replaced; a run
+resumed mid-step writes no session twice. The closing logic on its own: tests/unit/test_close_count.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.helpers.procs import finish, launch, start_launch, wait_for
+from toolkit.core.lifecycle import read_pidfiles
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+ENV = ["workload.env._target_=tests.helpers.partial_env.SlowSessions"]
+FAST = ["engine.time_scale=0.2", "router.heartbeat_s=0.2", "groups=single", "rollout.close=count", *ENV]
+
+
+def steps_of(run: Path) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    n = len(list((run / "steps").glob("step_*.json")))
+    rows = [pq.read_table(run / "steps" / f"step_{s:05d}.parquet").to_pylist() for s in range(n)]
+    reports = [json.loads((run / "steps" / f"step_{s:05d}.json").read_text()) for s in range(n)]
+    return rows, reports
+
+
+def assert_each_session_once(rows: list[list[dict[str, Any]]]) -> None:
+    ids = collections.Counter(r["session_id"] for step in rows for r in step)
+    assert max(ids.values()) == 1, [k for k, v in ids.items() if v > 1]
+    for s, step in enumerate(rows):
+        for r in step:
+            assert r["session_id"] == f"rollout/{r['started_step']}/{r['index']}"
+            assert r["carried"] == s - r["started_step"] >= 0
+            # Every generated token in its row once: the mask marks exactly the generated ones.
+            assert sum(r["loss_mask"]) == r["generated_tokens"] == sum(1 for m in r["loss_mask"] if m)
+            assert len(r["tokens"]) == len(r["loss_mask"]) == len(r["rollout_logprobs"])
+
+
+@pytest.mark.timeout(300)
+def test_a_step_closes_on_its_count_and_carried_sessions_land_later_with_their_versions(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    for v in (1, 2, 3):  # a checkpoint per step: each step begins on new weights
+        (weights / f"step_{v:05d}").mkdir(parents=True)
+        (weights / f"step_{v:05d}" / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=4", "sessions_per_step=8", "rollout.over_sample=0.5",
+                  f"rollout.weights_dir={weights}", "rollout.max_staleness=3",
+                  "+workload.env.slow=[0/0,0/5]", f"+workload.env.until={run}/steps/step_00001.json"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, reports = steps_of(run)
+    assert len(rows) == 4 and all(len(step) == 8 for step in rows)  # exactly the count, every step
+    assert_each_session_once(rows)
+    slow = {r["session_id"]: (s, r) for s, step in enumerate(rows) for r in step if r["session_id"] in
+            ("rollout/0/0", "rollout/0/5")}
+    assert len(slow) == 2
+    for landed, r in slow.values():
+        assert landed >= 1 and r["carried"] >= 1 and r["status"] == "completed"
+        # Its turns ran on the weights of the steps they ran in: older first, the step's own last.
+        turns = r["turn_weight_versions"]
+        assert len(turns) == 3 and turns[0][0] == 0 and turns[-1][-1] >= 1
+        # Behind the newest weights the engines held when it landed: at least its own newest turn's.
+        versions = r["weight_versions"]
+        assert max(versions) - min(versions) <= r["staleness"] <= landed - min(versions)
+    for s, report in enumerate(reports):
+        assert report["close"] == "count" and report["sessions"] == 8 and not report["closed_short"]
+        assert report["carried_in"] == sum(r["carried"] > 0 for r in rows[s])
+        assert sum(report["staleness"].values()) == 8 and max(int(k) for k in report["staleness"]) <= 3
+        assert len(report["carried_groups"]) == report["carried_out"]
+    assert reports[0]["carried_in"] == 0 and sum(r["carried_in"] for r in reports) >= 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stale", ["drop", "restart"])
+def test_max_staleness_drops_or_restarts_a_slow_carried_session(tmp_path: Path, stale: str) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=5", "sessions_per_step=6", "rollout.over_sample=0.5",
+                  "rollout.max_staleness=1", f"rollout.stale={stale}",
+                  "+workload.env.slow=[0/1]", f"+workload.env.until={run}/steps/step_00002.json"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, reports = steps_of(run)
+    assert_each_session_once(rows)
+    counted = [[r for r in step if r["status"] == "completed"] for step in rows]
+    assert all(len(c) == 6 for c in counted)
+    assert all(r["staleness"] <= 1 for c in counted for r in c)
+    [(s, row)] = [(s, r) for s, step in enumerate(rows) for r in step if r["session_id"] == "rollout/0/1"]
+    if stale == "drop":
+        assert row["status"] == "stale" and "max_staleness" in row["error"] and row["carried"] >= 3
+        stale_rows = [r for r in rows[s] if r["status"] == "stale"]
+        assert reports[s]["dropped_stale"] == len(stale_rows)
+        assert reports[s]["tokens_discarded"] == sum(r["generated_tokens"] for r in stale_rows)
+    else:
+        # Restarted on newer weights, from its first turn: it lands whole, within the bound.
+        assert row["status"] == "completed" and row["staleness"] <= 1 and row["carried"] >= 3
+        assert sum(r["restarted_stale"] for r in reports) >= 1
+
+
+@pytest.mark.timeout(300)
+def test_zero_variance_groups_are_filtered_and_replaced(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=3", "sessions_per_step=8",
+                  "+workload.prompts.samples_per_prompt=2", "+workload.env.samples_per_prompt=2",
+                  "+workload.env.equal_every=3", "rollout.filter_groups=zero_variance"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, reports = steps_of(run)
+    assert_each_session_once(rows)
+    for step, report in zip(rows, reports, strict=True):
+        useful = [r for r in step if r["status"] == "completed"]
+        filtered = [r for r in step if r["status"] == "filtered"]
+        assert len(useful) == 8  # four useful groups of two
+        assert all((r["index"] // 2) % 3 == 0 for r in filtered) and len(filtered) == 2 * report["filtered_groups"]
+        assert all((r["index"] // 2) % 3 for r in useful)  # every group whose rewards differ
+        assert not report["closed_short"]
+    starts = sum(r["group_starts"] for r in reports)
+    assert starts >= sum(r["filtered_groups"] for r in reports) + 12
+
+
+@pytest.mark.timeout(400)
+def test_a_run_resumed_mid_step_restarts_what_was_carried_and_writes_no_session_twice(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [f"hydra.run.dir={run}", *FAST, "steps=4", "sessions_per_step=8", "rollout.over_sample=0.5",
+            "+workload.env.slow=[0/0,1/2]", f"+workload.env.until={run}/steps/step_00002.json"]
+    proc = start_launch(args)
+    try:
+        wait_for(lambda: (run / "steps" / "step_00001.json").exists(), 120, "step 1 to end")
+        time.sleep(0.3)
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        finish(proc, 30)
+    wait_for(lambda: not [r for r in read_pidfiles(run / "pids") if r.alive()], 60, "the killed run's processes to end")
+    before = json.loads((run / "steps" / "step_00001.json").read_text())["carried_groups"]
+    assert before  # something was running when the step closed
+
+    out = launch([*args, "resume=true"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, reports = steps_of(run)
+    assert len(rows) == 4 and all(len(step) == 8 for step in rows)
+    assert_each_session_once(rows)
+    landed = {(r["started_step"], r["index"]) for step in rows[2:] for r in step}
+    still = {(s, g) for s, g, _ in reports[3]["carried_groups"]}  # running when the run ended
+    # What step 1 carried on (started before it, running at the kill) ran again: it landed, or ran on.
+    assert {(s, g) for s, g, _ in before} <= landed | still
+
+
+@pytest.mark.timeout(300)
+def test_agent_sessions_over_http_carry_like_token_level_ones(tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "workload=agent", "engine.time_scale=0.2", "groups=single",
+                  "rollout.close=count", "rollout.over_sample=0.5", "steps=3", "sessions_per_step=6",
+                  "workload.agent._target_=tests.helpers.agents_for_tests.carried",
+                  "+workload.agent.slow=[0/1]", f"+workload.agent.until={run}/steps/step_00000.json"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, reports = steps_of(run)
+    assert_each_session_once(rows)
+    assert all(len(step) == 6 and all(r["status"] == "completed" for r in step) for step in rows)
+    [(landed, row)] = [(s, r) for s, step in enumerate(rows) for r in step if r["session_id"] == "rollout/0/1"]
+    assert landed >= 1 and row["carried"] == landed and row["num_turns"] == 2
+    assert sum(r["carried_in"] for r in reports) >= 1

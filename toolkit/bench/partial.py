@@ -1,0 +1,222 @@
+"""``python -m toolkit.bench partial``: steps that close on a count against steps that wait for their
+slowest session, on the tail bench's workload and fleet (sim engines).
+
+Arms, interleaved in rounds (every arm once per round): ``off`` (close=all, no tail policy), ``tail``
+(close=all, ``age`` with moves that recompute), ``partial`` (close=count, over_sample 0.25,
+max_staleness 1), ``partial+tail``, ``partial+updates`` (partial, with the loop bench's trainer
+stand-in publishing a version every step). Also ``filter``: zero-variance filtering on GRPO groups of
+8 with a reward whose all-equal share is known. Method and fields: docs/benchmarks.md#partial.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+from rich.console import Console
+
+from toolkit.bench.loop import TrainerStandIn
+from toolkit.bench.tail_arms import ARMS as TAIL_ARMS
+from toolkit.bench.tail_arms import SESSIONS
+from toolkit.config import compose_config
+from toolkit.core.rundir import RunDir
+from toolkit.launch.app import run as launch_run
+from toolkit.launch.validation import validate
+from toolkit.rollout.envs import EnvStep, ToolCallEnv
+from toolkit.rollout.prompts import Prompt
+
+WARMUP_STEPS = 2
+PARTIAL = ("rollout.close=count", "rollout.over_sample=0.25", "rollout.max_staleness=1")
+ARMS: dict[str, tuple[str, ...]] = {
+    "off": TAIL_ARMS["off"],
+    "tail": TAIL_ARMS["age"],
+    "partial": (*TAIL_ARMS["off"], *PARTIAL),
+    "partial+tail": (*TAIL_ARMS["age"], *PARTIAL),
+    "partial+updates": (*TAIL_ARMS["off"], *PARTIAL),
+}
+"""Each arm's settings; ``partial+updates`` also gets a ``weights_dir`` its trainer stand-in publishes to."""
+FILTER_SPP = 8
+FILTER_EQUAL_EVERY = 4
+"""``filter``: every 4th GRPO group's rewards are all equal (a known 25% share)."""
+
+
+def _launch(overrides: list[str], run: Path) -> None:
+    cfg = compose_config([*overrides, f"hydra.run.dir={run}"])
+    validate(cfg)
+    launch_run(cfg, RunDir(run), Console(quiet=True))
+
+
+def _with_trainer(overrides: list[str], run: Path, steps: int, train_s: float) -> None:
+    weights, source = run.with_name(run.name + "-weights"), run.with_name(run.name + "-checkpoint")
+    weights.mkdir()
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "sim"}))  # the sim loads any directory
+    trainer = TrainerStandIn(run, weights, source, steps, train_s)
+    trainer.start()
+    _launch([*overrides, f"rollout.weights_dir={weights}"], run)
+    trainer.join(timeout=120)
+    if trainer.error is not None:
+        raise trainer.error
+
+
+def _read(run: Path, steps: int) -> dict[str, Any]:
+    """One launch: its steps' reports and the columns the bench reads of their rows."""
+    reports = [json.loads((run / "steps" / f"step_{s:05d}.json").read_text()) for s in range(steps)]
+    rows = [pq.read_table(run / "steps" / f"step_{s:05d}.parquet",
+                          columns=["session_id", "status", "generated_tokens", "staleness"]).to_pylist()
+            for s in range(steps)]
+    return {"reports": reports, "rows": rows}
+
+
+def _books(run: dict[str, Any]) -> dict[str, int]:
+    """Over the whole launch: tokens the engines answered its sessions with, against what its rows hold,
+    what it discarded and what was still running at its end (``tokens_lost`` must be 0), and session
+    ids in more than one row."""
+    reports, rows = run["reports"], run["rows"]
+    engines = sum(r["generated_tokens"] for r in reports)
+    landed = sum(x["generated_tokens"] for step in rows for x in step if x["status"] != "stale")
+    discarded = sum(r.get("tokens_discarded", 0) for r in reports)
+    in_flight = reports[-1].get("tokens_in_flight", 0)
+    ids = Counter(x["session_id"] for step in rows for x in step)
+    return {"tokens_lost": engines - landed - discarded - in_flight, "tokens_discarded": discarded,
+            "sessions_twice": sum(n > 1 for n in ids.values())}
+
+
+def _per_step(run: dict[str, Any]) -> list[dict[str, float]]:
+    """Counted steps: sessions landed (not stale, not filtered), seconds since the previous step ended
+    (the gap between steps counts), the throughput bound's seconds, busy and replica seconds."""
+    reports, rows = run["reports"], run["rows"]
+    out = []
+    for s in range(WARMUP_STEPS, len(reports)):
+        rep, prev = reports[s], reports[s - 1]
+        busy = sum(g["busy_s"] for g in (rep["fleet_time"] or {}).values()) - \
+            sum(g["busy_s"] for g in (prev["fleet_time"] or {}).values())
+        seen = sum(g["replica_s"] for g in (rep["fleet_time"] or {}).values()) - \
+            sum(g["replica_s"] for g in (prev["fleet_time"] or {}).values())
+        out.append({
+            "samples": sum(x["status"] in ("completed", "truncated", "failed") for x in rows[s]),
+            "seconds": rep["ended_at"] - prev["ended_at"],
+            "bound_s": (rep.get("bound") or {}).get("throughput_at_max_inflight_s") or 0.0,
+            "busy_s": busy, "replica_s": seen,
+            "staleness": [x["staleness"] for x in rows[s] if x["status"] != "stale"],
+        })
+    return out
+
+
+def _ci95(arm: np.ndarray, off: np.ndarray, resamples: int = 4000) -> list[float]:
+    """Paired bootstrap over steps of (arm samples/s) / (off samples/s); columns: samples, seconds."""
+    idx = np.random.default_rng(0).integers(0, min(len(arm), len(off)), size=(resamples, min(len(arm), len(off))))
+    a, o = arm[idx], off[idx]
+    ratio = (a[..., 0].sum(-1) / a[..., 1].sum(-1)) / (o[..., 0].sum(-1) / o[..., 1].sum(-1))
+    lo, hi = np.percentile(ratio, [2.5, 97.5])
+    return [round(float(lo), 4), round(float(hi), 4)]
+
+
+def _filter_run(root: Path, base: list[str], steps: int, sessions: int) -> dict[str, Any]:
+    run = root / "filter"
+    spp = FILTER_SPP
+    _launch([*base, *ARMS["partial"], f"steps={steps}", f"sessions_per_step={sessions}",
+             "rollout.filter_groups=zero_variance",
+             "workload.env._target_=toolkit.bench.partial.GroupRewards",
+             f"+workload.prompts.samples_per_prompt={spp}", f"+workload.env.samples_per_prompt={spp}",
+             f"+workload.env.equal_every={FILTER_EQUAL_EVERY}"], run)
+    got = _read(run, steps)
+    reports = got["reports"][WARMUP_STEPS:]
+    starts = sum(r["group_starts"] for r in reports)
+    useful = sum(sum(x["status"] == "completed" for x in step) for step in got["rows"][WARMUP_STEPS:]) / spp
+    return {"samples_per_prompt": spp, "zero_variance_share": 1 / FILTER_EQUAL_EVERY,
+            "group_starts": starts, "useful_groups": useful, "filtered_groups": sum(r["filtered_groups"] for r in reports),
+            "starts_per_useful_group": round(starts / useful, 3) if useful else None,
+            "expected_starts_per_useful_group": round(1 / (1 - 1 / FILTER_EQUAL_EVERY), 3),
+            "closed_short": sum(r["closed_short"] for r in reports), **_books(got)}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    sessions = 32 if quick else SESSIONS
+    rounds, per_round = (1, 2) if quick else (2, 6)
+    steps = WARMUP_STEPS + per_round
+    base = [f"sessions_per_step={sessions}", f"engine.time_scale={0.1 if quick else 1.0}",
+            "workload.max_tokens=2048", "seed=7"]
+    measured: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    books: dict[str, Counter[str]] = {arm: Counter() for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="bench-partial-") as tmp:
+        root = Path(tmp)
+        train_s = 0.0
+        for r in range(rounds):
+            for arm, settings in ARMS.items():
+                run_dir = root / f"{arm.replace('+', '_')}-{r}"
+                overrides = [*base, *settings, f"steps={steps}"]
+                if arm == "partial+updates":
+                    _with_trainer(overrides, run_dir, steps, train_s)
+                else:
+                    _launch(overrides, run_dir)
+                got = _read(run_dir, steps)
+                measured[arm] += _per_step(got)
+                books[arm].update(_books(got))
+                if arm == "partial" and not train_s:
+                    # The trainer stand-in trains as long as a partial step takes: an update each step.
+                    train_s = float(np.mean([s["seconds"] for s in measured["partial"]]))
+        filtered = _filter_run(root, base, steps, sessions)
+    table = {arm: np.array([[s["samples"], s["seconds"]] for s in steps_]) for arm, steps_ in measured.items()}
+    off_rate = table["off"][:, 0].sum() / table["off"][:, 1].sum()
+    arms: dict[str, Any] = {}
+    for arm, steps_ in measured.items():
+        rate = table[arm][:, 0].sum() / table[arm][:, 1].sum()
+        bound_s = sum(s["bound_s"] for s in steps_)
+        stale = [x for s in steps_ for x in s["staleness"]]
+        arms[arm] = {
+            "samples_per_s": round(float(rate), 3),
+            "ratio_vs_off": round(float(rate / off_rate), 4),
+            "ci95": _ci95(table[arm], table["off"]),
+            "staleness_mean": round(float(np.mean(stale)), 4) if stale else None,
+            "staleness_max": int(max(stale)) if stale else None,
+            "tokens_discarded": books[arm]["tokens_discarded"],
+            "tokens_lost": books[arm]["tokens_lost"],
+            "sessions_in_two_steps": books[arm]["sessions_twice"],
+            "fleet_busy": round(sum(s["busy_s"] for s in steps_) / max(1e-9, sum(s["replica_s"] for s in steps_)), 4),
+            # Samples/s at the fleet's peak (every replica's batch at its max_inflight, the sim's model,
+            # on the tokens the arm generated) over the arm's samples/s.
+            "throughput_bound_ratio": round(float(table[arm][:, 1].sum() / bound_s), 4) if bound_s else None,
+            "mean_step_s": round(float(table[arm][:, 1].mean()), 3),
+        }
+    partial_arms = [a for a in arms if a.startswith("partial")]
+    best = max(partial_arms, key=lambda a: arms[a]["samples_per_s"])
+    return {
+        "arms": arms,
+        "best_partial": best,
+        "filter": filtered,
+        "sessions_per_step": sessions,
+        "steps_per_arm": rounds * per_round,
+        "warmup_steps_per_launch": WARMUP_STEPS,
+        "rounds": rounds,
+        "train_step_s": round(train_s, 3),
+        "target": {"best_partial_ratio_vs_off": ">= 2.0", "ci95_low": "> 1.7", "throughput_bound_ratio": "<= 1.25",
+                   "staleness_max": "<= 1", "tokens_lost": 0},
+    }
+
+
+class GroupRewards(ToolCallEnv):
+    """The multi-turn tool task with a reward per GRPO group (``filter``): every ``equal_every``-th
+    group (0, k, 2k, ...) gets 1.0 on every member (zero variance), the others the member's parity;
+    ``equal_every=0``: the task's own reward."""
+
+    def __init__(self, samples_per_prompt: int = 1, equal_every: int = 0, **kw: int) -> None:
+        super().__init__(**kw)
+        self.samples_per_prompt, self.equal_every = samples_per_prompt, equal_every
+        self.index = 0
+
+    def reset(self, prompt: Prompt) -> list[int]:
+        self.index = int(prompt.metadata["index"])
+        return super().reset(prompt)
+
+    def step(self, generated: list[int], finish_reason: str) -> EnvStep:
+        out = super().step(generated, finish_reason)
+        if self.equal_every:
+            group = self.index // self.samples_per_prompt
+            out.reward = 0.0 if not out.done else (1.0 if group % self.equal_every == 0 else float(self.index % 2))
+        return out
