@@ -29,20 +29,28 @@ def _vllm() -> None:
 
 
 @pytest.mark.timeout(1500)
-def test_grpo_on_the_tiny_model_raises_the_reward(tmp_path: Path) -> None:
+@pytest.mark.parametrize("partial", [False, True], ids=["on-policy", "partial"])
+def test_grpo_on_the_tiny_model_raises_the_reward(tmp_path: Path, partial: bool) -> None:
     out = tmp_path / "grpo"
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_tiny.py"), "--out", str(out),
-                           "--steps", str(STEPS), "--cache", str(tmp_path / "cache")],
+                           "--steps", str(STEPS), "--cache", str(tmp_path / "cache"), *(["--partial"] if partial else [])],
                           capture_output=True, text=True, timeout=1400, cwd=ROOT)
     log = out / "launch.log"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
     rows = list(csv.DictReader(open(out / "reward.csv")))
     assert [int(r["step"]) for r in rows] == list(range(STEPS))
-    assert [r["weight_versions"] for r in rows] == [str(s) for s in range(STEPS)]  # strictly on-policy
+    if partial:
+        # A step ahead at most, and the slowest sessions of a step landing in the next.
+        assert all(int(r["staleness_max"]) <= 1 for r in rows)
+        assert sum(int(r["carried"]) for r in rows) > 0
+    else:
+        assert [r["weight_versions"] for r in rows] == [str(s) for s in range(STEPS)]  # strictly on-policy
     reward = [float(r["reward_mean"]) for r in rows]
     first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
     assert last >= first + MARGIN, reward
-    # Same weights, two implementations (bf16 engine, fp32 trainer): close, not equal.
+    # On-policy, the same weights in two implementations (bf16 engine, fp32 trainer): close, not equal.
+    # With --partial the trainer is an update or two ahead of the rows' weights.
     for r in rows:
-        assert 0 < float(r["mean_abs_dlogprob"]) < 0.5 and 0 <= float(r["k3_kl"]) < 0.1, r
+        assert 0 < float(r["mean_abs_dlogprob"]) < (2.0 if partial else 0.5), r
+        assert 0 <= float(r["k3_kl"]) < (1.0 if partial else 0.1), r
     assert (out / "reward.png").stat().st_size > 10_000

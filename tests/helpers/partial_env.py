@@ -15,7 +15,9 @@ from toolkit.rollout.prompts import Prompt
 class SlowSessions(GroupRewards):
     """Sessions named in ``slow`` (``"step/index"``) wait in their first tool call until the file
     ``until`` exists (a step report: the session is carried past that step, whatever the machine's
-    speed), for at most ``sleep_s``."""
+    speed), for at most ``sleep_s``; once per rank process (a restart of it runs at once)."""
+
+    held: set[str] = set()
 
     def __init__(self, slow: tuple[str, ...] = (), until: str = "", sleep_s: float = 120.0, **kw: int) -> None:
         super().__init__(**kw)
@@ -27,7 +29,8 @@ class SlowSessions(GroupRewards):
         return super().reset(prompt)
 
     async def step(self, generated: list[int], finish_reason: str) -> EnvStep:  # type: ignore[override]
-        if self.key in self.slow and self.turn == 0:
+        if self.key in self.slow and self.turn == 0 and self.key not in SlowSessions.held:
+            SlowSessions.held.add(self.key)
             deadline = time.monotonic() + self.sleep_s
             while not (self.until and os.path.exists(self.until)) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

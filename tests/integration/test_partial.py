@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers.procs import finish, launch, start_launch, wait_for
+from toolkit.bench.partial import all_equal
 from toolkit.core.lifecycle import read_pidfiles
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -45,16 +46,16 @@ def assert_each_session_once(rows: list[list[dict[str, Any]]]) -> None:
 @pytest.mark.timeout(300)
 def test_a_step_closes_on_its_count_and_carried_sessions_land_later_with_their_versions(tmp_path: Path) -> None:
     weights = tmp_path / "weights"
-    for v in (1, 2, 3):  # a checkpoint per step: each step begins on new weights
+    for v in (1, 2, 3, 4, 5):  # a checkpoint per step: each step begins on new weights
         (weights / f"step_{v:05d}").mkdir(parents=True)
         (weights / f"step_{v:05d}" / "config.json").write_text("{}")
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "steps=4", "sessions_per_step=8", "rollout.over_sample=0.5",
-                  f"rollout.weights_dir={weights}", "rollout.max_staleness=3",
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=6", "sessions_per_step=8", "rollout.over_sample=0.5",
+                  f"rollout.weights_dir={weights}", "rollout.max_staleness=5",
                   "+workload.env.slow=[0/0,0/5]", f"+workload.env.until={run}/steps/step_00001.json"])
     assert out.returncode == 0, out.stdout + out.stderr
     rows, reports = steps_of(run)
-    assert len(rows) == 4 and all(len(step) == 8 for step in rows)  # exactly the count, every step
+    assert len(rows) == 6 and all(len(step) == 8 for step in rows)  # exactly the count, every step
     assert_each_session_once(rows)
     slow = {r["session_id"]: (s, r) for s, step in enumerate(rows) for r in step if r["session_id"] in
             ("rollout/0/0", "rollout/0/5")}
@@ -70,7 +71,7 @@ def test_a_step_closes_on_its_count_and_carried_sessions_land_later_with_their_v
     for s, report in enumerate(reports):
         assert report["close"] == "count" and report["sessions"] == 8 and not report["closed_short"]
         assert report["carried_in"] == sum(r["carried"] > 0 for r in rows[s])
-        assert sum(report["staleness"].values()) == 8 and max(int(k) for k in report["staleness"]) <= 3
+        assert sum(report["staleness"].values()) == 8 and max(int(k) for k in report["staleness"]) <= 5
         assert len(report["carried_groups"]) == report["carried_out"]
     assert reports[0]["carried_in"] == 0 and sum(r["carried_in"] for r in reports) >= 2
 
@@ -79,24 +80,28 @@ def test_a_step_closes_on_its_count_and_carried_sessions_land_later_with_their_v
 @pytest.mark.parametrize("stale", ["drop", "restart"])
 def test_max_staleness_drops_or_restarts_a_slow_carried_session(tmp_path: Path, stale: str) -> None:
     run = tmp_path / "run"
-    out = launch([f"hydra.run.dir={run}", *FAST, "steps=5", "sessions_per_step=6", "rollout.over_sample=0.5",
-                  "rollout.max_staleness=1", f"rollout.stale={stale}",
-                  "+workload.env.slow=[0/1]", f"+workload.env.until={run}/steps/step_00002.json"])
+    # Turns of at most 64 tokens: no session is much longer than another, so a restarted one lands
+    # (with a long tail and a small k, a long session can be restarted again and again).
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=10", "sessions_per_step=16", "rollout.over_sample=0.25",
+                  "workload.max_tokens=64",
+                  "rollout.max_staleness=2", f"rollout.stale={stale}",
+                  "+workload.env.slow=[0/1]", f"+workload.env.until={run}/steps/step_00003.json"])
     assert out.returncode == 0, out.stdout + out.stderr
     rows, reports = steps_of(run)
     assert_each_session_once(rows)
     counted = [[r for r in step if r["status"] == "completed"] for step in rows]
-    assert all(len(c) == 6 for c in counted)
-    assert all(r["staleness"] <= 1 for c in counted for r in c)
+    assert all(len(c) == 16 for c in counted)
+    assert all(r["staleness"] <= 2 for c in counted for r in c)
     [(s, row)] = [(s, r) for s, step in enumerate(rows) for r in step if r["session_id"] == "rollout/0/1"]
     if stale == "drop":
-        assert row["status"] == "stale" and "max_staleness" in row["error"] and row["carried"] >= 3
+        # Stopped as step 3 began (it could no longer land within k), its tokens so far discarded.
+        assert row["status"] == "stale" and "max_staleness" in row["error"] and row["carried"] == s == 3
         stale_rows = [r for r in rows[s] if r["status"] == "stale"]
         assert reports[s]["dropped_stale"] == len(stale_rows)
-        assert reports[s]["tokens_discarded"] == sum(r["generated_tokens"] for r in stale_rows)
+        assert reports[s]["tokens_discarded"] >= sum(r["generated_tokens"] for r in stale_rows)
     else:
         # Restarted on newer weights, from its first turn: it lands whole, within the bound.
-        assert row["status"] == "completed" and row["staleness"] <= 1 and row["carried"] >= 3
+        assert row["status"] == "completed" and row["staleness"] <= 2 and row["carried"] >= 4
         assert sum(r["restarted_stale"] for r in reports) >= 1
 
 
@@ -113,8 +118,9 @@ def test_zero_variance_groups_are_filtered_and_replaced(tmp_path: Path) -> None:
         useful = [r for r in step if r["status"] == "completed"]
         filtered = [r for r in step if r["status"] == "filtered"]
         assert len(useful) == 8  # four useful groups of two
-        assert all((r["index"] // 2) % 3 == 0 for r in filtered) and len(filtered) == 2 * report["filtered_groups"]
-        assert all((r["index"] // 2) % 3 for r in useful)  # every group whose rewards differ
+        assert all(all_equal(r["started_step"], r["index"] // 2, 3) for r in filtered)
+        assert len(filtered) == 2 * report["filtered_groups"]
+        assert not any(all_equal(r["started_step"], r["index"] // 2, 3) for r in useful)  # their rewards differ
         assert not report["closed_short"]
     starts = sum(r["group_starts"] for r in reports)
     assert starts >= sum(r["filtered_groups"] for r in reports) + 12
@@ -153,7 +159,7 @@ def test_agent_sessions_over_http_carry_like_token_level_ones(tmp_path: Path) ->
     pytest.importorskip("openai")
     run = tmp_path / "run"
     out = launch([f"hydra.run.dir={run}", "workload=agent", "engine.time_scale=0.2", "groups=single",
-                  "rollout.close=count", "rollout.over_sample=0.5", "steps=3", "sessions_per_step=6",
+                  "rollout.close=count", "rollout.over_sample=0.5", "steps=5", "sessions_per_step=6",
                   "workload.agent._target_=tests.helpers.agents_for_tests.carried",
                   "+workload.agent.slow=[0/1]", f"+workload.agent.until={run}/steps/step_00000.json"])
     assert out.returncode == 0, out.stdout + out.stderr

@@ -30,7 +30,11 @@ class Sessions:
         key = (step, index, attempt)
         self.started.append(key)
         fut = self.waiting[key] = asyncio.get_running_loop().create_future()
-        reward, versions = await fut
+        try:
+            reward, versions = await fut
+        except asyncio.CancelledError:
+            del self.waiting[key]  # stopped (its requests leave the engines)
+            raise
         s = Sample.start(index, f"job/{step}/{index}", [1, 2, 3])
         s.reward, s.weight_versions = reward, versions
         s.tokens.append(7)
@@ -47,7 +51,7 @@ class Sessions:
 
 
 def closer(sessions: Sessions, n: int = 8, group: int = 1, **rollout: Any) -> CloseOnCount:
-    cfg: Any = SimpleNamespace(sessions_per_step=n, rollout=RolloutConfig(close="count", **rollout))
+    cfg: Any = SimpleNamespace(sessions_per_step=n, job="job", rollout=RolloutConfig(close="count", **rollout))
     return CloseOnCount(cfg, 0, 1, group, sessions.run, ["throughput"], RequestLog, 0)
 
 
@@ -56,7 +60,8 @@ def rows(landed: Landed) -> list[dict[str, Any]]:
 
 
 async def settle() -> None:
-    for _ in range(5):
+    """Let every task run until it waits on a session (cancelling one takes a few turns of the loop)."""
+    for _ in range(20):
         await asyncio.sleep(0)
 
 
@@ -75,17 +80,19 @@ def test_a_step_closes_on_its_count_and_carries_the_rest_into_the_step_they_end_
             s.end(0, i)
         await settle()
         assert not step0.done()
+        assert s.running() == [(0, i, 0) for i in (1, 2, 4, 6, 7, 8)]  # each one that landed replaced at once
         s.end(0, 2)
         landed = await step0
         assert sorted(r["index"] for r in rows(landed)) == [0, 2, 3, 5]
-        assert landed.counts["carried_out"] == 2 and landed.in_flight == [(0, 1, 0), (0, 4, 0)]
+        assert landed.counts["carried_out"] == 6 and landed.in_flight == [(0, i, 0) for i in (1, 4, 6, 7, 8, 9)]
         # Between steps a carried session ends: it lands in the next step, carried across one boundary.
         s.end(0, 4)
         await settle()
         step1 = asyncio.create_task(c.collect(1))
         await settle()
-        assert s.running() == [(0, 1, 0), *[(1, i, 0) for i in range(5)]]  # topped up to 6 again
+        assert s.running() == [*[(0, i, 0) for i in (1, 6, 7, 8, 9)], (1, 0, 0)]
         s.end(0, 1)
+        await settle()  # it lands, and a group is started in its place
         for i in (0, 1):
             s.end(1, i)
         landed = await step1
@@ -93,7 +100,7 @@ def test_a_step_closes_on_its_count_and_carries_the_rest_into_the_step_they_end_
         assert sorted(got) == [(0, 1), (0, 4), (1, 0), (1, 1)]
         assert got[(0, 1)]["carried"] == got[(0, 4)]["carried"] == 1 and got[(1, 0)]["carried"] == 0
         assert got[(0, 1)]["staleness"] == 1  # no weights_dir: a step behind the step it began in
-        assert landed.counts["carried_in"] == 2 and landed.counts["group_starts"] == 5
+        assert landed.counts["carried_in"] == 2 and landed.counts["group_starts"] == 4
         await c.aclose()
         assert not c.running
 
@@ -101,7 +108,7 @@ def test_a_step_closes_on_its_count_and_carries_the_rest_into_the_step_they_end_
 
 
 @pytest.mark.parametrize("action", [StaleAction.drop, StaleAction.restart])
-def test_a_carried_session_past_max_staleness_is_dropped_or_restarted(action: StaleAction) -> None:
+def test_a_session_carried_past_max_staleness_stops_at_the_step_it_can_no_longer_land_in(action: StaleAction) -> None:
     async def go() -> None:
         s = Sessions()
         c = closer(s, n=2, over_sample=0.5, max_staleness=1, stale=action)
@@ -109,30 +116,51 @@ def test_a_carried_session_past_max_staleness_is_dropped_or_restarted(action: St
         await settle()
         s.end(0, 0)
         s.end(0, 1)
-        assert [r["index"] for r in rows(await step0)] == [0, 1]  # session 2 carried on
+        assert [r["index"] for r in rows(await step0)] == [0, 1]  # session 2 carried on, 3 and 4 started
         step1 = asyncio.create_task(c.collect(1))
         await settle()
-        s.end(1, 0)
-        s.end(1, 1)
-        await step1
+        s.end(0, 3)
+        s.end(0, 4)
+        assert sorted(r["index"] for r in rows(await step1)) == [3, 4]  # carried once: within k = 1
+        # Step 2 begins: session 0/2 began two steps ago, past k = 1 wherever it lands: it stops now.
         step2 = asyncio.create_task(c.collect(2))
         await settle()
-        s.end(0, 2)  # two steps behind step 2: past k = 1
-        await settle()
+        assert (0, 2, 0) not in s.running()
         if action == StaleAction.restart:
             assert (0, 2, 1) in s.running()  # from its first turn, with request ids of its own
             s.end(0, 2, attempt=1)
-        for key in [k for k in s.running() if k[0] == 2][:2 if action == StaleAction.drop else 1]:
-            s.end(*key)
+            s.end(1, 0)
+        else:
+            s.end(1, 0)
+            s.end(1, 1)
         landed = await step2
         out = {(r["started_step"], r["index"]): r for r in rows(landed)}
         if action == StaleAction.drop:
             assert out[(0, 2)]["status"] == "stale" and "max_staleness" in out[(0, 2)]["error"]
-            assert landed.counts["dropped_stale"] == 1 and landed.counts["tokens_discarded"] == 1
-            assert sum(r["status"] == "completed" for r in out.values()) == 2  # a group in its place counted
+            assert out[(0, 2)]["tokens"] == [] and landed.counts["dropped_stale"] == 1
+            assert sum(r["status"] == "completed" for r in out.values()) == 2  # the count, without it
         else:
             assert out[(0, 2)]["status"] == "completed" and out[(0, 2)]["staleness"] == 0
-            assert landed.counts["restarted_stale"] == 1
+            assert out[(0, 2)]["carried"] == 2 and landed.counts["restarted_stale"] == 1
+        await c.aclose()
+
+    run(go())
+
+
+def test_a_session_whose_weights_fell_too_far_behind_is_dropped_as_it_lands() -> None:
+    async def go() -> None:
+        s = Sessions()
+        c = closer(s, n=2, over_sample=0.5, max_staleness=1, weights_dir="/w")
+        step0 = asyncio.create_task(c.collect(0))
+        await settle()
+        s.end(0, 0, versions=(2,))  # the engines are at version 2 now
+        s.end(0, 2, versions=(0, 1))  # its oldest token is version 0: two behind
+        s.end(0, 1, versions=(2,))
+        landed = await step0
+        out = {r["index"]: r for r in rows(landed)}
+        assert out[2]["status"] == "stale" and out[2]["staleness"] == 2 and out[2]["tokens"] == [1, 2, 3, 7]
+        assert landed.counts["dropped_stale"] == 1 and landed.counts["tokens_discarded"] == 1
+        assert [out[i]["status"] for i in (0, 1)] == ["completed", "completed"]
         await c.aclose()
 
     run(go())
@@ -187,7 +215,7 @@ def test_a_session_that_raises_a_toolkit_failure_fails_the_step() -> None:
         async def broken(step: int, index: int, attempt: int) -> list[Sample]:
             raise RuntimeError("router gone")
 
-        cfg: Any = SimpleNamespace(sessions_per_step=2, rollout=RolloutConfig(close="count"))
+        cfg: Any = SimpleNamespace(sessions_per_step=2, job="job", rollout=RolloutConfig(close="count"))
         c = CloseOnCount(cfg, 0, 1, 1, broken, ["throughput"], RequestLog, 0)
         with pytest.raises(RuntimeError, match="router gone"):
             await c.collect(0)
@@ -198,6 +226,6 @@ def test_a_session_that_raises_a_toolkit_failure_fails_the_step() -> None:
 
 def test_ranks_split_the_count_and_the_groups_in_flight() -> None:
     s = Sessions()
-    cfg: Any = SimpleNamespace(sessions_per_step=10, rollout=RolloutConfig(close="count", over_sample=0.25))
+    cfg: Any = SimpleNamespace(sessions_per_step=10, job="job", rollout=RolloutConfig(close="count", over_sample=0.25))
     parts = [CloseOnCount(cfg, r, 3, 1, s.run, ["t"], RequestLog, 0) for r in range(3)]
     assert [p.quota for p in parts] == [4, 3, 3] and sum(p.target for p in parts) == 13

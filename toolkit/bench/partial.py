@@ -10,6 +10,7 @@ stand-in publishing a version every step). Also ``filter``: zero-variance filter
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from collections import Counter
@@ -98,8 +99,11 @@ def _per_step(run: dict[str, Any]) -> list[dict[str, float]]:
             sum(g["busy_s"] for g in (prev["fleet_time"] or {}).values())
         seen = sum(g["replica_s"] for g in (rep["fleet_time"] or {}).values()) - \
             sum(g["replica_s"] for g in (prev["fleet_time"] or {}).values())
+        landed = [x for x in rows[s] if x["status"] in ("completed", "truncated", "failed")]
         out.append({
-            "samples": sum(x["status"] in ("completed", "truncated", "failed") for x in rows[s]),
+            "samples": len(landed),
+            "landed_tokens": sum(x["generated_tokens"] for x in landed),
+            "generated_tokens": rep["generated_tokens"],
             "seconds": rep["ended_at"] - prev["ended_at"],
             "bound_s": (rep.get("bound") or {}).get("throughput_at_max_inflight_s") or 0.0,
             "busy_s": busy, "replica_s": seen,
@@ -167,7 +171,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     arms: dict[str, Any] = {}
     for arm, steps_ in measured.items():
         rate = table[arm][:, 0].sum() / table[arm][:, 1].sum()
-        bound_s = sum(s["bound_s"] for s in steps_)
+        # The fleet's time at its peak for the tokens the arm generated, scaled to those its landed
+        # samples hold (tokens it discarded or carried past the window count against it).
+        bound_s = sum(s["bound_s"] for s in steps_) * (sum(s["landed_tokens"] for s in steps_)
+                                                       / max(1, sum(s["generated_tokens"] for s in steps_)))
         stale = [x for s in steps_ for x in s["staleness"]]
         arms[arm] = {
             "samples_per_s": round(float(rate), 3),
@@ -180,7 +187,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "sessions_in_two_steps": books[arm]["sessions_twice"],
             "fleet_busy": round(sum(s["busy_s"] for s in steps_) / max(1e-9, sum(s["replica_s"] for s in steps_)), 4),
             # Samples/s at the fleet's peak (every replica's batch at its max_inflight, the sim's model,
-            # on the tokens the arm generated) over the arm's samples/s.
+            # on the tokens of the samples it landed) over the arm's samples/s.
             "throughput_bound_ratio": round(float(table[arm][:, 1].sum() / bound_s), 4) if bound_s else None,
             "mean_step_s": round(float(table[arm][:, 1].mean()), 3),
         }
@@ -201,22 +208,29 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 class GroupRewards(ToolCallEnv):
-    """The multi-turn tool task with a reward per GRPO group (``filter``): every ``equal_every``-th
-    group (0, k, 2k, ...) gets 1.0 on every member (zero variance), the others the member's parity;
-    ``equal_every=0``: the task's own reward."""
+    """The multi-turn tool task with a reward per GRPO group (``filter``): one group in ``equal_every``,
+    drawn by a hash of its step and number (so no rank gets more of them), gets 1.0 on every member
+    (zero variance), the others the member's parity; ``equal_every=0``: the task's own reward."""
 
     def __init__(self, samples_per_prompt: int = 1, equal_every: int = 0, **kw: int) -> None:
         super().__init__(**kw)
         self.samples_per_prompt, self.equal_every = samples_per_prompt, equal_every
-        self.index = 0
+        self.index = self.step_of = 0
 
     def reset(self, prompt: Prompt) -> list[int]:
         self.index = int(prompt.metadata["index"])
+        self.step_of = int(prompt.metadata["step"])
         return super().reset(prompt)
 
     def step(self, generated: list[int], finish_reason: str) -> EnvStep:
         out = super().step(generated, finish_reason)
         if self.equal_every:
-            group = self.index // self.samples_per_prompt
-            out.reward = 0.0 if not out.done else (1.0 if group % self.equal_every == 0 else float(self.index % 2))
+            equal = all_equal(self.step_of, self.index // self.samples_per_prompt, self.equal_every)
+            out.reward = 0.0 if not out.done else (1.0 if equal else float(self.index % 2))
         return out
+
+
+def all_equal(step: int, group: int, every: int) -> bool:
+    """Whether group ``group`` of ``step`` is one of :class:`GroupRewards`' all-equal ones (1 in ``every``)."""
+    key = f"{step}/{group}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") % every == 0

@@ -355,7 +355,7 @@ class Gateway:
             done = time.time()
             for res, route in outs:
                 entry.open.log.add(res, route, len(plan.prompt), sent, done, entry.session.index)
-                entry.open.generated[sess.session_id] += len(res.output_token_ids)
+                entry.open.answered(sess.session_id, res)
             if entry.closed:
                 raise GatewayError(404, "the session ended while this call ran")
             for res, _ in outs:

@@ -175,18 +175,33 @@ def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wal
     n_sessions = int(call_session.max()) + 1
     best_session = np.full(n_sessions, np.inf)
     cheapest = np.full(out.size, np.inf)
-    at_inflight = np.full(out.size, np.inf)
+    at_inflight: dict[str, np.ndarray] = {}
     for costs in groups.values():
         # Critical path: each session alone on this group; a call lasts as long as its longest request.
         per_call = np.zeros(int(call.max()) + 1)
         np.maximum.at(per_call, call, costs.alone(prompt, new, out))
         best_session = np.minimum(best_session, np.bincount(call_session, weights=per_call, minlength=n_sessions))
         cheapest = np.minimum(cheapest, costs.batched(prompt, new, out))
-        at_inflight = np.minimum(at_inflight, costs.batched(prompt, new, out, costs.inflight))
+    for g, costs in groups.items():
+        at_inflight[g] = costs.batched(prompt, new, out, costs.inflight)
     if agent:
         best_session += _between_calls(req, call, call_session, n_sessions)
     result = _result(float(best_session.max()), float(cheapest.sum() / replicas), int(np.argmax(best_session)),
                      wall_s, "model")
     # The same with each replica's batch at its group's max_inflight, the most the router puts in it.
-    result["bound"]["throughput_at_max_inflight_s"] = float(at_inflight.sum() / replicas)
+    result["bound"]["throughput_at_max_inflight_s"] = _fluid(at_inflight, {g: counts[g] for g in groups})
     return result
+
+
+def _fluid(costs: dict[str, np.ndarray], replicas: dict[str, int]) -> float:
+    """The fleet's least time for every request, each group's replicas working side by side and each
+    request split between groups as best suits (a fluid schedule): with two groups, the requests
+    relatively cheapest on the first go there, the split where both groups finish together. With one
+    group, or more than two, the requests at their cheapest over all replicas (a looser bound)."""
+    if len(costs) != 2:
+        return float(np.minimum.reduce(list(costs.values())).sum() / sum(replicas.values()))
+    (a, ca), (b, cb) = costs.items()
+    order = np.argsort(ca / np.maximum(cb, 1e-12))
+    on_a = np.concatenate([[0.0], np.cumsum(ca[order])]) / replicas[a]        # the first k on group a
+    on_b = np.concatenate([np.cumsum(cb[order][::-1])[::-1], [0.0]]) / replicas[b]  # the rest on group b
+    return float(np.maximum(on_a, on_b).min())

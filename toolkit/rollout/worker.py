@@ -324,7 +324,7 @@ class RankRunner:
             finally:
                 waits.end()
             open_step.log.add(res, route, len(context), sent, time.time(), sample.index)
-            open_step.generated[sid] += len(res.output_token_ids)
+            open_step.answered(sid, res)
             if res.status != "ok":
                 sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
                 return

@@ -71,3 +71,16 @@ class OpenStep:
         self.generated: Counter[str] = Counter()
         """Tokens the engines answered each running session with so far (by session id): a step's books
         balance with what its sessions land, discard and carry on (``tokens_in_flight``)."""
+        self.oldest: dict[str, int] = {}
+        """The oldest weight version each running session's answers hold so far."""
+
+    def answered(self, session_id: str, result: Result) -> None:
+        """A request of the session was answered: count its tokens and its weights."""
+        self.generated[session_id] += len(result.output_token_ids)
+        oldest = min(result.weight_versions or [result.weight_version])
+        self.oldest[session_id] = min(oldest, self.oldest.get(session_id, oldest))
+
+    def forget(self, session_id: str) -> int:
+        """The session landed or was dropped: its tokens so far."""
+        self.oldest.pop(session_id, None)
+        return self.generated.pop(session_id, 0)

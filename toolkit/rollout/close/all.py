@@ -20,7 +20,7 @@ class CloseAll(StepClose):
                 sample.started_step = step
                 self.builder.add(sample)
             if samples:
-                self.open.generated.pop(samples[0].session_id, None)
+                self.open.forget(samples[0].session_id)
 
         await asyncio.gather(*(packed(i) for i in self.mine(step)))
         return self._hand_over(step)

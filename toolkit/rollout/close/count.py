@@ -1,10 +1,11 @@
 """``rollout.close=count``: a rank's step closes once its share of ``sessions_per_step`` has landed in
 whole groups; the groups still running are carried on and land in the step in which they end.
 
-Each step starts as many new groups as keep ``sessions_per_step * (1 + over_sample)`` sessions in flight
-(this rank's share), and one more for each group that finished without counting: one dropped or
-restarted for ``max_staleness``, or one filtered (``filter_groups``), up to
-``max_group_starts_per_step``. A step that reaches it with nothing left running closes short.
+Each rank keeps its share of ``sessions_per_step * (1 + over_sample)`` sessions in flight: a group that
+lands is replaced at once (measured against refilling only as each step begins: docs/partial.md), and
+so is one that finished without counting: dropped or restarted for ``max_staleness`` (stopped as soon as
+it can no longer land within it), or filtered (``filter_groups``). A step starts at most
+``max_group_starts_per_step`` groups; one that reaches it with nothing left running closes short.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class CloseOnCount(StepClose):
 
     async def collect(self, step: int) -> Landed:
         self.open.step = step
+        await self._drop_doomed(step)
         self._top_up(self.target)
         while self.counted < self.quota and self.error is None:
             if not self.running:
@@ -68,9 +70,10 @@ class CloseOnCount(StepClose):
             await self.changed.wait()
         if self.error is not None:
             raise self.error
-        self.counts["carried_out"] = len(self.running) * self.group_size
+        # Carried on: what still runs, and what ended while the step was full (it lands in the next).
+        in_flight = sorted([*self.running, *(g for g, _, _ in self.full)])
+        self.counts["carried_out"] = len(in_flight) * self.group_size
         self.counts["tokens_in_flight"] = sum(self.open.generated.values())
-        in_flight = sorted(self.running)
         landed = self._hand_over(step)
         landed.in_flight = in_flight
         self.counted, self.next_group = 0, 0
@@ -82,6 +85,47 @@ class CloseOnCount(StepClose):
     async def aclose(self) -> None:
         await cancel_all(list(self.running.values()))
         self.running.clear()
+
+    async def _drop_doomed(self, step: int) -> None:
+        """Groups that can no longer land within ``max_staleness`` stop now, not when they end: their
+        oldest weights are already too far behind (or, without ``weights_dir``, they began too many steps
+        ago), and that only grows. Dropped (rows ``stale``, without the tokens so far) or restarted."""
+        r = self.cfg.rollout
+        if r.max_staleness is None:
+            return
+        behind = {g: self._running_behind(g, step) for g in self.running}
+        doomed = [g for g, b in behind.items() if b > r.max_staleness]
+        if not doomed:
+            return
+        await cancel_all([self.running.pop(g) for g in doomed])
+        for group in doomed:
+            started, g, attempt = group
+            self.started_at.pop(group)
+            sids = [(i, f"{self.cfg.job}/{started}/{i}") for i in self._members(g)]
+            self.counts["tokens_discarded"] += sum(self.open.forget(sid) for _, sid in sids)
+            if r.stale == StaleAction.restart:
+                self.counts["restarted_stale"] += self.group_size
+                self._start((started, g, attempt + 1))
+                continue
+            self.counts["dropped_stale"] += self.group_size
+            rows = [Sample.start(i, sid, []) for i, sid in sids]
+            for s in rows:
+                s.started_step, s.carried, s.staleness = started, step - started, behind[group]
+            self._add(rows, "stale", f"dropped while running: {behind[group]} versions behind at step {step} "
+                                     f"(rollout.max_staleness = {r.max_staleness}); its tokens so far discarded")
+            self._top_up(len(self.running) + 1)
+
+    def _running_behind(self, group: Group, step: int) -> int:
+        """How far behind a running group already is (it only grows until it lands)."""
+        if not self.cfg.rollout.weights_dir:
+            return step - self.started_at[group]
+        started, g, _ = group
+        known = [self.open.oldest[sid] for i in self._members(g)
+                 if (sid := f"{self.cfg.job}/{started}/{i}") in self.open.oldest]
+        return self.newest - min(known) if known else 0
+
+    def _members(self, g: int) -> range:
+        return range(g * self.group_size, (g + 1) * self.group_size)
 
     # ---- starting and landing -------------------------------------------------------------------
     def _top_up(self, want: int) -> None:
@@ -98,7 +142,7 @@ class CloseOnCount(StepClose):
 
     async def _group(self, group: Group) -> None:
         started, g, attempt = group
-        members = range(g * self.group_size, (g + 1) * self.group_size)
+        members = self._members(g)
         try:
             results = await asyncio.gather(*(self.run(started, i, attempt) for i in members))
         except asyncio.CancelledError:
@@ -120,7 +164,7 @@ class CloseOnCount(StepClose):
         step = self.open.step
         began = self.started_at.pop(group)
         for s in finals:
-            self.open.generated.pop(s.session_id, None)
+            self.open.forget(s.session_id)
         self.newest = max([self.newest, *(v for s in samples for v in s.weight_versions)])
         behind = max(self._behind(s, step, began) for s in samples) if samples else 0
         for s in samples:
@@ -142,6 +186,7 @@ class CloseOnCount(StepClose):
         else:
             self._add(samples)
             self.counted += 1
+            self._top_up(self.target)  # in flight again what the step keeps in flight
             return
         self._top_up(len(self.running) + 1)  # it did not count: another group in its place
 
