@@ -173,8 +173,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         rate = table[arm][:, 0].sum() / table[arm][:, 1].sum()
         # The fleet's time at its peak for the tokens the arm generated, scaled to those its landed
         # samples hold (tokens it discarded or carried past the window count against it).
-        bound_s = sum(s["bound_s"] for s in steps_) * (sum(s["landed_tokens"] for s in steps_)
-                                                       / max(1, sum(s["generated_tokens"] for s in steps_)))
+        landed_share = sum(s["landed_tokens"] for s in steps_) / max(1, sum(s["generated_tokens"] for s in steps_))
+        fleet_s = sum(s["bound_s"] for s in steps_)
+        bound_s = fleet_s * landed_share
         stale = [x for s in steps_ for x in s["staleness"]]
         arms[arm] = {
             "samples_per_s": round(float(rate), 3),
@@ -189,6 +190,10 @@ def run(quick: bool = False) -> dict[str, Any]:
             # Samples/s at the fleet's peak (every replica's batch at its max_inflight, the sim's model,
             # on the tokens of the samples it landed) over the arm's samples/s.
             "throughput_bound_ratio": round(float(table[arm][:, 1].sum() / bound_s), 4) if bound_s else None,
+            # Its two factors: the fleet's pace against its peak on every token generated, and the
+            # share of those tokens its landed samples hold.
+            "fleet_bound_ratio": round(float(table[arm][:, 1].sum() / fleet_s), 4) if fleet_s else None,
+            "landed_token_share": round(landed_share, 4),
             "mean_step_s": round(float(table[arm][:, 1].mean()), 3),
         }
     partial_arms = [a for a in arms if a.startswith("partial")]
