@@ -196,16 +196,17 @@ class TestReplica:
 @pytest.mark.mpi
 @pytest.mark.timeout(1200)
 def test_launch_engine_vllm_model_tiny_end_to_end(models: dict[str, Path], tmp_path: Path) -> None:
-    """The default fleet on vLLM, its steps closing on a count (``rollout.close=count``): session 0/0
-    holds in its first tool call until step 1 is written, so it runs on while every replica loads
-    version 1 and then 2 in place, and lands in step 2 with the versions of its turns."""
+    """``launch`` on vLLM, its steps closing on a count (``rollout.close=count``): session 0/0 holds in
+    its first tool call until step 1 is written, so it runs on while the replicas load version 1 and
+    then 2 in place, and lands in step 2 with the versions of its turns. (The default fleet's three
+    replicas, a TP-2 one among them, cost this suite 3 minutes more; the sim tests run it.)"""
     weights = tmp_path / "weights"
     for version in (1, 2):
         publish(weights, version, models["ckpt"])  # the trainer's handshake: copied, fsynced, renamed, marked
     run = tmp_path / "run"
-    # A fresh cache: the three replicas build the tiny model once, under a file lock.
+    # A fresh cache: the two replicas build the tiny model once, under a file lock.
     out = launch([f"hydra.run.dir={run}", "engine=vllm", "model=tiny", f"engine.cache_dir={tmp_path / 'cache'}",
-                  "steps=3", "sessions_per_step=8", f"rollout.weights_dir={weights}", "rollout.max_staleness=2",
+                  "groups=single", "groups.throughput.replicas=2", "steps=3", "sessions_per_step=8", f"rollout.weights_dir={weights}", "rollout.max_staleness=2",
                   "rollout.close=count", "rollout.over_sample=0.5", "rollout.update_mode=pause",
                   "workload.env._target_=tests.helpers.partial_env.SlowSessions", "+workload.env.slow=[0/0]",
                   f"+workload.env.until={run}/steps/step_00001.json"], timeout_s=1100)
@@ -219,8 +220,9 @@ def test_launch_engine_vllm_model_tiny_end_to_end(models: dict[str, Path], tmp_p
             assert r["generated_tokens"] > 0 and max(r["tokens"]) < 512
             assert sum(r["loss_mask"]) == r["generated_tokens"]
             assert all(lp < 0 for lp, m in zip(r["rollout_logprobs"], r["loss_mask"], strict=True) if m)
-            if not r["carried"]:  # started on the step's own weights, and ended before any newer
-                assert r["weight_versions"] == [step], r
+            # A group started as another landed (between steps too) runs on the weights of then: the
+            # step's own or the one before (each step loads its version before it begins).
+            assert step - 2 <= min(r["weight_versions"]) <= max(r["weight_versions"]) <= step, r
     [(landed, held)] = [(s, r) for s, step in enumerate(rows) for r in step if r["session_id"] == "rollout/0/0"]
     assert landed == 2 and held["carried"] == 2
     turns = held["turn_weight_versions"]  # its first turn on the model's own weights, its last on a later one

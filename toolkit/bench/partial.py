@@ -88,12 +88,12 @@ def _books(run: dict[str, Any]) -> dict[str, int]:
             "sessions_twice": sum(n > 1 for n in ids.values())}
 
 
-def _per_step(run: dict[str, Any]) -> list[dict[str, float]]:
+def _per_step(run: dict[str, Any], warmup: int = WARMUP_STEPS) -> list[dict[str, float]]:
     """Counted steps: sessions landed (not stale, not filtered), seconds since the previous step ended
     (the gap between steps counts), the throughput bound's seconds, busy and replica seconds."""
     reports, rows = run["reports"], run["rows"]
     out = []
-    for s in range(WARMUP_STEPS, len(reports)):
+    for s in range(warmup, len(reports)):
         rep, prev = reports[s], reports[s - 1]
         busy = sum(g["busy_s"] for g in (rep["fleet_time"] or {}).values()) - \
             sum(g["busy_s"] for g in (prev["fleet_time"] or {}).values())
@@ -121,7 +121,7 @@ def _ci95(arm: np.ndarray, off: np.ndarray, resamples: int = 4000) -> list[float
     return [round(float(lo), 4), round(float(hi), 4)]
 
 
-def _filter_run(root: Path, base: list[str], steps: int, sessions: int) -> dict[str, Any]:
+def _filter_run(root: Path, base: list[str], steps: int, sessions: int, warmup: int) -> dict[str, Any]:
     run = root / "filter"
     spp = FILTER_SPP
     _launch([*base, *ARMS["partial"], f"steps={steps}", f"sessions_per_step={sessions}",
@@ -130,9 +130,9 @@ def _filter_run(root: Path, base: list[str], steps: int, sessions: int) -> dict[
              f"+workload.prompts.samples_per_prompt={spp}", f"+workload.env.samples_per_prompt={spp}",
              f"+workload.env.equal_every={FILTER_EQUAL_EVERY}"], run)
     got = _read(run, steps)
-    reports = got["reports"][WARMUP_STEPS:]
+    reports = got["reports"][warmup:]
     starts = sum(r["group_starts"] for r in reports)
-    useful = sum(sum(x["status"] == "completed" for x in step) for step in got["rows"][WARMUP_STEPS:]) / spp
+    useful = sum(sum(x["status"] == "completed" for x in step) for step in got["rows"][warmup:]) / spp
     return {"samples_per_prompt": spp, "zero_variance_share": 1 / FILTER_EQUAL_EVERY,
             "group_starts": starts, "useful_groups": useful, "filtered_groups": sum(r["filtered_groups"] for r in reports),
             "starts_per_useful_group": round(starts / useful, 3) if useful else None,
@@ -141,9 +141,10 @@ def _filter_run(root: Path, base: list[str], steps: int, sessions: int) -> dict[
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    sessions = 32 if quick else SESSIONS
+    sessions = 16 if quick else SESSIONS
     rounds, per_round = (1, 2) if quick else (2, 6)
-    steps = WARMUP_STEPS + per_round
+    warmup = 1 if quick else WARMUP_STEPS  # a smoke run: one step of first use is enough
+    steps = warmup + per_round
     base = [f"sessions_per_step={sessions}", f"engine.time_scale={0.1 if quick else 1.0}",
             "workload.max_tokens=2048", "seed=7"]
     measured: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
@@ -160,12 +161,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                 else:
                     _launch(overrides, run_dir)
                 got = _read(run_dir, steps)
-                measured[arm] += _per_step(got)
+                measured[arm] += _per_step(got, warmup)
                 books[arm].update(_books(got))
                 if arm == "partial" and not train_s:
                     # The trainer stand-in trains as long as a partial step takes: an update each step.
                     train_s = float(np.mean([s["seconds"] for s in measured["partial"]]))
-        filtered = _filter_run(root, base, steps, sessions)
+        filtered = _filter_run(root, base, steps, sessions, warmup)
     table = {arm: np.array([[s["samples"], s["seconds"]] for s in steps_]) for arm, steps_ in measured.items()}
     off_rate = table["off"][:, 0].sum() / table["off"][:, 1].sum()
     arms: dict[str, Any] = {}
@@ -204,7 +205,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "filter": filtered,
         "sessions_per_step": sessions,
         "steps_per_arm": rounds * per_round,
-        "warmup_steps_per_launch": WARMUP_STEPS,
+        "warmup_steps_per_launch": warmup,
         "rounds": rounds,
         "train_step_s": round(train_s, 3),
         "target": {"best_partial_ratio_vs_off": ">= 2.0", "ci95_low": "> 1.7", "throughput_bound_ratio": "<= 1.25",

@@ -16,7 +16,7 @@ from toolkit.bench.gateway import RecordingClient
 from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import Gateway, Settings
 from toolkit.launch.stack import LocalStack
-from toolkit.session.requests import RequestLog
+from toolkit.session.requests import OpenStep, RequestLog
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 openai = pytest.importorskip("openai")
@@ -39,7 +39,7 @@ def test_sdks_through_the_gateway_on_real_vllm(routed: LocalStack, models: dict[
         gw = Gateway(settings, ChatTokenizer(models["tiny"]), client)
         await gw.start()
         try:
-            key, sess = gw.open_session(0, 0, "t/0/0", RequestLog())
+            key, sess = gw.open_session(OpenStep(0, RequestLog()), 0, "t/0/0")
             oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=300)
             tools = [{"type": "function", "function": {"name": "weather", "description": "Weather.",
                                                        "parameters": CITY}}]
@@ -66,7 +66,7 @@ def test_sdks_through_the_gateway_on_real_vllm(routed: LocalStack, models: dict[
             assert generated(sample) == [t for k in (1, 2, 3) for t in client.results[f"t/0/0/{k}"].output_token_ids]
             assert text == gw.chat.content_text(client.results["t/0/0/3"].output_token_ids)
 
-            key, sess = gw.open_session(0, 1, "t/0/1", RequestLog())
+            key, sess = gw.open_session(OpenStep(0, RequestLog()), 1, "t/0/1")
             oai = openai.AsyncOpenAI(base_url=gw.base_url(key), api_key="x", max_retries=0, timeout=300)
             resp = await oai.responses.create(model="tiny", input="Weather in Rome?", max_output_tokens=200,
                                               tools=[{"type": "function", "name": "weather", "parameters": CITY}],
@@ -75,7 +75,7 @@ def test_sdks_through_the_gateway_on_real_vllm(routed: LocalStack, models: dict[
             ant = anthropic.AsyncAnthropic(base_url=gw.base_url(key)[:-3], api_key="x", max_retries=0, timeout=300)
             await gw.close_session(key)
 
-            key, sess = gw.open_session(0, 2, "t/0/2", RequestLog())
+            key, sess = gw.open_session(OpenStep(0, RequestLog()), 2, "t/0/2")
             ant = anthropic.AsyncAnthropic(base_url=gw.base_url(key)[:-3], api_key="x", max_retries=0, timeout=300)
             a_tools = [{"name": "weather", "description": "Weather.", "input_schema": CITY}]
             msg = await ant.messages.create(model="tiny", max_tokens=200, tools=a_tools, tool_choice={"type": "any"},
