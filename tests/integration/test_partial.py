@@ -169,3 +169,18 @@ def test_agent_sessions_over_http_carry_like_token_level_ones(tmp_path: Path) ->
     [(landed, row)] = [(s, r) for s, step in enumerate(rows) for r in step if r["session_id"] == "rollout/0/1"]
     assert landed >= 1 and row["carried"] == landed and row["num_turns"] == 2
     assert sum(r["carried_in"] for r in reports) >= 1
+
+
+@pytest.mark.timeout(300)
+def test_the_count_flip_counts_the_sessions_that_close_a_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out = launch([f"hydra.run.dir={run}", "engine.time_scale=0.2", "router.heartbeat_s=0.2", "rollout.close=count",
+                  "rollout.over_sample=0.5", "steps=3", "sessions_per_step=8", "tail.policy=count",
+                  "tail.threshold=0.75", *ENV])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows, reports = steps_of(run)
+    assert_each_session_once(rows)
+    for report in reports:
+        # Flipped at exactly ceil(0.75 * 8) sessions done in the step, carried ones among them.
+        assert report["flip"]["count"] == report["flip"]["expected_count"] == 6
+        assert report["flip"]["spillover"] == 0  # after it, the step's requests all ran on the tail group
