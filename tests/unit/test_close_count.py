@@ -25,6 +25,11 @@ class Sessions:
     def __init__(self) -> None:
         self.waiting: dict[tuple[int, int, int], asyncio.Future[tuple[float, list[int]]]] = {}
         self.started: list[tuple[int, int, int]] = []
+        self.told: list[tuple[int, str]] = []
+        """The SessionDones the closer sent: (the step it landed in, session id)."""
+
+    async def landed(self, step: int, session_id: str) -> None:
+        self.told.append((step, session_id))
 
     async def run(self, step: int, index: int, attempt: int) -> list[Sample]:
         key = (step, index, attempt)
@@ -52,7 +57,7 @@ class Sessions:
 
 def closer(sessions: Sessions, n: int = 8, group: int = 1, **rollout: Any) -> CloseOnCount:
     cfg: Any = SimpleNamespace(sessions_per_step=n, job="job", rollout=RolloutConfig(close="count", **rollout))
-    return CloseOnCount(cfg, 0, 1, group, sessions.run, ["throughput"], RequestLog, 0)
+    return CloseOnCount(cfg, 0, 1, group, sessions.run, ["throughput"], RequestLog, 0, sessions.landed)
 
 
 def rows(landed: Landed) -> list[dict[str, Any]]:
@@ -101,6 +106,9 @@ def test_a_step_closes_on_its_count_and_carries_the_rest_into_the_step_they_end_
         assert got[(0, 1)]["carried"] == got[(0, 4)]["carried"] == 1 and got[(1, 0)]["carried"] == 0
         assert got[(0, 1)]["staleness"] == 1  # no weights_dir: a step behind the step it began in
         assert landed.counts["carried_in"] == 2 and landed.counts["group_starts"] == 4
+        # The router hears of each counted session with the step it landed in (what the flip counts).
+        assert sorted(s.told) == sorted([(0, f"job/0/{i}") for i in (0, 2, 3, 5)]
+                                        + [(1, "job/0/1"), (1, "job/0/4"), (1, "job/1/0"), (1, "job/1/1")])
         await c.aclose()
         assert not c.running
 
@@ -216,7 +224,7 @@ def test_a_session_that_raises_a_toolkit_failure_fails_the_step() -> None:
             raise RuntimeError("router gone")
 
         cfg: Any = SimpleNamespace(sessions_per_step=2, job="job", rollout=RolloutConfig(close="count"))
-        c = CloseOnCount(cfg, 0, 1, 1, broken, ["throughput"], RequestLog, 0)
+        c = CloseOnCount(cfg, 0, 1, 1, broken, ["throughput"], RequestLog, 0, Sessions().landed)
         with pytest.raises(RuntimeError, match="router gone"):
             await c.collect(0)
         await c.aclose()
@@ -227,5 +235,5 @@ def test_a_session_that_raises_a_toolkit_failure_fails_the_step() -> None:
 def test_ranks_split_the_count_and_the_groups_in_flight() -> None:
     s = Sessions()
     cfg: Any = SimpleNamespace(sessions_per_step=10, job="job", rollout=RolloutConfig(close="count", over_sample=0.25))
-    parts = [CloseOnCount(cfg, r, 3, 1, s.run, ["t"], RequestLog, 0) for r in range(3)]
+    parts = [CloseOnCount(cfg, r, 3, 1, s.run, ["t"], RequestLog, 0, s.landed) for r in range(3)]
     assert [p.quota for p in parts] == [4, 3, 3] and sum(p.target for p in parts) == 13

@@ -60,7 +60,7 @@ from toolkit.session.columns import (
     write_parquet,
 )
 from toolkit.session.requests import RequestLog
-from toolkit.session.sample import NonPrefixTurn, Sample
+from toolkit.session.sample import NonPrefixTurn, Sample, session_id
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ class RankRunner:
         self.sem: asyncio.Semaphore | None = None
         self.closer = CLOSERS[cfg.rollout.close](
             cfg, self.rank, self.size, samples_per_prompt(cfg), self._run_session, self.group_names,
-            lambda: RequestLog(self.metrics.request if self.metrics is not None else None), first_step)
+            lambda: RequestLog(self.metrics.request if self.metrics is not None else None), first_step,
+            lambda step, sid: self.client.session_done(cfg.job, step, sid))
 
     def _my_cap(self) -> int:
         cap = self.cfg.rollout.max_concurrent_rollouts
@@ -228,7 +229,7 @@ class RankRunner:
             return None
 
     def _session_ids(self, cols: Columns) -> list[str]:
-        return [f"{self.cfg.job}/{s}/{i}" + (f"#{b}" if b else "") for s, i, b in
+        return [session_id(self.cfg.job, s, i) + (f"#{b}" if b else "") for s, i, b in
                 zip(cols["started_step"].tolist(), cols["index"].tolist(), cols["branch"].tolist(), strict=True)]
 
     def _write_step(self, step: int, t0: float, cols: Columns, requests: Columns, closing: Columns,
@@ -260,9 +261,9 @@ class RankRunner:
         run = self.agent_session if self.agent is not None else self.session
         async with self.sem:
             samples = await run(started, index, attempt)
-        return await self._done(f"{self.cfg.job}/{started}/{index}", samples)
+        return self._done(samples)
 
-    async def _done(self, sid: str, samples: list[Sample]) -> list[Sample]:
+    def _done(self, samples: list[Sample]) -> list[Sample]:
         if self.tokenizer is not None:
             for s in samples:
                 try:
@@ -272,12 +273,10 @@ class RankRunner:
         self.closer.open.log.sessions_done_at.append(time.time())
         if self.metrics is not None and samples:
             self.metrics.session_done(samples[-1].status)  # the step report's outcome: the last row
-        # Counted toward the open step's tail flip: the step the session may land in.
-        await self.client.session_done(self.cfg.job, self.closer.open.step, sid)
-        return samples
+        return samples  # its SessionDone goes to the router as it lands (the closer's)
 
     async def session(self, step: int, index: int, attempt: int = 0) -> list[Sample]:
-        sid = f"{self.cfg.job}/{step}/{index}"
+        sid = session_id(self.cfg.job, step, index)
         sample = Sample.start(index, sid, [])
         # The toolkit's own failures (the router gone...) are not the environment's.
         waits = Waits()
@@ -345,7 +344,7 @@ class RankRunner:
         """One session of an agent over HTTP: the agent runs against its own base URL on this rank's
         gateway; whatever it does, the session ends with its samples (then a SessionDone)."""
         cfg = self.cfg
-        sid = f"{cfg.job}/{step}/{index}"
+        sid = session_id(cfg.job, step, index)
         key, sess = self.gateway.open_session(self.closer.open, index, sid, cfg.workload.record_messages, attempt)
         try:
             got, error = await guarded("agent", sid, self._agent(key, step, index), self.cfg.workload.env_timeout_s)

@@ -25,6 +25,11 @@ SAMPLE_STATUSES = ("completed", "truncated", "aborted", "failed", "stale", "filt
 of a group whose rewards were all equal (``rollout.filter_groups``). Both are written, never counted."""
 
 
+def session_id(job: str, step: int, index: int) -> str:
+    """The id of session ``index`` of step ``step`` (the step it started in): ``job/step/index``."""
+    return f"{job}/{step}/{index}"
+
+
 class NonPrefixTurn(ToolkitError):
     """A turn's prompt does not start with the tokens accumulated so far."""
 

@@ -16,6 +16,8 @@ class CloseAll(StepClose):
             # Packed as the session ends: its Python lists take ~60 B a token, the columns 9 B, so a
             # rank never holds a whole step of finished samples as lists.
             samples = await self.run(step, index, 0)
+            if samples:
+                await self.landed(step, samples[0].session_id)
             for sample in samples:
                 sample.started_step = step
                 self.builder.add(sample)

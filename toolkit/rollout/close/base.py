@@ -14,6 +14,10 @@ from toolkit.session.columns import ColumnBuilder
 from toolkit.session.requests import OpenStep, RequestLog
 from toolkit.session.sample import Sample
 
+SessionLanded = Callable[[int, str], Awaitable[None]]
+"""Tells the router that session ``session_id`` landed in step ``step`` (its ``SessionDone``: the tail
+flip counts the sessions that close a step)."""
+
 RunSession = Callable[[int, int, int], Awaitable[list[Sample]]]
 """Runs one session to its end: ``(started_step, index, attempt) -> its samples`` (attempt > 0: a
 restart, whose requests need ids of their own)."""
@@ -45,8 +49,10 @@ def share(total: int, rank: int, size: int) -> int:
 
 class StepClose(ABC):
     def __init__(self, cfg: Config, rank: int, size: int, group_size: int, run: RunSession,
-                 group_names: list[str], new_log: Callable[[], RequestLog], first_step: int) -> None:
+                 group_names: list[str], new_log: Callable[[], RequestLog], first_step: int,
+                 landed: SessionLanded) -> None:
         self.cfg = cfg
+        self.landed = landed
         self.rank, self.size = rank, size
         self.group_size = group_size
         """Sessions per prompt (a GRPO group)."""

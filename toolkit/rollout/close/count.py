@@ -15,9 +15,9 @@ import math
 from collections.abc import Callable
 
 from toolkit.config import Config, GroupFilter, StaleAction
-from toolkit.rollout.close.base import Landed, RunSession, StepClose, cancel_all, share
+from toolkit.rollout.close.base import Landed, RunSession, SessionLanded, StepClose, cancel_all, share
 from toolkit.session.requests import RequestLog
-from toolkit.session.sample import Sample
+from toolkit.session.sample import Sample, session_id
 
 Group = tuple[int, int, int]
 """``(started_step, group, attempt)``: group ``group`` of step ``started_step``, sessions
@@ -26,8 +26,11 @@ Group = tuple[int, int, int]
 
 class CloseOnCount(StepClose):
     def __init__(self, cfg: Config, rank: int, size: int, group_size: int, run: RunSession,
-                 group_names: list[str], new_log: Callable[[], RequestLog], first_step: int) -> None:
-        super().__init__(cfg, rank, size, group_size, run, group_names, new_log, first_step)
+                 group_names: list[str], new_log: Callable[[], RequestLog], first_step: int,
+                 landed: SessionLanded) -> None:
+        super().__init__(cfg, rank, size, group_size, run, group_names, new_log, first_step, landed)
+        self.counted_ids: list[tuple[int, str]] = []
+        """Sessions that landed and counted, not yet told to the router (``landed``)."""
         r = cfg.rollout
         groups = cfg.sessions_per_step // group_size
         flight = math.ceil(groups * (1 + r.over_sample) - 1e-9)
@@ -80,7 +83,13 @@ class CloseOnCount(StepClose):
         full, self.full = self.full, []
         for args in full:
             self._land(*args)
+        await self._tell()
         return landed
+
+    async def _tell(self) -> None:
+        ids, self.counted_ids = self.counted_ids, []
+        for step, sid in ids:
+            await self.landed(step, sid)
 
     async def aclose(self) -> None:
         await cancel_all(list(self.running.values()))
@@ -101,7 +110,7 @@ class CloseOnCount(StepClose):
         for group in doomed:
             started, g, attempt = group
             self.started_at.pop(group)
-            sids = [(i, f"{self.cfg.job}/{started}/{i}") for i in self._members(g)]
+            sids = [(i, session_id(self.cfg.job, started, i)) for i in self._members(g)]
             self.counts["tokens_discarded"] += sum(self.open.forget(sid) for _, sid in sids)
             if r.stale == StaleAction.restart:
                 self.counts["restarted_stale"] += self.group_size
@@ -121,7 +130,7 @@ class CloseOnCount(StepClose):
             return step - self.started_at[group]
         started, g, _ = group
         known = [self.open.oldest[sid] for i in self._members(g)
-                 if (sid := f"{self.cfg.job}/{started}/{i}") in self.open.oldest]
+                 if (sid := session_id(self.cfg.job, started, i)) in self.open.oldest]
         return self.newest - min(known) if known else 0
 
     def _members(self, g: int) -> range:
@@ -154,6 +163,7 @@ class CloseOnCount(StepClose):
         del self.running[group]
         self._land(group, [s for samples in results for s in samples], [r[-1] for r in results if r])
         self.changed.set()
+        await self._tell()
 
     def _land(self, group: Group, samples: list[Sample], finals: list[Sample]) -> None:
         if self.counted >= self.quota:
@@ -186,6 +196,7 @@ class CloseOnCount(StepClose):
         else:
             self._add(samples)
             self.counted += 1
+            self.counted_ids += [(step, s.session_id) for s in finals]
             self._top_up(self.target)  # in flight again what the step keeps in flight
             return
         self._top_up(len(self.running) + 1)  # it did not count: another group in its place
