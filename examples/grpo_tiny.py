@@ -5,7 +5,8 @@ trainer. For every step it
 
 1. waits for the step's samples (``toolkit.samples.wait_step``),
 2. recomputes the sampled tokens' logprobs with its own model at the weights that generated them and
-   reports the training-inference mismatch (mean |Δ logprob| and the k3 estimate of KL),
+   reports the training-inference mismatch (mean |Δ logprob| and the k3 estimate of KL; with
+   ``--partial``, apart for samples of older weights: ``*_stale``),
 3. takes one GRPO step: advantages normalized within each group of ``--group`` samples of one prompt,
    the ratio against the engine's logprobs, clipped,
 4. publishes the new weights for the next step (``toolkit.weights.publish``), which the engines load
@@ -96,7 +97,22 @@ def token_logprobs(model: Any, rows: list[dict[str, Any]]) -> tuple[Any, Any]:
     return lp, mask[:, 1:]
 
 
-def grpo_step(model: Any, opt: Any, rows: list[dict[str, Any]], group: int, clip: float) -> dict[str, float]:
+def mismatch(d: Any, mask: Any, suffix: str = "") -> dict[str, float | None]:
+    """Mean |Δ logprob| and the k3 estimate of KL over the tokens of ``mask`` (None without any)."""
+    import torch
+
+    n = mask.sum()
+    if n == 0:
+        return {f"mean_abs_dlogprob{suffix}": None, f"k3_kl{suffix}": None}
+    d = d * mask
+    return {f"mean_abs_dlogprob{suffix}": float(d.abs().sum() / n),
+            f"k3_kl{suffix}": float(((torch.exp(d) - 1 - d) * mask).sum() / n)}
+
+
+def grpo_step(model: Any, opt: Any, rows: list[dict[str, Any]], group: int, clip: float,
+              version: int) -> dict[str, float | None]:
+    """One GRPO update on ``rows``; ``version``: the weights the trainer holds (the mismatch is reported
+    apart for rows generated wholly on them and for older ones, ``_stale``)."""
     import torch
 
     rewards = torch.tensor([r["reward"] for r in rows]).view(-1, group)
@@ -106,18 +122,19 @@ def grpo_step(model: Any, opt: Any, rows: list[dict[str, Any]], group: int, clip
     for i, r in enumerate(rows):
         old[i, : len(r["tokens"]) - 1] = torch.tensor(r["rollout_logprobs"][1:], dtype=torch.float32)
     lp, mask = token_logprobs(model, rows)
-    with torch.no_grad():  # the mismatch: same weights, two implementations (bf16 engine, fp32 trainer)
-        d = (lp - old) * mask
-        n = mask.sum()
-        mismatch = {"mean_abs_dlogprob": float(d.abs().sum() / n),
-                    "k3_kl": float(((torch.exp(d) - 1 - d) * mask).sum() / n)}
+    with torch.no_grad():
+        # On the trainer's own weights: the same weights in two implementations (bf16 engine, fp32
+        # trainer). On older ones (carried with --partial) it also holds how far the policy moved since.
+        own = torch.tensor([[float(r["weight_versions"] == [version])] for r in rows])
+        d = lp - old
+        stats = {**mismatch(d, mask * own), **mismatch(d, mask * (1 - own), "_stale")}
     ratio = torch.exp(lp - old)
     obj = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
     loss = -((obj * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return {"loss": loss.item(), **mismatch}
+    return {"loss": loss.item(), **stats}
 
 
 def plot(path: Path, history: list[dict[str, Any]]) -> None:
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(args.steps):
             rows = trainable(wait_step(run, step, args.timeout).to_pylist(), args.group)
-            stats = grpo_step(model, opt, rows, args.group, args.clip)
+            stats = grpo_step(model, opt, rows, args.group, args.clip, version=step)
             versions = sorted({v for r in rows for v in r["weight_versions"]})
             rec = {"step": step, "reward_mean": sum(r["reward"] for r in rows) / len(rows),
                    "weight_versions": versions, "carried": sum(r["carried"] > 0 for r in rows),

@@ -48,9 +48,14 @@ def test_grpo_on_the_tiny_model_raises_the_reward(tmp_path: Path, partial: bool)
     reward = [float(r["reward_mean"]) for r in rows]
     first, last = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
     assert last >= first + MARGIN, reward
-    # On-policy, the same weights in two implementations (bf16 engine, fp32 trainer): close, not equal.
-    # With --partial the trainer is an update or two ahead of the rows' weights.
+    # Rows of the trainer's own weights: the same weights in two implementations (bf16 engine, fp32
+    # trainer), close, not equal. Rows of older weights (--partial: the trainer is an update ahead) also
+    # hold how far one update moved the policy, which no bound of the toolkit's sets: only sane.
     for r in rows:
-        assert 0 < float(r["mean_abs_dlogprob"]) < (2.0 if partial else 0.5), r
-        assert 0 <= float(r["k3_kl"]) < (1.0 if partial else 0.1), r
+        if r["k3_kl"]:
+            assert 0 < float(r["mean_abs_dlogprob"]) < 0.5 and 0 <= float(r["k3_kl"]) < 0.1, r
+        if r["k3_kl_stale"]:
+            assert partial and 0 < float(r["mean_abs_dlogprob_stale"]) < 2.0, r
+    if not partial:
+        assert all(r["k3_kl"] for r in rows)
     assert (out / "reward.png").stat().st_size > 10_000

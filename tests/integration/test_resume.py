@@ -77,11 +77,16 @@ def test_resume_after_kill_9_of_launch_mid_step_equals_an_uninterrupted_run(tmp_
     run, ref = tmp_path / "run", tmp_path / "ref"
     # A checkpoint published for step 1: the resumed run's fresh replicas must load it before step 2.
     publish(tmp_path / "weights", 1, {"w": np.zeros(1, dtype=np.float32)})
-    weights = [f"rollout.weights_dir={tmp_path / 'weights'}"]
+    # Session 2/0 waits in its first tool call until `release` exists, so step 2 is still open when the
+    # launch dies, however fast the machine (the same env in every run: the outputs stay comparable).
+    release = tmp_path / "release"
+    weights = [f"rollout.weights_dir={tmp_path / 'weights'}", "workload.env._target_=tests.helpers.partial_env.SlowSessions",
+               "+workload.env.slow=[2/0]", f"+workload.env.until={release}"]
     _kill_launch_mid_step(run, step=2, extra=weights)
     # Its components end with it (the owner watch on this machine; the lease everywhere).
     wait_for(lambda: not [r for r in read_pidfiles(run / "pids") if r.alive()], 60, "the killed run's processes to end")
     assert not (run / "steps" / "step_00002.json").exists()
+    release.touch()
 
     out = launch([f"hydra.run.dir={run}", *RUN, *weights, "resume=true"])
     assert out.returncode == 0, out.stdout + out.stderr
