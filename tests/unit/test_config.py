@@ -322,3 +322,9 @@ def test_partial_steps_are_checked_at_setup_naming_every_bad_field() -> None:
     assert {("rollout.close", "one of ['all', 'count']"), ("rollout.stale", "one of ['drop', 'restart']")} <= {
         (e.field, e.allowed) for e in info.value.errors}
     assert "in [0, 4]" in [e.allowed for e in info.value.errors if e.field == "rollout.over_sample"]
+
+
+def test_affinity_wait_needs_a_policy_that_keeps_a_sessions_replica() -> None:
+    with pytest.raises(ConfigError, match=r"router.affinity = 'wait': 'spill' with router.policy=least_loaded"):
+        validate(compose_config(["router.affinity=wait", "router.policy=least_loaded"]))
+    validate(compose_config(["router.affinity=wait"]))

@@ -103,6 +103,23 @@ def test_consistent_hash_when_nearly_saturated_takes_a_free_replica() -> None:
     assert p.choose("any-session", 127, with_room(rs)) is rs[17]
 
 
+@pytest.mark.parametrize("n", [3, 64])  # the ring walk, and the nearly saturated shortcut
+def test_with_affinity_wait_a_session_waits_for_its_own_full_replica(n: int) -> None:
+    rs = replicas(n, cap=2)
+    spill, wait = ConsistentHash(rs, 1.25), ConsistentHash(rs, 1.25, wait_for_home=True)
+    home = wait.choose("s", 0, with_room(rs))
+    assert home is not None and spill.choose("s", 0, with_room(rs)) is home  # the same home either way
+    other = next(r for r in rs if r is not home)
+    for r in rs:  # a saturated fleet: every replica full but one, and the session's own
+        r.inflight = {"a": None, "b": None} if r is not other else {"a": None}
+    load = 2 * n - 1
+    assert spill.choose("s", load, with_room(rs)) is other  # it computes its context there again
+    assert wait.choose("s", load, with_room(rs)) is None  # it waits for a slot at home
+    home.inflight = {"a": None}
+    assert wait.choose("s", load - 1, with_room(rs)) is home
+    assert make_policy("consistent_hash", rs, affinity="wait").choose("s", load - 1, with_room(rs)) is home
+
+
 def test_unknown_policy_names_the_options() -> None:
     with pytest.raises(ConfigError, match="least_loaded"):
         make_policy("random", replicas(1))

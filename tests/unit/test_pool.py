@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from toolkit.config import compose_config
-from toolkit.core.protocol import Generate
+from toolkit.core.protocol import Generate, ReplicaStats
 from toolkit.router.pool import ReplicaPool
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
@@ -98,3 +98,21 @@ def test_a_dropped_replica_hands_back_what_it_held() -> None:
         p.take_slot(a, req)
     assert p.remove(a) == held and not a.inflight
     assert p.known(a.identity) is None and p.spare_slots(None) == 0 and p.capacity("throughput") == 0
+
+
+def test_a_group_sums_its_replicas_engine_counters_and_skips_a_restart() -> None:
+    p = pool()
+    a, b = replica(0, "throughput"), replica(1, "throughput")
+    for r in (a, b):
+        p.add(r)
+        p.set_ready(r)
+    zero = ReplicaStats()
+    p.count_generated(a, zero, ReplicaStats(generated_tokens=10, engine_steps=5, prefill_tokens=100,
+                                            model_s=0.5, active_s=0.6), 1.0)
+    p.count_generated(b, zero, ReplicaStats(generated_tokens=0, engine_steps=0), 1.0)
+    # An engine that restarted reports smaller counters: nothing negative is counted.
+    p.count_generated(a, ReplicaStats(generated_tokens=10, engine_steps=5, model_s=0.5),
+                      ReplicaStats(generated_tokens=3, engine_steps=2, model_s=0.2, active_s=0.9), 1.0)
+    g = p.group_status(["throughput"], lambda r: False)["throughput"]
+    assert (g.generated_tokens, g.engine_steps, g.prefill_tokens) == (10, 5, 100)
+    assert (g.model_s, g.active_s, g.replica_s, g.busy_s) == (0.5, 0.6 + 0.9, 3.0, 1.0)

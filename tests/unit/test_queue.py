@@ -77,3 +77,14 @@ def test_the_place_comes_with_the_request_it_was_chosen_for() -> None:
     got = list(q.pop_round(lambda r: places[r.request_id]))
     assert [(r.request_id, place) for r, place in got] == [("young", "replica-1")]
     assert q.size == 1
+
+
+def test_with_a_scan_a_head_that_must_wait_does_not_hold_up_the_requests_behind_it() -> None:
+    for scan, want in ((1, []), (2, ["a1", "a2", "a3"])):
+        q = FairQueue(scan)
+        for i in range(4):
+            q.push(req("A", f"a{i}"))
+        # a0 waits (its replica is full): with a scan, those behind it go meanwhile, oldest first.
+        assert drain(q, lambda r: r.request_id != "a0") == want
+        assert q.size == 4 - len(want)
+    assert drain(q) == ["a0"]  # once it has a place

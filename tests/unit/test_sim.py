@@ -129,6 +129,30 @@ def test_engine_generates_batches_and_counts_prefix_hits() -> None:
     run(main())
 
 
+def test_engine_counts_where_its_time_went() -> None:
+    """Steps, prefilled tokens and modelled seconds are exactly the time model's for a request alone;
+    the wall time with work is at least the modelled time, and stops counting when it is idle."""
+    async def main() -> None:
+        eng = SimEngine(SimEngineConfig(time_scale=0.01))
+        await eng.start()
+        prompt = list(range(1, 50))
+        res = await eng.generate(gen("a", prompt, 40))
+        n = len(res.output_token_ids)
+        stats = eng.stats()
+        assert (stats.engine_steps, stats.prefill_tokens, stats.generated_tokens) == (n, len(prompt), n)
+        # Step k reads the prompt and k tokens; the first also prefills the prompt.
+        want = sum(eng.step_time(len(prompt) + k, len(prompt) if k == 0 else 0) for k in range(n)) * 0.01
+        assert stats.model_s == pytest.approx(want)
+        assert stats.active_s >= stats.model_s * 0.99
+        await asyncio.sleep(0.05)
+        assert eng.stats().active_s == pytest.approx(stats.active_s, abs=0.02)  # idle: not counted
+        again = await eng.generate(gen("b", prompt, 8))  # the prompt is cached but for its last block
+        assert eng.stats().prefill_tokens - stats.prefill_tokens == len(prompt) - again.cached_tokens
+        await eng.close()
+
+    run(main())
+
+
 def test_abort_returns_partial_output_and_client_errors_are_immediate() -> None:
     async def main() -> None:
         eng = SimEngine(SimEngineConfig(time_scale=1.0, output_len_median=10000, max_model_len=100000))

@@ -4,8 +4,9 @@ slowest session, on the tail bench's workload and fleet (sim engines).
 Arms, interleaved in rounds (every arm once per round): ``off`` (close=all, no tail policy), ``tail``
 (close=all, ``age`` with moves that recompute), ``partial`` (close=count, over_sample 0.25,
 max_staleness 1), ``partial+tail``, ``partial+updates`` (partial, with the loop bench's trainer
-stand-in publishing a version every step). Also ``filter``: zero-variance filtering on GRPO groups of
-8 with a reward whose all-equal share is known. Method and fields: docs/benchmarks.md#partial.
+stand-in publishing a version every step), ``partial+affinity`` (partial with ``router.affinity=wait``).
+Also ``filter``: zero-variance filtering on GRPO groups of 8 with a reward whose all-equal share is
+known. Method and fields: docs/benchmarks.md#partial.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from rich.console import Console
 from toolkit.bench.loop import TrainerStandIn
 from toolkit.bench.tail_arms import ARMS as TAIL_ARMS
 from toolkit.bench.tail_arms import SESSIONS
-from toolkit.config import compose_config
+from toolkit.config import Config, compose_config, group_engine
 from toolkit.core.rundir import RunDir
 from toolkit.launch.app import run as launch_run
 from toolkit.launch.validation import validate
+from toolkit.rollout.bound import SimCosts
 from toolkit.rollout.envs import EnvStep, ToolCallEnv
 from toolkit.rollout.prompts import Prompt
 
@@ -39,8 +41,10 @@ ARMS: dict[str, tuple[str, ...]] = {
     "partial": (*TAIL_ARMS["off"], *PARTIAL),
     "partial+tail": (*TAIL_ARMS["age"], *PARTIAL),
     "partial+updates": (*TAIL_ARMS["off"], *PARTIAL),
+    "partial+affinity": (*TAIL_ARMS["off"], *PARTIAL, "router.affinity=wait"),
 }
-"""Each arm's settings; ``partial+updates`` also gets a ``weights_dir`` its trainer stand-in publishes to."""
+"""Each arm's settings; ``partial+updates`` also gets a ``weights_dir`` its trainer stand-in publishes to.
+``partial+affinity``: a design for the throughput bound (a session's turn waits for its own replica)."""
 FILTER_SPP = 8
 FILTER_EQUAL_EVERY = 4
 """``filter``: every 4th GRPO group's rewards are all equal (a known 25% share)."""
@@ -88,17 +92,15 @@ def _books(run: dict[str, Any]) -> dict[str, int]:
             "sessions_twice": sum(n > 1 for n in ids.values())}
 
 
-def _per_step(run: dict[str, Any], warmup: int = WARMUP_STEPS) -> list[dict[str, float]]:
+def _per_step(run: dict[str, Any], warmup: int = WARMUP_STEPS) -> list[dict[str, Any]]:
     """Counted steps: sessions landed (not stale, not filtered), seconds since the previous step ended
     (the gap between steps counts), the throughput bound's seconds, busy and replica seconds."""
     reports, rows = run["reports"], run["rows"]
     out = []
     for s in range(warmup, len(reports)):
         rep, prev = reports[s], reports[s - 1]
-        busy = sum(g["busy_s"] for g in (rep["fleet_time"] or {}).values()) - \
-            sum(g["busy_s"] for g in (prev["fleet_time"] or {}).values())
-        seen = sum(g["replica_s"] for g in (rep["fleet_time"] or {}).values()) - \
-            sum(g["replica_s"] for g in (prev["fleet_time"] or {}).values())
+        now, before = rep["fleet_time"] or {}, prev["fleet_time"] or {}
+        fleet = {g: {k: v - before.get(g, {}).get(k, 0) for k, v in counts.items()} for g, counts in now.items()}
         landed = [x for x in rows[s] if x["status"] in ("completed", "truncated", "failed")]
         out.append({
             "samples": len(landed),
@@ -106,10 +108,42 @@ def _per_step(run: dict[str, Any], warmup: int = WARMUP_STEPS) -> list[dict[str,
             "generated_tokens": rep["generated_tokens"],
             "seconds": rep["ended_at"] - prev["ended_at"],
             "bound_s": (rep.get("bound") or {}).get("throughput_at_max_inflight_s") or 0.0,
-            "busy_s": busy, "replica_s": seen,
+            "busy_s": sum(g["busy_s"] for g in fleet.values()), "replica_s": sum(g["replica_s"] for g in fleet.values()),
+            "fleet": fleet,
             "staleness": [x["staleness"] for x in rows[s] if x["status"] != "stale"],
         })
     return out
+
+
+def _pace(steps_: list[dict[str, Any]], cfg: Config) -> dict[str, float] | None:
+    """Where the fleet's replica-seconds went over the counted steps, as shares that sum to 1: ``idle``
+    (no request on the engine), ``behind_model`` (the engine had work but fell behind its own time
+    model's schedule: a CPU it shares), ``underfull_batches`` (the fixed cost of steps with fewer
+    sequences than ``max_inflight``), ``prefill`` (every prompt token computed), ``at_peak`` (the
+    throughput bound's replica-seconds for the tokens generated) and ``other`` (what is left: the
+    groups' split and context reads against the bound's fluid ones, less the prefill the bound also
+    counts). ``1 / at_peak`` is about ``fleet_bound_ratio``. None without the sim's counters."""
+    costs = {g: SimCosts(group_engine(cfg, g), cfg.groups[g].max_inflight) for g in cfg.groups}
+    replicas = sum(cfg.groups[g].replicas for g in cfg.groups)
+    t: Counter[str] = Counter()
+    for s in steps_:
+        for g, f in s["fleet"].items():
+            c = costs.get(g)
+            if c is None:
+                continue
+            t["replica_s"] += f["replica_s"]
+            t["active_s"] += f["active_s"]
+            t["model_s"] += f["model_s"]
+            t["underfull_batches"] += f["engine_steps"] * c.step - f["generated_tokens"] * c.step / c.inflight
+            t["prefill"] += f["prefill_tokens"] * c.prefill
+        t["at_peak"] += s["bound_s"] * replicas
+    seen = t["replica_s"]
+    if seen <= 0 or t["model_s"] <= 0:
+        return None
+    split = {"idle": (seen - t["active_s"]) / seen, "behind_model": (t["active_s"] - t["model_s"]) / seen,
+             **{k: t[k] / seen for k in ("underfull_batches", "prefill", "at_peak")}}
+    split["other"] = 1 - sum(split.values())
+    return {k: round(v, 4) for k, v in split.items()}
 
 
 def _ci95(arm: np.ndarray, off: np.ndarray, resamples: int = 4000) -> list[float]:
@@ -147,7 +181,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     steps = warmup + per_round
     base = [f"sessions_per_step={sessions}", f"engine.time_scale={0.1 if quick else 1.0}",
             "workload.max_tokens=2048", "seed=7"]
-    measured: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    measured: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     books: dict[str, Counter[str]] = {arm: Counter() for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="bench-partial-") as tmp:
         root = Path(tmp)
@@ -195,6 +229,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             # share of those tokens its landed samples hold.
             "fleet_bound_ratio": round(float(table[arm][:, 1].sum() / fleet_s), 4) if fleet_s else None,
             "landed_token_share": round(landed_share, 4),
+            # The fleet's pace taken apart: where its replica-seconds went.
+            "fleet_time": _pace(steps_, compose_config([*base, *ARMS[arm]])),
             "mean_step_s": round(float(table[arm][:, 1].mean()), 3),
         }
     partial_arms = [a for a in arms if a.startswith("partial")]

@@ -32,6 +32,7 @@ from toolkit.config.backends import (
 )
 from toolkit.config.constraints import Choice, bounded, field_errors, matching, nonempty
 from toolkit.config.sections import (
+    Affinity,
     CloseMode,
     GatewayConfig,
     GroupFilter,
@@ -55,7 +56,7 @@ from toolkit.core.errors import ConfigError, FieldError, ToolkitError
 from toolkit.core.rundir import RunDir, atomic_write
 
 __all__ = [
-    "CONF_DIR", "VLLM_OWN_ARGS", "Backend", "Choice", "CloseMode", "ClusterConfig", "Config", "ConfigError",
+    "CONF_DIR", "VLLM_OWN_ARGS", "Affinity", "Backend", "Choice", "CloseMode", "ClusterConfig", "Config", "ConfigError",
     "ConfigSchema", "GatewayConfig", "GroupConfig", "GroupFilter", "Move", "Output", "QueueOrder", "ReplicaResources",
     "ReportConfig", "RolloutConfig", "RouterConfig", "RouterPolicyName", "SimEngineConfig",
     "SlurmClusterConfig", "StaleAction", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",

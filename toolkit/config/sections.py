@@ -18,6 +18,13 @@ class RouterPolicyName(Choice):
     round_robin = "round_robin"
 
 
+class Affinity(Choice):
+    """``router.affinity``: what a session's request does when its own replica is full."""
+
+    spill = "spill"
+    wait = "wait"
+
+
 class QueueOrder(Choice):
     """``router.queue``."""
 
@@ -37,6 +44,11 @@ class RouterConfig:
     """Replica choice in a group: consistent_hash | least_loaded | power_of_two | round_robin."""
     load_factor: float = bounded(1.25, ge=1.0)
     """Bounded-load consistent hashing: no replica above ceil(load_factor * average load)."""
+    affinity: Affinity = Affinity.spill
+    """``consistent_hash``: a request whose session's replica has no free slot ``spill``s to the next
+    one with room, computing its context there again, or ``wait``s in the queue for a slot on its own
+    (its prefix cached there; the queue serves the requests behind it meanwhile). ``wait`` pays on a
+    saturated fleet: docs/router.md#affinity."""
     heartbeat_s: float = bounded(0.5, gt=0)
     """Interval of replica heartbeats."""
     missed_heartbeats: int = bounded(6, ge=1)

@@ -75,6 +75,15 @@ class ReplicaStats(Message):
     weight_version: int = 0
     generated_tokens: int = 0
     """Tokens generated since the engine started: the router's evidence of progress."""
+    engine_steps: int = 0
+    """Engine steps (batches) run since the engine started (``sim``; 0 where the backend does not count)."""
+    prefill_tokens: int = 0
+    """Prompt tokens computed, not found in the prefix cache, since the engine started (``sim``; else 0)."""
+    model_s: float = 0.0
+    """Seconds its time model charged for those steps (``sim``; 0 for an engine without a time model)."""
+    active_s: float = 0.0
+    """Wall seconds in which it had work (``sim``; else 0). What exceeds ``model_s`` is time it fell
+    behind its own model's schedule: a CPU shared with other processes."""
 
 
 class Heartbeat(Message):
@@ -208,6 +217,12 @@ class GroupStatus(Message):
     """Replica-seconds between its replicas' heartbeats since this router started (monotonic)."""
     busy_s: float = 0.0
     """Of those, the seconds in which tokens came out: ``busy_s / replica_s`` is how busy it was."""
+    engine_steps: int = 0
+    """Its replicas' engine steps since this router started, summed from heartbeat increments, as the
+    three below (``ReplicaStats``; counted by the ``sim`` only)."""
+    prefill_tokens: int = 0
+    model_s: float = 0.0
+    active_s: float = 0.0
 
 
 class StepProgress(Message):

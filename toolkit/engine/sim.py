@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import time
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -178,6 +179,12 @@ class SimEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
         self.generated_tokens = 0
+        # Where its time went (``ReplicaStats``): what the model charged, prefilled tokens, and the wall
+        # time it had work (since ``_active_since`` for the current stretch).
+        self.model_s = 0.0
+        self.prefill_tokens = 0
+        self.active_s = 0.0
+        self._active_since: float | None = None
         self.hung = False
         # An in-place weight update waiting for the next step boundary, and the running contexts to
         # prefill again after one (their KV came from the old weights).
@@ -261,6 +268,10 @@ class SimEngine(Engine):
             prefix_queries=self.prefix_queries,
             weight_version=self.weight_version,
             generated_tokens=self.generated_tokens,
+            engine_steps=self.steps,
+            prefill_tokens=self.prefill_tokens,
+            model_s=self.model_s,
+            active_s=self.active_s + (time.monotonic() - self._active_since if self._active_since is not None else 0.0),
         )
 
     async def load_weights(self, path: str, version: int) -> None:
@@ -345,10 +356,15 @@ class SimEngine(Engine):
         while True:
             self._switch_weights()  # a step boundary
             if not self.running and not self.waiting:
+                if self._active_since is not None:
+                    self.active_s += time.monotonic() - self._active_since
+                    self._active_since = None
                 self._wake.clear()
                 await self._wake.wait()
                 next_t = loop.time()
                 continue  # woken by a request or by a weight update: look again
+            if self._active_since is None:
+                self._active_since = time.monotonic()
             prefill, self._recompute_tokens = self._recompute_tokens, 0
             while self.waiting and len(self.running) < self.cfg.max_num_seqs:
                 seq = self.waiting.popleft()
@@ -366,7 +382,8 @@ class SimEngine(Engine):
                 self.prefix_hits += seq.cached
                 self.running.append(seq)
             context = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
-            next_t += self.step_time(context, prefill) * scale
+            charged = self.step_time(context, prefill) * scale
+            next_t += charged
             delay = next_t - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -378,6 +395,8 @@ class SimEngine(Engine):
             if self.hung:
                 continue
             self.steps += 1
+            self.model_s += charged
+            self.prefill_tokens += prefill
             still = []
             for seq in self.running:
                 if seq.future.done():

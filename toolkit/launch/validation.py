@@ -153,6 +153,15 @@ def kv_moves(cfg: Config) -> list[FieldError]:
                        f"KV ({others}: no KV connector is wired)")]
 
 
+def affinity(cfg: Config) -> list[FieldError]:
+    """``router.affinity=wait`` waits for a session's own replica: only ``consistent_hash`` gives it one."""
+    if cfg.router.affinity == "spill" or cfg.router.policy == "consistent_hash":
+        return []
+    return [FieldError("router.affinity", cfg.router.affinity,
+                       f"'spill' with router.policy={cfg.router.policy} (only consistent_hash keeps a session's "
+                       f"replica to wait for)")]
+
+
 def concurrency_cap(cfg: Config) -> list[FieldError]:
     # Each rank runs at least one session at a time: a cap below the ranks would not hold.
     mcr = cfg.rollout.max_concurrent_rollouts
@@ -298,7 +307,8 @@ def trackers(cfg: Config) -> list[FieldError]:
 
 
 RULES: tuple[Rule, ...] = (
-    backend_types, backend_checks, replica_placement, tail_groups, kv_moves, concurrency_cap, decoding, staleness,
+    backend_types, backend_checks, replica_placement, tail_groups, kv_moves, affinity, concurrency_cap, decoding,
+    staleness,
     partial_steps,
     agent_workload, workload_sources, length_hint, trackers,
 )

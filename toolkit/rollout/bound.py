@@ -42,7 +42,7 @@ from toolkit.engine.sim import step_seconds
 from toolkit.session.columns import Columns
 
 
-class _Costs:
+class SimCosts:
     """The sim's time model per group, taken apart from :func:`step_seconds` (so the bound follows
     any change to it), in seconds after ``time_scale``."""
 
@@ -164,7 +164,7 @@ def _new_tokens(req: Columns, call: np.ndarray) -> np.ndarray:
 
 def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wall_s: float,
               inflight: dict[str, int] | None = None, agent: bool = False) -> dict[str, Any] | None:
-    groups = {g: _Costs(c, (inflight or {}).get(g)) for g, c in engines.items() if counts[g] > 0}  # scaled to 0: none
+    groups = {g: SimCosts(c, (inflight or {}).get(g)) for g, c in engines.items() if counts[g] > 0}  # scaled to 0: none
     replicas = sum(counts[g] for g in groups)
     if not groups:
         return None

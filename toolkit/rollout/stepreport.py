@@ -18,6 +18,9 @@ from toolkit.rollout.close import STEP_COUNTERS
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
 
+FLEET_TIME = ("replica_s", "busy_s", "generated_tokens", "engine_steps", "prefill_tokens", "model_s", "active_s")
+"""The ``GroupStatus`` counters a step report keeps per group under ``fleet_time``."""
+
 
 def _pct(a: np.ndarray, q: float) -> float | None:
     return float(np.percentile(a, q)) if a.size else None
@@ -84,9 +87,9 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "tail": None,
     }
     report.update(step_bound(cfg, req, wall_s, speeds) or {})
-    # Each group's replica-seconds and busy seconds so far, from heartbeats (the router's counts since it
-    # started): between two steps' reports, how busy the fleet was.
-    report["fleet_time"] = ({g: {"replica_s": s.replica_s, "busy_s": s.busy_s} for g, s in speeds.items()}
+    # Each group's counts so far from heartbeats (the router's since it started): between two steps'
+    # reports, how busy the fleet was and, with the sim, where its engines' time went.
+    report["fleet_time"] = ({g: {k: getattr(s, k) for k in FLEET_TIME} for g, s in speeds.items()}
                             if speeds else None)
     if cfg.tail.active:
         moved = req["moves"] > 0

@@ -49,7 +49,7 @@ class Membership:
         r.stats = s
         r.speed.update(now, s.generated_tokens, s.running)
         if r.heartbeats:  # the first heartbeat after (re-)registering sets the baseline, counted before
-            self.pool.count_generated(r, max(0, s.generated_tokens - before.generated_tokens), interval)  # < 0: restarted
+            self.pool.count_generated(r, before, s, interval)
         r.heartbeats += 1
         if s.generated_tokens != before.generated_tokens:
             r.progress_at = now

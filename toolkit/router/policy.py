@@ -13,7 +13,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
 
-from toolkit.config import RouterPolicyName
+from toolkit.config import Affinity, RouterPolicyName
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.router.replica import Replica
 
@@ -102,8 +102,10 @@ class ConsistentHash(Policy):
     WALK = 64
     REWEIGHT_CHANGE = 0.2
 
-    def __init__(self, replicas: list[Replica], load_factor: float = 1.25) -> None:
+    def __init__(self, replicas: list[Replica], load_factor: float = 1.25, wait_for_home: bool = False) -> None:
         self.load_factor = load_factor
+        self.wait_for_home = wait_for_home
+        """``router.affinity=wait``: a session whose own replica is full waits for it (None), not spills."""
         self._ring: list[int] = []
         self._owners: list[Replica] = []
         self._capacity = 1
@@ -165,14 +167,20 @@ class ConsistentHash(Policy):
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
         if not self.replicas or not with_room:
             return None
-        if len(with_room) * 8 < len(self.replicas):
-            # Nearly saturated: the session's own replica is almost surely full, and walking the ring
-            # to the few with room costs VNODES x n / |with_room| steps. Take the best of those.
-            return self._best_with_room(with_room, group_load)
         if self._stale:
             self._rebuild()
         start = bisect.bisect(self._ring, _hash64(session_id))
         size = len(self._ring)
+        if self.wait_for_home:
+            home = self._owners[start % size]
+            if len(home.inflight) >= home.max_inflight:
+                return None  # its prefix is cached there: wait for a slot rather than compute it again
+            if self._fits(home, group_load):
+                return home
+        if len(with_room) * 8 < len(self.replicas):
+            # Nearly saturated: the session's own replica is almost surely full, and walking the ring
+            # to the few with room costs VNODES x n / |with_room| steps. Take the best of those.
+            return self._best_with_room(with_room, group_load)
         for k in range(min(size, self.WALK)):
             r = self._owners[(start + k) % size]
             if self._fits(r, group_load):
@@ -189,23 +197,24 @@ class ConsistentHash(Policy):
         return best
 
 
-POLICIES: dict[RouterPolicyName, Callable[[list[Replica], float, int], Policy]] = {
-    RouterPolicyName.consistent_hash: lambda replicas, load_factor, seed: ConsistentHash(replicas, load_factor),
-    RouterPolicyName.least_loaded: lambda replicas, load_factor, seed: LeastLoaded(replicas),
-    RouterPolicyName.power_of_two: lambda replicas, load_factor, seed: PowerOfTwo(replicas, seed),
-    RouterPolicyName.round_robin: lambda replicas, load_factor, seed: RoundRobin(replicas),
+POLICIES: dict[RouterPolicyName, Callable[[list[Replica], float, int, Affinity], Policy]] = {
+    RouterPolicyName.consistent_hash: lambda replicas, load_factor, seed, affinity: ConsistentHash(
+        replicas, load_factor, affinity == Affinity.wait),
+    RouterPolicyName.least_loaded: lambda replicas, load_factor, seed, affinity: LeastLoaded(replicas),
+    RouterPolicyName.power_of_two: lambda replicas, load_factor, seed, affinity: PowerOfTwo(replicas, seed),
+    RouterPolicyName.round_robin: lambda replicas, load_factor, seed, affinity: RoundRobin(replicas),
 }
 """``router.policy``'s implementations, one per :class:`~toolkit.config.RouterPolicyName`, each making one
-for a group from its replicas, ``router.load_factor`` and a seed (a new one: a class here, its name in
-the enum and its line)."""
+for a group from its replicas, ``router.load_factor``, a seed and ``router.affinity`` (a new one: a class
+here, its name in the enum and its line)."""
 
 
 def make_policy(name: RouterPolicyName | str, replicas: list[Replica], load_factor: float = 1.25,
-                seed: int = 0) -> Policy:
+                seed: int = 0, affinity: Affinity = Affinity.spill) -> Policy:
     """``router.policy`` ``name``'s policy over ``replicas`` (a name the enum lacks: a ConfigError naming
     the options, for a config built in code that ``validate`` did not see)."""
     try:
         make = POLICIES[RouterPolicyName(name)]
     except ValueError:
         raise ConfigError([FieldError("router.policy", name, f"one of {list(POLICIES)}")]) from None
-    return make(replicas, load_factor, seed)
+    return make(replicas, load_factor, seed, affinity)

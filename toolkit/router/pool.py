@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 BULK = "\x00bulk"
 """Key of the serving replicas outside the reserved (tail) group."""
 
+ENGINE_TIME = ("engine_steps", "prefill_tokens", "model_s", "active_s")
+"""The engine counters of ``ReplicaStats`` a group sums (where its engines' time went)."""
+
 PoolKey = str | None
 """A group's name, :data:`BULK`, or None (every group)."""
 
@@ -32,7 +35,7 @@ class GroupPool:
     """The serving replicas under one key, their policy and their slot counts (kept by :class:`ReplicaPool`)."""
 
     __slots__ = ("members", "policy", "capacity", "spare_slots", "with_room", "limits", "generated_tokens",
-                 "replica_s", "busy_s")
+                 "replica_s", "busy_s", "engine")
 
     def __init__(self) -> None:
         self.members: list[Replica] = []
@@ -52,6 +55,8 @@ class GroupPool:
         self.replica_s = 0.0
         """Replica-seconds between heartbeats, and of them those in which tokens came out."""
         self.busy_s = 0.0
+        self.engine = dict.fromkeys(ENGINE_TIME, 0.0)
+        """Its replicas' engine counters (:data:`ENGINE_TIME`), summed from heartbeat increments."""
 
     def update_limits(self) -> None:
         m = self.members
@@ -116,7 +121,8 @@ class ReplicaPool:
             gp.capacity += r.max_inflight
             gp.members.append(r)
             if gp.policy is None:
-                gp.policy = make_policy(self.rcfg.policy, gp.members, self.rcfg.load_factor, self.seed)
+                gp.policy = make_policy(self.rcfg.policy, gp.members, self.rcfg.load_factor, self.seed,
+                                        self.rcfg.affinity)
             else:
                 gp.policy.update(gp.members)
             gp.update_limits()
@@ -233,13 +239,17 @@ class ReplicaPool:
                 gp.policy.reweight()
 
     # ---- heartbeats and status -------------------------------------------------------------
-    def count_generated(self, r: Replica, tokens: int, interval_s: float) -> None:
-        """``r`` generated ``tokens`` more in the ``interval_s`` since its last heartbeat."""
+    def count_generated(self, r: Replica, before: P.ReplicaStats, now: P.ReplicaStats, interval_s: float) -> None:
+        """``r``'s counters went from ``before`` to ``now`` in the ``interval_s`` since its last heartbeat
+        (an increment below 0 is an engine that restarted: nothing counted)."""
         gp = self._group(r.group)
+        tokens = max(0, now.generated_tokens - before.generated_tokens)
         gp.generated_tokens += tokens
         gp.replica_s += interval_s
         if tokens > 0:
             gp.busy_s += interval_s
+        for name in ENGINE_TIME:
+            gp.engine[name] += max(0, getattr(now, name) - getattr(before, name))
 
     def group_status(self, names: Iterable[str], stale: Callable[[Replica], bool]) -> dict[str, P.GroupStatus]:
         """Per group (``names`` and any group a replica registered under): counts and learned speeds;
@@ -263,6 +273,10 @@ class ReplicaPool:
                 stale_weights=sum(stale(r) for r in members),
                 replica_s=gp.replica_s if gp is not None else 0.0,
                 busy_s=gp.busy_s if gp is not None else 0.0,
+                engine_steps=int(gp.engine["engine_steps"]) if gp is not None else 0,
+                prefill_tokens=int(gp.engine["prefill_tokens"]) if gp is not None else 0,
+                model_s=gp.engine["model_s"] if gp is not None else 0.0,
+                active_s=gp.engine["active_s"] if gp is not None else 0.0,
             )
         return out
 

@@ -60,12 +60,14 @@ class Request:
 
 
 class JobQueue:
-    __slots__ = ("name", "buckets", "size")
+    __slots__ = ("name", "buckets", "size", "scan")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, scan: int = 1) -> None:
         self.name = name
         self.buckets: dict[str | None, deque[Request]] = {}
         self.size = 0
+        self.scan = scan
+        """How many requests of a bucket may be tried, from its head (see :class:`FairQueue`)."""
 
     def push(self, req: Request, front: bool = False) -> None:
         bucket = self.buckets.setdefault(req.msg.group, deque())
@@ -82,36 +84,46 @@ class JobQueue:
         return bucket[0] if bucket else None
 
     def pop_dispatchable(self, choose: Callable[[Request], T | None]) -> tuple[Request, T] | None:
-        """Remove and return the oldest head request (over buckets) that ``choose`` finds a place
-        for, with that place."""
+        """Remove and return the oldest request that ``choose`` finds a place for, with that place:
+        of each bucket the first of its first ``scan`` requests that has one."""
         best: tuple[Request, T] | None = None
         best_bucket: deque[Request] | None = None
+        best_at = 0
         for bucket in self.buckets.values():
-            head = self._clean_head(bucket)
-            if head is None:
+            if self._clean_head(bucket) is None:
                 continue
-            # Put-back requests carry their original seq, so "oldest" stays the submission order.
-            if best is None or head.seq < best[0].seq:
-                pick = choose(head)
+            for at in range(min(len(bucket), self.scan)):
+                req = bucket[at]
+                # Put-back requests carry their original seq, so "oldest" stays the submission order.
+                if best is not None and req.seq >= best[0].seq:
+                    break
+                if req.done:
+                    continue
+                pick = choose(req)
                 if pick is not None:
-                    best, best_bucket = (head, pick), bucket
+                    best, best_bucket, best_at = (req, pick), bucket, at
+                    break
         if best is None or best_bucket is None:
             return None
-        best_bucket.popleft()
+        del best_bucket[best_at]
         self.size -= 1
         return best
 
 
 class FairQueue:
-    def __init__(self) -> None:
+    def __init__(self, scan: int = 1) -> None:
         # Ordered by last service: the first job is the one served longest ago.
         self.jobs: OrderedDict[str, JobQueue] = OrderedDict()
         self.size = 0
+        self.scan = scan
+        """Requests of a job's bucket tried in order, from its head, for one that has a place: 1 (the
+        head alone) unless requests may wait for a replica of their own (``router.affinity=wait``),
+        when those behind one go meanwhile."""
 
     def push(self, req: Request, front: bool = False) -> None:
         q = self.jobs.get(req.job)
         if q is None:
-            q = self.jobs[req.job] = JobQueue(req.job)
+            q = self.jobs[req.job] = JobQueue(req.job, self.scan)
             # A new job has never been served: it goes first.
             self.jobs.move_to_end(req.job, last=False)
         q.push(req, front)

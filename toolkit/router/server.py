@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from toolkit.config import Config, curve_enabled, moves_carry_kv
+from toolkit.config import Affinity, Config, curve_enabled, moves_carry_kv
 from toolkit.core import protocol as P
 from toolkit.core.metrics import Endpoint
 from toolkit.core.rundir import FileWriter, RunDir, atomic_write
@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 # Messages taken from one socket before dispatching: small batches keep the pipeline to the
 # replicas and back to the clients flowing instead of moving in bursts.
 _DRAIN = 128
+AFFINITY_SCAN = 64
+"""With ``router.affinity=wait``: requests of a job's bucket tried, from its head, for one with a place."""
 _T_GENERATE = P.TYPE_OF[P.Generate]
 _T_RESULT = P.TYPE_OF[P.Result]
 _dec_generate = P.DECODERS[_T_GENERATE]
@@ -60,7 +62,7 @@ class Router:
         self.backend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
         self.groups = frozenset(cfg.groups)
         # Each request's life: waiting, live (queued or running), answered.
-        self.queue = FairQueue()
+        self.queue = FairQueue(AFFINITY_SCAN if cfg.router.affinity == Affinity.wait else 1)
         self.live: dict[str, Request] = {}
         self.answered = Answered(cfg.router.result_cache)
         self.stats: Counter[str] = Counter()
