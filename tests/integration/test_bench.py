@@ -90,7 +90,7 @@ def test_loop_bench_reports_its_fields_and_aborts_nothing(tmp_path: Path) -> Non
 @pytest.mark.mpi
 def test_partial_bench_reports_its_fields_and_loses_no_token(tmp_path: Path) -> None:
     r = bench("partial", tmp_path)
-    assert set(r["arms"]) == {"off", "tail", "partial", "partial+tail", "partial+updates"}
+    assert set(r["arms"]) == {"off", "tail", "partial", "partial+tail", "partial+updates", "partial+affinity"}
     for name, arm in r["arms"].items():
         assert {"samples_per_s", "ratio_vs_off", "ci95", "staleness_mean", "staleness_max", "tokens_discarded",
                 "tokens_lost", "fleet_busy", "throughput_bound_ratio"} <= set(arm)
@@ -98,8 +98,13 @@ def test_partial_bench_reports_its_fields_and_loses_no_token(tmp_path: Path) -> 
         # Every generated token of a landed session in exactly one row; every session in one step.
         assert arm["tokens_lost"] == 0 and arm["sessions_in_two_steps"] == 0, name
         assert 0 < arm["fleet_busy"] <= 1 and arm["throughput_bound_ratio"] > 0
+        # The fleet's replica-seconds taken apart from the sim's own counts (every first prompt is prefilled).
+        split = arm["fleet_time"]
+        assert set(split) == {"idle", "behind_model", "underfull_batches", "prefill", "placement", "aborted",
+                              "at_peak", "other"}, name
+        assert split["at_peak"] > 0 and split["prefill"] > 0 and split["aborted"] >= 0, (name, split)
     assert r["arms"]["off"]["ratio_vs_off"] == 1.0
-    for name in ("partial", "partial+tail", "partial+updates"):
+    for name in ("partial", "partial+tail", "partial+updates", "partial+affinity"):
         assert r["arms"][name]["staleness_max"] <= 1
     f = r["filter"]
     assert f["useful_groups"] > 0 and f["group_starts"] > 0 and f["filtered_groups"] >= 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,7 @@ def _per_step(run: dict[str, Any], warmup: int = WARMUP_STEPS) -> list[dict[str,
             "generated_tokens": rep["generated_tokens"],
             "seconds": rep["ended_at"] - prev["ended_at"],
             "bound_s": (rep.get("bound") or {}).get("throughput_at_max_inflight_s") or 0.0,
+            "placed_s": (rep.get("bound") or {}).get("at_max_inflight_as_placed_replica_s") or 0.0,
             "busy_s": sum(g["busy_s"] for g in fleet.values()), "replica_s": sum(g["replica_s"] for g in fleet.values()),
             "fleet": fleet,
             "staleness": [x["staleness"] for x in rows[s] if x["status"] != "stale"],
@@ -119,13 +120,14 @@ def _pace(steps_: list[dict[str, Any]], cfg: Config) -> dict[str, float] | None:
     """Where the fleet's replica-seconds went over the counted steps, as shares that sum to 1: ``idle``
     (no request on the engine), ``behind_model`` (the engine had work but fell behind its own time
     model's schedule: a CPU it shares), ``underfull_batches`` (the fixed cost of steps with fewer
-    sequences than ``max_inflight``), ``prefill`` (every prompt token computed), ``at_peak`` (the
-    throughput bound's replica-seconds for the tokens generated) and ``other`` (what is left: the
-    groups' split and context reads against the bound's fluid ones, less the prefill the bound also
-    counts). ``1 / at_peak`` is about ``fleet_bound_ratio``. None without the sim's counters."""
+    sequences than ``max_inflight``), ``prefill`` (every prompt token computed), ``placement`` (the
+    requests at peak on the groups they ran on, less the bound's best split of them between groups),
+    ``aborted`` (tokens decoded for requests no step logged: aborted mid-turn by a stale drop, at the
+    bound's cost per token), ``at_peak`` (the throughput bound's replica-seconds for the tokens the
+    steps logged) and ``other`` (what is left, less the prefill the bound also counts). ``1 / at_peak`` is about ``fleet_bound_ratio``. None without the sim's counters."""
     costs = {g: SimCosts(group_engine(cfg, g), cfg.groups[g].max_inflight) for g in cfg.groups}
     replicas = sum(cfg.groups[g].replicas for g in cfg.groups)
-    t: Counter[str] = Counter()
+    t: dict[str, float] = defaultdict(float)
     for s in steps_:
         for g, f in s["fleet"].items():
             c = costs.get(g)
@@ -137,11 +139,17 @@ def _pace(steps_: list[dict[str, Any]], cfg: Config) -> dict[str, float] | None:
             t["underfull_batches"] += f["engine_steps"] * c.step - f["generated_tokens"] * c.step / c.inflight
             t["prefill"] += f["prefill_tokens"] * c.prefill
         t["at_peak"] += s["bound_s"] * replicas
+        t["engine_tokens"] += sum(f["generated_tokens"] for g, f in s["fleet"].items() if g in costs)
+        t["logged_tokens"] += s["generated_tokens"]
+        t["placement"] += s["placed_s"] - s["bound_s"] * replicas if s["placed_s"] else 0.0
     seen = t["replica_s"]
     if seen <= 0 or t["model_s"] <= 0:
         return None
+    # Tokens the engines decoded for requests no step logged (aborted mid-turn: a stale drop stops its
+    # session's running request), at the bound's cost per logged token.
+    t["aborted"] = t["at_peak"] * max(0.0, t["engine_tokens"] - t["logged_tokens"]) / max(1.0, t["logged_tokens"])
     split = {"idle": (seen - t["active_s"]) / seen, "behind_model": (t["active_s"] - t["model_s"]) / seen,
-             **{k: t[k] / seen for k in ("underfull_batches", "prefill", "at_peak")}}
+             **{k: t[k] / seen for k in ("underfull_batches", "prefill", "placement", "aborted", "at_peak")}}
     split["other"] = 1 - sum(split.values())
     return {k: round(v, 4) for k, v in split.items()}
 
@@ -229,6 +237,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             # share of those tokens its landed samples hold.
             "fleet_bound_ratio": round(float(table[arm][:, 1].sum() / fleet_s), 4) if fleet_s else None,
             "landed_token_share": round(landed_share, 4),
+            # Decoded by the engines (the sim's counts) for requests no step logged: aborted mid-turn.
+            "tokens_aborted": int(sum(sum(f["generated_tokens"] for f in s["fleet"].values()) - s["generated_tokens"]
+                                      for s in steps_)),
             # The fleet's pace taken apart: where its replica-seconds went.
             "fleet_time": _pace(steps_, compose_config([*base, *ARMS[arm]])),
             "mean_step_s": round(float(table[arm][:, 1].mean()), 3),

@@ -190,6 +190,11 @@ def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wal
                      wall_s, "model")
     # The same with each replica's batch at its group's max_inflight, the most the router puts in it.
     result["bound"]["throughput_at_max_inflight_s"] = _fluid(at_inflight, {g: counts[g] for g in groups})
+    # And its replica-seconds with every request on the group it ran on (request group codes follow the
+    # sorted group names), against which the fluid split's shows what placement cost.
+    if "group" in req:
+        result["bound"]["at_max_inflight_as_placed_replica_s"] = float(sum(
+            at_inflight[g][req["group"] == i].sum() for i, g in enumerate(sorted(engines)) if g in at_inflight))
     return result
 
 
