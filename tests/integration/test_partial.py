@@ -106,6 +106,8 @@ def test_max_staleness_drops_or_restarts_a_slow_carried_session(tmp_path: Path, 
     counted = [[r for r in step if r["status"] == "completed"] for step in rows]
     assert all(len(c) == 16 for c in counted)
     assert all(r["staleness"] <= 2 for c in counted for r in c)
+    # The report's histogram is over the landed sessions: the dropped ones are past k by definition.
+    assert all(sum(rep["staleness"].values()) == 16 and max(int(k) for k in rep["staleness"]) <= 2 for rep in reports)
     assert (0, 1) in {(g[0], g[1]) for g in reports[2]["carried_groups"]}  # held until step 3 was written
     if stale == "drop":
         # Stopped at the boundary of step 3 whatever the machine's speed: it is there as step 3 begins.

@@ -18,6 +18,9 @@ from toolkit.rollout.close import STEP_COUNTERS
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
 
+_UNCOUNTED = [SAMPLE_STATUSES.index("stale"), SAMPLE_STATUSES.index("filtered")]
+"""Status codes of rows that are written but never counted."""
+
 FLEET_TIME = ("replica_s", "busy_s", "generated_tokens", "engine_steps", "prefill_tokens", "model_s", "active_s")
 """The ``GroupStatus`` counters a step report keeps per group under ``fleet_time``."""
 
@@ -72,9 +75,11 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "generated_tokens": gen,
         "tokens_per_s": gen / wall_s if wall_s > 0 else None,
         "reward_mean": float(cols["reward"][final].mean()) if final.any() else None,
-        # How far behind the step its sessions' oldest policy was: {versions behind: sessions}.
+        # How far behind the step its landed sessions' oldest policy was: {versions behind: sessions}
+        # (not the rows dropped as stale, which are over the bound by definition, nor filtered ones).
         "staleness": {str(k): int(v) for k, v in
-                      zip(*np.unique(cols["staleness"][final], return_counts=True), strict=True)},
+                      zip(*np.unique(cols["staleness"][final & ~np.isin(cols["status"], _UNCOUNTED)],
+                                     return_counts=True), strict=True)},
         "latency_s": {"p50": _pct(req["latency_s"], 50), "p99": _pct(req["latency_s"], 99)},
         "queue_wait_s": {cfg.job: {"p50": _pct(req["queue_s"], 50), "p99": _pct(req["queue_s"], 99)}},
         "prefix_hit_rate": (int(req["cached_tokens"].sum()) / prompt_all) if prompt_all else None,
