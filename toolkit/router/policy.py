@@ -167,6 +167,11 @@ class ConsistentHash(Policy):
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
         if not self.replicas or not with_room:
             return None
+        nearly_full = len(with_room) * 8 < len(self.replicas)
+        if nearly_full and not self.wait_for_home:
+            # Nearly saturated: the session's own replica is almost surely full, and walking the ring
+            # to the few with room costs VNODES x n / |with_room| steps. Take the best of those.
+            return self._best_with_room(with_room, group_load)
         if self._stale:
             self._rebuild()
         start = bisect.bisect(self._ring, _hash64(session_id))
@@ -177,10 +182,8 @@ class ConsistentHash(Policy):
                 return None  # its prefix is cached there: wait for a slot rather than compute it again
             if self._fits(home, group_load):
                 return home
-        if len(with_room) * 8 < len(self.replicas):
-            # Nearly saturated: the session's own replica is almost surely full, and walking the ring
-            # to the few with room costs VNODES x n / |with_room| steps. Take the best of those.
-            return self._best_with_room(with_room, group_load)
+            if nearly_full:
+                return self._best_with_room(with_room, group_load)
         for k in range(min(size, self.WALK)):
             r = self._owners[(start + k) % size]
             if self._fits(r, group_load):
