@@ -101,7 +101,7 @@ class Lease:
 
     def acquire(self) -> int:
         """Take the run dir's lease, or raise RunDirInUse if another live launch holds it or takes it
-        at the same moment (the higher epoch claimed wins; ``RunDir.lease_claims``)."""
+        at the same moment (each epoch is claimed once, exclusively; ``RunDir.lease_claims``)."""
         old = LeaseRecord.read(self.rd)
         if old is not None:
             why = holder_gone(old, self.lease_s)
@@ -111,12 +111,18 @@ class Lease:
                     f"{time.time() - old.renewed_at:.0f}s ago): stop it first, or wait cluster.lease_s = "
                     f"{self.lease_s:g}s after it died")
             logger.info("taking over the run from epoch %d (%s)", old.epoch, why)
-        epoch = max(old.epoch if old is not None else 0, self._highest_claim()) + 1
-        try:
-            self.rd.lease_claims.mkdir(exist_ok=True)
-            os.close(os.open(self.rd.lease_claim(epoch), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except FileExistsError:
-            raise self._outrun(epoch) from None
+        # The epoch after the one just read, claimed exclusively: a launch whose read went stale (another
+        # took the run meanwhile) finds that claim taken and is refused, never skips past it.
+        epoch = (old.epoch if old is not None else self._highest_claim()) + 1
+        self.rd.lease_claims.mkdir(exist_ok=True)
+        while True:
+            try:
+                os.close(os.open(self.rd.lease_claim(epoch), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                break
+            except FileExistsError:
+                if not self._abandoned(epoch):
+                    raise self._outrun(epoch) from None
+                epoch += 1
         me = ProcessRef.self()
         self.record = LeaseRecord(
             epoch=epoch, renewed_at=time.time(), host=socket.gethostname(),
@@ -131,6 +137,16 @@ class Lease:
         self._thread = threading.Thread(target=self._renew, name="lease-renewal", daemon=True)
         self._thread.start()
         return self.record.epoch
+
+    def _abandoned(self, epoch: int) -> bool:
+        """Whether the claim of ``epoch`` belongs to a launch that died before it wrote its lease: the
+        lease still holds an older epoch and the claim is older than a lease period."""
+        rec = LeaseRecord.read(self.rd)
+        try:
+            age = time.time() - self.rd.lease_claim(epoch).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return (rec is None or rec.epoch < epoch) and age > self.lease_s
 
     def _highest_claim(self) -> int:
         names = [p.name for p in self.rd.lease_claims.glob("epoch-*")] if self.rd.lease_claims.is_dir() else []

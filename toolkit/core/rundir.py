@@ -244,8 +244,9 @@ class RunDir:
 
     @property
     def lease_claims(self) -> Path:
-        """One empty file per epoch a launch claimed (created exclusively): two launches taking the run
-        at once never get the same epoch, and the highest claim is the run's holder."""
+        """One empty file per epoch a launch claimed (created exclusively, the epoch after the lease it
+        read): two launches taking the run at once never get the same epoch, a launch whose read went
+        stale is refused, and the highest claim is the run's holder."""
         return self.root / "lease.d"
 
     def lease_claim(self, epoch: int) -> Path:
