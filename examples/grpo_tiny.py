@@ -8,14 +8,17 @@ trainer. For every step it
    reports the training-inference mismatch (mean |Δ logprob| and the k3 estimate of KL; with
    ``--partial``, apart for samples of older weights: ``*_stale``),
 3. takes one GRPO step: advantages normalized within each group of ``--group`` samples of one prompt,
-   the ratio against the engine's logprobs, clipped,
+   the decoupled PPO objective (the clipped ratio against the trainer's own weights before the step,
+   times the importance weight of those weights over the engine's, capped at ``--is-cap``),
 4. publishes the new weights for the next step (``toolkit.weights.publish``), which the engines load
    before it begins (``rollout.max_staleness=0``: strictly on-policy).
 
 ``--partial``: steps close on a count (``rollout.close=count``, ``over_sample=0.25``,
 ``max_staleness=1``): the rollout runs a step ahead, a step's slowest sessions carry into the next
 under the newer weights, and the trainer trains on whole groups that landed, their logprobs the
-engine's (the clipped ratio corrects for the older weights).
+engine's: the importance weight corrects for the older weights, and the clip, taken against the
+trainer's own weights, still lets stale rows move the policy (a ratio against the engine's weights
+two updates back would sit outside the clip and carry no gradient).
 
 The task has a verifiable reward a random model scores low on: the share of generated tokens that
 fall in a target set of 64 of the 512 ids. It writes ``reward.csv`` and ``reward.png``::
@@ -110,7 +113,7 @@ def mismatch(d: Any, mask: Any, suffix: str = "") -> dict[str, float | None]:
 
 
 def grpo_step(model: Any, opt: Any, rows: list[dict[str, Any]], group: int, clip: float,
-              version: int) -> dict[str, float | None]:
+              version: int, is_cap: float = 2.0) -> dict[str, float | None]:
     """One GRPO update on ``rows``; ``version``: the weights the trainer holds (the mismatch is reported
     apart for rows generated wholly on them and for older ones, ``_stale``)."""
     import torch
@@ -128,8 +131,12 @@ def grpo_step(model: Any, opt: Any, rows: list[dict[str, Any]], group: int, clip
         own = torch.tensor([[float(r["weight_versions"] == [version])] for r in rows])
         d = lp - old
         stats = {**mismatch(d, mask * own), **mismatch(d, mask * (1 - own), "_stale")}
-    ratio = torch.exp(lp - old)
-    obj = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    # Decoupled PPO (the proximal policy is the trainer's weights before this step): the same gradient
+    # as a ratio against the engine's logprobs on rows of the trainer's own weights.
+    prox = lp.detach()
+    weight = torch.exp(prox - old).clamp(max=is_cap)
+    ratio = torch.exp(lp - prox)
+    obj = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv) * weight
     loss = -((obj * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     opt.zero_grad()
     loss.backward()
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--is-cap", type=float, default=2.0, help="cap of the importance weight over the engine's logprobs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a step (or weights)")
     p.add_argument("--cache", type=Path, default=Path("~/.cache/rollout-toolkit").expanduser())
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(args.steps):
             rows = trainable(wait_step(run, step, args.timeout).to_pylist(), args.group)
-            stats = grpo_step(model, opt, rows, args.group, args.clip, version=step)
+            stats = grpo_step(model, opt, rows, args.group, args.clip, version=step, is_cap=args.is_cap)
             versions = sorted({v for r in rows for v in r["weight_versions"]})
             rec = {"step": step, "reward_mean": sum(r["reward"] for r in rows) / len(rows),
                    "weight_versions": versions, "carried": sum(r["carried"] > 0 for r in rows),

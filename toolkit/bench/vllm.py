@@ -92,15 +92,21 @@ async def _compare(stack: Any, cfg: Any, batches: list[list[Generate]]) -> dict[
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    n, prompt_tokens, max_tokens, rounds = (32, 64, 16, 1) if quick else (256, 64, 64, 5)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         cfg = bench_config(str(Path(tmp) / "cache"))
-        # Round 0 warms both arms up; the rest are measured.
-        batches = [make_requests("q", r, n, prompt_tokens, max_tokens, cfg.engine.vocab_size)
-                   for r in range(rounds + 1)]
         with LocalStack(cfg, Path(tmp) / "run") as stack:
             stack.start(timeout_s=600)
-            rates = asyncio.run(_compare(stack, cfg, batches))
+            return measure(stack, quick)
+
+
+def measure(stack: Any, quick: bool = False) -> dict[str, Any]:
+    """Both arms against the started ``stack`` (a router and one vLLM replica); the direct engine is
+    built from the stack's own engine config."""
+    cfg = stack.cfg
+    n, prompt_tokens, max_tokens, rounds = (32, 64, 16, 1) if quick else (256, 64, 64, 5)
+    # Round 0 warms both arms up; the rest are measured.
+    batches = [make_requests("q", r, n, prompt_tokens, max_tokens, cfg.engine.vocab_size) for r in range(rounds + 1)]
+    rates = asyncio.run(_compare(stack, cfg, batches))
     router_rates, direct_rates = rates["router"][1:], rates["direct"][1:]
     router_tps, direct_tps = max(router_rates), max(direct_rates)
     return {
