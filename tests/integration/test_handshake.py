@@ -14,7 +14,8 @@ import pytest
 from tests.helpers.procs import finish, launch, start_launch
 from toolkit import samples
 from toolkit.core.rundir import RunDir, read_json
-from toolkit.weights import IN_PROGRESS, publish
+from toolkit.weights import publish
+from toolkit.weights.checkpoint import IN_PROGRESS
 
 # ---- end to end: a trainer loop in the test, the sim engine -------------------------------------
 RUN = ["engine.time_scale=0.2", "sessions_per_step=6", "router.heartbeat_s=0.2"]

@@ -19,7 +19,6 @@ from toolkit.core.errors import ConfigError
 from toolkit.core.rundir import RunDir
 from toolkit.launch.validation import validate
 from toolkit.weights import (
-    IN_PROGRESS,
     MARKER,
     CheckpointExists,
     WeightsTimeout,
@@ -29,6 +28,7 @@ from toolkit.weights import (
     versions,
     wait_for_version,
 )
+from toolkit.weights.checkpoint import IN_PROGRESS
 
 
 # ---- publish: the layout vLLM reloads ----------------------------------------------------------

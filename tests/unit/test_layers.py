@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2] / "toolkit"
 LAYERS: list[set[str]] = [
     {"core"},
     {"config"},
-    {"model", "client", "weights"},
-    {"session"},
+    {"model", "client"},
+    {"session", "weights"},
     {"router", "engine", "samples"},
     {"gateway"},
     {"rollout"},
@@ -27,7 +27,8 @@ LAYERS: list[set[str]] = [
     {"launch"},
     {"bench"},
 ]
-"""Bottom to top. ``client``, ``weights`` and ``samples`` are the trainer API's modules."""
+"""Bottom to top. ``client``, ``weights`` and ``samples`` are the trainer API's modules (``weights``
+streams through the router: above ``client``)."""
 
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

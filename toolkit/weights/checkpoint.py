@@ -1,4 +1,4 @@
-"""Published checkpoints: the trainer's side of the weights handshake, and the one reader of ``rollout.weights_dir``.
+"""Published checkpoints: the trainer's side of the checkpoint handshake, and the one reader of ``rollout.weights_dir``.
 
 A trainer publishes the weights for step ``v`` (weight version ``v``) with :func:`publish`; before
 step ``s`` rank 0 loads the latest published checkpoint up to ``s`` (:func:`latest`) into every
