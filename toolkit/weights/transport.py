@@ -1,0 +1,143 @@
+"""How a streamed update moves: a chain over torch.distributed's gloo, trainer -> replica 1 -> ... -> n.
+
+Rank 0 (the trainer) hosts the rendezvous (a ``TCPStore``) and sends the payload in buckets to rank
+1; each receiver writes a bucket straight into its staging buffer and forwards it to the next rank
+while the following bucket arrives. So the trainer's uplink carries one copy whatever the number of
+replicas, and an update of ``B`` bytes over ``n`` receivers takes about ``B / link + (n - 1) *
+bucket / link``: the chain's fill time is one bucket per hop. Two buckets are in flight per link
+(double buffering), so packing the next one overlaps sending this one.
+
+torch is imported inside functions here: it is the ``vllm`` extra's (or the trainer's own), and the
+checkpoint path never needs it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from toolkit.core.errors import ToolkitError
+from toolkit.weights.wire import Manifest, bucket_ranges
+
+WINDOW = 2
+"""Buckets in flight per link."""
+
+
+class LinkBroken(ToolkitError):
+    """A peer of the chain died, or the link stalled past its timeout, mid-update."""
+
+
+def _torch() -> Any:
+    import torch  # the trainer's or the vllm extra's
+
+    return torch
+
+
+class Link:
+    """One rank's place in an update's chain (``rank`` 0: the trainer, which hosts the rendezvous)."""
+
+    def __init__(self, master: str, port: int, rank: int, world: int, timeout_s: float, host: str = "",
+                 store: Any = None) -> None:
+        torch = _torch()
+        dist = torch.distributed
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world = rank, world
+        self.store = store if store is not None else dist.TCPStore(master, port, world, is_master=False,
+                                                                   timeout=timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host or master)]
+        try:
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world, opts)
+        except RuntimeError as exc:
+            raise LinkBroken(f"rank {rank} of {world} could not join the update's group at {master}:{port}: {exc}") \
+                from exc
+
+    @staticmethod
+    def rendezvous(host: str, world: int, timeout_s: float) -> tuple[Any, int]:
+        """The trainer's store on a free port of ``host``: (store, port) to hand to the receivers."""
+        dist = _torch().distributed
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        return store, store.port
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise LinkBroken(f"rank {self.rank} of {self.world}: {what}: {exc}") from exc
+
+    # ---- rank 0 -------------------------------------------------------------------------------
+    def send(self, manifest: Manifest, pieces: list[np.ndarray]) -> None:
+        """Send the payload (``pieces``, uint8, in manifest order) to rank 1, bucket by bucket. A
+        bucket inside one piece goes as a view of it; one across pieces is packed into a buffer."""
+        torch = _torch()
+        buffers = [np.empty(manifest.bucket_bytes, np.uint8) for _ in range(WINDOW)]
+        starts = np.cumsum([0] + [p.size for p in pieces])
+        works: list[Any] = []
+        for k, (s, e) in enumerate(manifest.buckets()):
+            if len(works) == WINDOW:
+                self._wait(works.pop(0), f"sending bucket {k - WINDOW}")
+            i = int(np.searchsorted(starts, s, side="right")) - 1
+            if e <= starts[i + 1]:
+                chunk = pieces[i][s - starts[i]:e - starts[i]]
+            else:
+                chunk = buffers[k % WINDOW][:e - s]
+                at, j = 0, i
+                while at < e - s:
+                    take = pieces[j][max(s, starts[j]) - starts[j]:min(e, starts[j + 1]) - starts[j]]
+                    chunk[at:at + take.size] = take
+                    at += take.size
+                    j += 1
+            works.append(self.pg.send([torch.from_numpy(chunk)], 1, k))
+        for w in works:
+            self._wait(w, "sending the last buckets")
+
+    # ---- ranks 1..n ---------------------------------------------------------------------------
+    def receive(self, manifest: Manifest, staging: np.ndarray, progress: Callable[[int], None] | None = None) -> None:
+        """Receive the payload into ``staging`` (uint8, ``manifest.total`` bytes) from the rank before,
+        forwarding each bucket to the rank after (if any) as soon as it is in."""
+        torch = _torch()
+        view = torch.from_numpy(staging)
+        ranges = bucket_ranges(manifest.total, manifest.bucket_bytes)
+        last = self.rank == self.world - 1
+        recvs: list[Any] = []
+        sends: list[Any] = []
+        posted = 0
+        for k, (s, e) in enumerate(ranges):
+            while posted < len(ranges) and posted < k + WINDOW:
+                ps, pe = ranges[posted]
+                recvs.append(self.pg.recv([view[ps:pe]], self.rank - 1, posted))
+                posted += 1
+            self._wait(recvs[k], f"receiving bucket {k} from rank {self.rank - 1}")
+            if not last:
+                if len(sends) == WINDOW:  # a gloo Work is waited once: a second wait waits for another
+                    self._wait(sends.pop(0), f"forwarding bucket {k - WINDOW} to rank {self.rank + 1}")
+                sends.append(self.pg.send([view[s:e]], self.rank + 1, k))
+            if progress is not None:
+                progress(e)
+        for w in sends:
+            self._wait(w, f"forwarding the last buckets to rank {self.rank + 1}")
+
+    # ---- every rank: the link's own bound ------------------------------------------------------
+    def broadcast_raw(self, nbytes: int, root_fill: int = 1) -> float:
+        """A plain gloo broadcast of ``nbytes`` from rank 0 to every rank: seconds it took here (the
+        link bound a benchmark compares the chain with)."""
+        torch = _torch()
+        t = torch.full((nbytes,), root_fill, dtype=torch.uint8) if self.rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        t0 = time.perf_counter()
+        self._wait(self.pg.broadcast([t], opts), "a raw broadcast")
+        return time.perf_counter() - t0
+
+    def barrier(self) -> None:
+        self._wait(self.pg.barrier(), "a barrier")
+
+    def close(self) -> None:
+        self.pg = None
+        self.store = None
