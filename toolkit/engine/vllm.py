@@ -48,6 +48,7 @@ from typing import Any
 
 from toolkit.config import VllmEngineConfig
 from toolkit.core.protocol import Completion, Generate, ReplicaStats, Result, Sampling, Structured
+from toolkit.engine import vllm_transfer
 from toolkit.engine.base import Engine, EngineGone, EngineInfo
 from toolkit.engine.nodes import NodeRole
 from toolkit.engine.vllm_lora import Adapters
@@ -126,6 +127,9 @@ class VllmEngine(Engine):
         """vLLM's counters, as the stat logger fills them (``weight_version`` is this engine's own)."""
         self.restarts = 0
         self.weights_path: str | None = None
+        self.path_version = 0
+        """The version of ``weights_path`` (0: the model's own): a restarted engine holds it, not a
+        streamed version it had before."""
         self.broken = ""
         """Why the engine cannot go on although vLLM still runs (an in-place update that failed half
         way): it counts as dead, and the replica restarts it on the last good weights."""
@@ -165,6 +169,7 @@ class VllmEngine(Engine):
             pass
         if self.weights_path is not None:
             await self._reload(self.weights_path)
+        await self._hold()
         if v.platform.is_cpu() and self.cfg.cpu_engine_nice:
             self._lower_priority(self.cfg.cpu_engine_nice)
         mc = self.llm.model_config
@@ -195,6 +200,7 @@ class VllmEngine(Engine):
             raise EngineGone(f"the engine died {self.restarts} times (engine.max_restarts = {self.cfg.max_restarts})")
         logger.warning("restarting the vLLM engine (%d of at most %d restarts)", self.restarts, self.cfg.max_restarts)
         await self.close()
+        self.weight_version = self.path_version
         self.broken = ""
         self.adapters = Adapters(self.cfg, self.adapters.request_cls)  # the new engine has none
         self.counters.running = self.counters.waiting = 0
@@ -336,8 +342,9 @@ class VllmEngine(Engine):
             # restarts it on the last good weights, rather than serving these under the old version.
             self.broken = f"update to {path} failed: {type(exc).__name__}: {exc}"
             raise
-        self.weights_path = path
+        self.weights_path, self.path_version = path, version
         self.weight_version = version
+        await self._hold()
 
     async def update_weights_in_place(self, path: str, version: int) -> None:
         """Reload with requests running, none aborted (vLLM 0.32, read in its code):
@@ -379,10 +386,45 @@ class VllmEngine(Engine):
             if self.active:
                 await llm.abort(list(self.active))  # their Results say engine_dead (see generate)
             raise
-        self.weights_path = path
+        self.weights_path, self.path_version = path, version
         self.weight_version = version
+        await self._hold()
         await llm.resume_generation()
         logger.info("weights reloaded in place from %s in %.2fs", path, time.monotonic() - t0)
+
+    async def _hold(self) -> None:
+        """With the toolkit's weight-transfer backend: the workers' base for deltas is what is loaded now."""
+        if vllm_transfer.enabled(self.engine_args()):
+            await vllm_transfer.hold(self.llm, self.weights_path or self.model_path, self.weight_version)
+
+    async def stream_weights(self, plan: vllm_transfer.StreamPlan) -> float:
+        """A streamed update (``toolkit/engine/vllm_transfer.py``), requests running: staged over the
+        network while the engine serves, then put in while it is paused as in
+        :meth:`update_weights_in_place` (keep, reset the prefix cache, resume; nothing aborted). Returns
+        the pause's seconds. A failed stage changes nothing; a failed apply is rolled back by the
+        workers (the engine serves on, on the previous version), or, if that failed too, the engine
+        counts as dead."""
+        llm = self.llm
+        await vllm_transfer.stage(llm, plan)
+        t0 = time.monotonic()
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await vllm_transfer.apply(llm, plan.version)
+            if not await llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM could not reset its prefix cache after the update")
+        except BaseException as exc:
+            st = await vllm_transfer.status(llm)
+            if st.get("state") != "rolled_back":
+                self.broken = f"streamed update to version {plan.version} failed: {type(exc).__name__}: {exc}"
+                if self.active:
+                    await llm.abort(list(self.active))
+                raise
+            await llm.resume_generation()
+            raise
+        self.adapters.forget_loaded()
+        self.weight_version = plan.version
+        await llm.resume_generation()
+        return time.monotonic() - t0
 
     async def _reload(self, path: str) -> None:
         t0 = time.monotonic()

@@ -1,0 +1,300 @@
+"""The toolkit's weight-transfer backend inside vLLM's workers: streamed updates staged while the engine
+serves, then applied in one short pause.
+
+vLLM 0.32 picks a worker's weight-transfer engine by ``weight_transfer_config.backend`` from
+``WeightTransferEngineFactory``; this module registers ``toolkit_gloo`` there (from the toolkit's
+``vllm.general_plugins`` entry point, which vLLM runs in every one of its processes, spawned workers
+included). vLLM's own engines broadcast over NCCL and need a GPU; this one moves the payload over
+torch.distributed's gloo chain (``toolkit/weights/transport.py``), so the same path runs on CPUs.
+
+The engine's ``update_weights`` takes a ``phase``:
+
+- ``stage``: join the update's chain and receive the payload into a staging buffer in a thread of the
+  worker, then decode it against the weights it holds (a delta against another base is refused).
+  The engine goes on serving meanwhile; nothing in the model changes. ``toolkit_stream_status``
+  (the worker extension, through ``collective_rpc``) says when it is staged, or why it failed.
+- ``apply`` (the replica has paused the engine): put the staged tensors in through vLLM's layerwise
+  reload, which rebuilds each layer's packed kernels (on CPUs linear weights live only in oneDNN's
+  packed copies: a plain ``copy_`` reaches nothing). On an error the previous weights are put back the
+  same way, so a replica never serves half an update.
+- ``discard``: drop what was staged.
+
+The worker keeps the bits of the weights it holds (read from the checkpoint it loaded, then each
+applied update) to apply deltas to and to roll back to: one copy of the model in host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from toolkit.weights.transport import Link
+from toolkit.weights.wire import Manifest, bits, decode
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "toolkit_gloo"
+EXTENSION = "toolkit.engine.vllm_transfer.StreamWorker"
+"""``worker_extension_cls``: adds ``toolkit_stream_status`` to vLLM's workers."""
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch  # the vllm extra's
+
+    return getattr(torch, name)
+
+
+def read_checkpoint(path: str) -> dict[str, tuple[np.ndarray, str]]:
+    """Every tensor of the safetensors files in ``path``: its bits and torch's name of its dtype."""
+    from safetensors.torch import load_file  # torch: the vllm extra's
+
+    out: dict[str, tuple[np.ndarray, str]] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            dtype = str(t.dtype).removeprefix("torch.")
+            width = t.element_size()
+            as_int = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}[width]
+            out[name] = (bits(t.contiguous().view(_torch_dtype(as_int)).numpy(), dtype), dtype)
+    if not out:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return out
+
+
+def register() -> None:
+    """Make ``toolkit_gloo`` a weight-transfer backend in this process (idempotent)."""
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND in WeightTransferEngineFactory._registry:
+        return
+
+    @dataclass(kw_only=True)
+    class InitInfo(WeightTransferInitInfo):
+        path: str
+        """The checkpoint the engine holds (its model directory, or the last one it loaded)."""
+        version: int
+
+    @dataclass(kw_only=True)
+    class UpdateInfo(WeightTransferUpdateInfo):
+        phase: str
+        manifest: bytes = b""
+        master: str = ""
+        port: int = 0
+        rank: int = 0
+        world: int = 0
+        host: str = ""
+        timeout_s: float = 300.0
+
+    class GlooStreamEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+        init_info_cls = InitInfo
+        update_info_cls = UpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.stream = Receiver()
+
+        def init_transfer_engine(self, init_info: InitInfo) -> None:
+            self.stream.hold(init_info.path, init_info.version)
+
+        def start_weight_update(self) -> None:
+            pass  # the model changes only in ``apply``, while the replica has the engine paused
+
+        def finish_weight_update(self) -> None:
+            pass
+
+        def receive_weights(self, u: UpdateInfo) -> None:
+            if u.phase == "stage":
+                self.stream.stage(msgspec.msgpack.decode(u.manifest, type=Manifest), u.master, u.port, u.rank,
+                                  u.world, u.host, u.timeout_s)
+            elif u.phase == "apply":
+                self.stream.apply(self.model, self.model_config)
+            elif u.phase == "discard":
+                self.stream.discard()
+            else:
+                raise ValueError(f"unknown phase {u.phase!r}; valid: stage, apply, discard")
+
+        def shutdown(self) -> None:
+            self.stream.discard()
+
+    WeightTransferEngineFactory.register_engine(BACKEND, GlooStreamEngine)
+
+
+class Receiver:
+    """One worker's side of streamed updates: what it holds, and what it is staging."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.state: dict[str, np.ndarray] = {}
+        self.dtypes: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.status: dict[str, Any] = {"state": "idle"}
+        self._staged: tuple[Manifest, dict[str, np.ndarray]] | None = None
+
+    def hold(self, path: str, version: int) -> None:
+        """The engine holds checkpoint ``path`` as ``version`` (a start, a restart, a checkpoint load)."""
+        tensors = read_checkpoint(path)
+        self.state = {k: v.reshape(-1) for k, (v, _) in tensors.items()}
+        self.dtypes = {k: d for k, (_, d) in tensors.items()}
+        self.shapes = {k: v.shape for k, (v, _) in tensors.items()}
+        self.version = version
+        self.discard()
+
+    def stage(self, manifest: Manifest, master: str, port: int, rank: int, world: int, host: str,
+              timeout_s: float) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("an update is already being staged")
+        self.discard()
+        self.status = {"state": "staging", "version": manifest.version, "received": 0, "total": manifest.total}
+
+        def run() -> None:
+            try:
+                link = Link(master, port, rank, world, timeout_s, host=host)
+                staging = np.empty(manifest.total, np.uint8)
+                link.receive(manifest, staging, lambda done: self.status.__setitem__("received", done))
+                link.close()
+                new = decode(manifest, staging, self.version, self.state)
+                with self._lock:
+                    self._staged = (manifest, new)
+                    self.status = {**self.status, "state": "staged"}
+            except Exception as exc:  # noqa: BLE001 - reported through the status, the model untouched
+                logger.warning("staging version %d failed: %s", manifest.version, exc)
+                self.status = {**self.status, "state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+
+        self._thread = threading.Thread(target=run, name=f"stage-v{manifest.version}", daemon=True)
+        self._thread.start()
+
+    def discard(self) -> None:
+        with self._lock:
+            self._staged = None
+            if self.status.get("state") in ("staged", "failed", "staging"):
+                self.status = {"state": "idle"}
+
+    def _load(self, model: Any, model_config: Any, tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> None:
+        import torch  # the vllm extra's
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        def named() -> Any:
+            for name, b in tensors.items():
+                t = torch.from_numpy(b).view(_torch_dtype(dtypes[name])).reshape(self.shapes.get(name, b.shape))
+                yield name, t
+
+        initialize_layerwise_reload(model)
+        try:
+            model.load_weights(named())
+        finally:
+            finalize_layerwise_reload(model, model_config)
+
+    def apply(self, model: Any, model_config: Any) -> None:
+        """Load what was staged (the engine is paused). On an error, load back what was held."""
+        with self._lock:
+            staged = self._staged
+        if staged is None:
+            raise RuntimeError(f"nothing staged to apply (status: {self.status})")
+        manifest, new = staged
+        dtypes = {t.name: t.dtype for t in manifest.tensors}
+        shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
+        try:
+            self.shapes.update(shapes)
+            self._load(model, model_config, new, dtypes)
+        except BaseException as exc:
+            logger.exception("applying version %d failed: putting version %d back", manifest.version, self.version)
+            self.status = {"state": "broken", "error": f"{type(exc).__name__}: {exc}"}
+            self._load(model, model_config, self.state, self.dtypes)
+            self.status = {"state": "rolled_back", "error": f"{type(exc).__name__}: {exc}", "version": self.version}
+            self.discard()
+            raise
+        self.state.update({k: v.reshape(-1) for k, v in new.items()})
+        self.dtypes.update(dtypes)
+        self.version = manifest.version
+        self.discard()
+        self.status = {"state": "idle", "version": self.version}
+
+
+class StreamWorker:
+    """vLLM's ``worker_extension_cls``: methods ``collective_rpc`` can call on every worker."""
+
+    def toolkit_stream_status(self) -> dict[str, Any]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "stream"):
+            return {"state": "unavailable", "error": f"weight_transfer_config.backend is not {BACKEND}"}
+        return dict(engine.stream.status, held=engine.stream.version)
+
+
+# ---- the replica's side (its AsyncLLM) --------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamPlan:
+    """One replica's part in a streamed update: the manifest and its place in the chain."""
+
+    manifest: bytes
+    """msgpack of the update's :class:`~toolkit.weights.wire.Manifest`."""
+    version: int
+    master: str
+    port: int
+    rank: int
+    world: int
+    host: str = ""
+    """This replica's address for the chain (its node's)."""
+    timeout_s: float = 300.0
+
+
+def enabled(args: dict[str, Any]) -> bool:
+    """Whether engine arguments ``args`` select this backend."""
+    wt = args.get("weight_transfer_config") or {}
+    return isinstance(wt, dict) and wt.get("backend") == BACKEND
+
+
+async def hold(llm: Any, path: str, version: int) -> None:
+    """Tell the workers which checkpoint the engine holds (after a start, a restart, a checkpoint load)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    await llm.init_weight_transfer_engine(WeightTransferInitRequest({"path": path, "version": version}))
+
+
+async def status(llm: Any) -> dict[str, Any]:
+    return (await llm.collective_rpc("toolkit_stream_status"))[0]
+
+
+async def stage(llm: Any, plan: StreamPlan, poll_s: float = 0.02) -> None:
+    """Receive the update into the workers' staging buffers while the engine serves; raise if it fails
+    (the engine's weights untouched)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    info = {"phase": "stage", "manifest": plan.manifest, "master": plan.master, "port": plan.port,
+            "rank": plan.rank, "world": plan.world, "host": plan.host, "timeout_s": plan.timeout_s}
+    await llm.start_weight_update()
+    try:
+        await llm.update_weights(WeightTransferUpdateRequest(info))
+        while (st := await status(llm))["state"] == "staging":
+            await asyncio.sleep(poll_s)
+        if st["state"] != "staged":
+            raise RuntimeError(f"staging version {plan.version} failed: {st.get('error') or st}")
+    except BaseException:
+        await llm.update_weights(WeightTransferUpdateRequest({"phase": "discard"}))
+        await llm.finish_weight_update()
+        raise
+
+
+async def apply(llm: Any, version: int) -> None:
+    """Put the staged update in (call with the engine paused) and label later outputs ``version``. If
+    it fails, the workers have put the previous weights back."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await llm.update_weights(WeightTransferUpdateRequest({"phase": "apply"}))  # an error ends the session
+    await llm.finish_weight_update(weight_version=str(version))
