@@ -158,6 +158,10 @@ def test_a_terminal_that_hangs_up_stops_every_process_though_nothing_can_be_writ
         wait_for(lambda: ranks_started(run), 90, "ranks to start")
         if before is not None:
             os.kill(pid, before)
+            # Its teardown under way before the hang-up: both pending at once, Python would run SIGHUP's
+            # handler first (it runs pending handlers in signal-number order).
+            events = RunDir(run).events
+            wait_for(lambda: events.exists() and before.name in events.read_text(), 60, f"launch to take {before.name}")
         stop.set()
         reader.join()
         os.close(master)  # the terminal is gone
