@@ -105,13 +105,18 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
             dense = enc.encode(1, named, delta=True)
             assert dense.manifest.base == -1
             # Requests run through the update: none aborted, their later tokens from version 1.
-            running = [asyncio.create_task(engine.generate(gen(f"run{k}", PROMPTS[k], 200, temperature=1.0, seed=k,
+            before = engine.counters.generated_tokens
+            running = [asyncio.create_task(engine.generate(gen(f"run{k}", PROMPTS[k], 900, temperature=1.0, seed=k,
                                                                ignore_eos=True))) for k in range(2)]
-            await asyncio.sleep(1.0)
+            for _ in range(600):  # until they are decoding (the stats logger counts their tokens)
+                if engine.counters.generated_tokens >= before + 20:
+                    break
+                await asyncio.sleep(0.1)
             await stream(engine, dense, 1)
+            assert not all(t.done() for t in running)  # a machine that ran 900 tokens meanwhile: no test
             enc.commit()
             done = await asyncio.gather(*running)
-            assert all(r.status == "ok" and len(r.output_token_ids) == 200 for r in done), done
+            assert all(r.status == "ok" and len(r.output_token_ids) == 900 for r in done), done
             assert any(set(r.weight_versions) == {0, 1} for r in done), [r.weight_versions for r in done]
             s1 = await greedy(engine)
             assert engine.weight_version == 1 and s1 != base

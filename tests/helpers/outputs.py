@@ -22,7 +22,7 @@ def check_outputs(run: Path, steps: int, sessions: int, status: str = "ok") -> l
         assert [r["index"] for r in rows] == list(range(sessions))  # every session exactly once
         assert len({r["session_id"] for r in rows}) == sessions
         for r in rows:
-            assert r["status"] == "completed", r["status"]
+            assert r["status"] == "completed", (s, r["session_id"], r["status"], r.get("error"), r.get("replicas"))
             assert len(r["tokens"]) == len(r["loss_mask"]) == len(r["rollout_logprobs"])
             assert sum(r["loss_mask"]) == r["generated_tokens"] > 0
             assert r["response_length"] == len(r["tokens"]) - r["prompt_length"]
