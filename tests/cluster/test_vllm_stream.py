@@ -56,10 +56,9 @@ def trainer_send(update: Any, world: int = 2, die_after_buckets: int = -1) -> tu
 def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_the_previous_version(
         models: dict[str, Path], tmp_path: Path) -> None:
     import msgspec
-    import torch
 
     from toolkit.engine.vllm import VllmEngine
-    from toolkit.engine.vllm_transfer import StreamPlan, read_checkpoint
+    from toolkit.engine.vllm_transfer import StreamPlan, read_checkpoint, to_torch
     from toolkit.weights import publish
     from toolkit.weights.wire import Encoder, Encoding
 
@@ -76,8 +75,7 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
         perturbed[name] = (b, dtype)
 
     def as_torch(state: dict) -> dict:
-        return {n: torch.from_numpy(b.view(np.int16)).view(torch.bfloat16) if d == "bfloat16" else
-                torch.from_numpy(b.view(np.int32)).view(torch.float32) for n, (b, d) in state.items()}
+        return {n: to_torch(b, d) for n, (b, d) in state.items()}
 
     async def greedy(engine: VllmEngine) -> list[list[int]]:
         outs = await asyncio.gather(*(engine.generate(gen(f"g{k}-{id(p)}-{rng.integers(1 << 30)}", p, 24,

@@ -51,6 +51,13 @@ def _torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
+def to_torch(b: np.ndarray, dtype: str) -> Any:
+    """Bits (as :func:`~toolkit.weights.wire.bits` holds them) as a torch tensor of ``dtype``, no copy."""
+    import torch  # the vllm extra's
+
+    return torch.from_numpy(b).view(_torch_dtype(dtype))
+
+
 def read_checkpoint(path: str) -> dict[str, tuple[np.ndarray, str]]:
     """Every tensor of the safetensors files in ``path``: its bits and torch's name of its dtype."""
     from safetensors.torch import load_file  # torch: the vllm extra's
@@ -138,7 +145,6 @@ class Receiver:
         self.version = -1
         self.state: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, str] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.status: dict[str, Any] = {"state": "idle"}
@@ -147,9 +153,8 @@ class Receiver:
     def hold(self, path: str, version: int) -> None:
         """The engine holds checkpoint ``path`` as ``version`` (a start, a restart, a checkpoint load)."""
         tensors = read_checkpoint(path)
-        self.state = {k: v.reshape(-1) for k, (v, _) in tensors.items()}
+        self.state = {k: v for k, (v, _) in tensors.items()}
         self.dtypes = {k: d for k, (_, d) in tensors.items()}
-        self.shapes = {k: v.shape for k, (v, _) in tensors.items()}
         self.version = version
         self.discard()
 
@@ -184,7 +189,6 @@ class Receiver:
                 self.status = {"state": "idle"}
 
     def _load(self, model: Any, model_config: Any, tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> None:
-        import torch  # the vllm extra's
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -192,8 +196,7 @@ class Receiver:
 
         def named() -> Any:
             for name, b in tensors.items():
-                t = torch.from_numpy(b).view(_torch_dtype(dtypes[name])).reshape(self.shapes.get(name, b.shape))
-                yield name, t
+                yield name, to_torch(b, dtypes[name])
 
         initialize_layerwise_reload(model)
         try:
@@ -209,9 +212,7 @@ class Receiver:
             raise RuntimeError(f"nothing staged to apply (status: {self.status})")
         manifest, new = staged
         dtypes = {t.name: t.dtype for t in manifest.tensors}
-        shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
         try:
-            self.shapes.update(shapes)
             self._load(model, model_config, new, dtypes)
         except BaseException as exc:
             logger.exception("applying version %d failed: putting version %d back", manifest.version, self.version)
@@ -220,7 +221,7 @@ class Receiver:
             self.status = {"state": "rolled_back", "error": f"{type(exc).__name__}: {exc}", "version": self.version}
             self.discard()
             raise
-        self.state.update({k: v.reshape(-1) for k, v in new.items()})
+        self.state.update(new)
         self.dtypes.update(dtypes)
         self.version = manifest.version
         self.discard()
