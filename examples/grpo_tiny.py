@@ -11,7 +11,8 @@ trainer. For every step it
    the decoupled PPO objective (the clipped ratio against the trainer's own weights before the step,
    times the importance weight of those weights over the engine's, capped at ``--is-cap``),
 4. publishes the new weights for the next step (``toolkit.weights.publish``), which the engines load
-   before it begins (``rollout.max_staleness=0``: strictly on-policy).
+   before it begins (``rollout.max_staleness=0``: strictly on-policy); with ``--stream`` it streams
+   them into the engines instead (``toolkit.weights.Streamer``, ``rollout.weights_transport=stream``).
 
 ``--partial``: steps close on a count (``rollout.close=count``, ``over_sample=0.25``,
 ``max_staleness=1``): the rollout runs a step ahead, a step's slowest sessions carry into the next
@@ -65,7 +66,8 @@ def launch_args(args: argparse.Namespace, run: Path, weights: Path, prompts: Pat
         "+workload.env.reward_fn=examples.grpo_tiny.reward", f"workload.max_tokens={args.max_tokens}",
         f"workload.prompts.path={prompts}", f"workload.prompts.samples_per_prompt={args.group}",
         "workload.prompts.tokenizer=null", f"sessions_per_step={sessions}", f"steps={args.steps}",
-        f"engine.cache_dir={args.cache}", f"rollout.weights_dir={weights}",
+        f"engine.cache_dir={args.cache}",
+        *(["rollout.weights_transport=stream"] if args.stream else [f"rollout.weights_dir={weights}"]),
         *(PARTIAL if args.partial else ["rollout.max_staleness=0"]),
         f"rollout.weights_timeout_s={args.timeout}", f"hydra.run.dir={run}", f"seed={args.seed}",
     ]
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a step (or weights)")
     p.add_argument("--cache", type=Path, default=Path("~/.cache/rollout-toolkit").expanduser())
     p.add_argument("--partial", action="store_true", help="steps close on a count (docs/partial.md)")
+    p.add_argument("--stream", action="store_true",
+                   help="stream the weights into the engines (rollout.weights_transport=stream), no checkpoints")
     args = p.parse_args(argv)
 
     import pyarrow.parquet  # noqa: F401 - wait_step reads Parquet
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from toolkit.model.tiny import ensure_tiny
     from toolkit.samples import wait_step
-    from toolkit.weights import publish
+    from toolkit.weights import Streamer, publish
 
     torch.manual_seed(args.seed)
     out = args.out.resolve()
@@ -199,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     rollout = subprocess.Popen(launch_args(args, run, weights, prompts), stdout=log, stderr=subprocess.STDOUT,
                                cwd=root, env=env)
     history: list[dict[str, Any]] = []
+    streamer = None
     try:
+        streamer = Streamer(run, connect_timeout_s=args.timeout) if args.stream else None
         for step in range(args.steps):
             rows = trainable(wait_step(run, step, args.timeout).to_pylist(), args.group)
             stats = grpo_step(model, opt, rows, args.group, args.clip, version=step, is_cap=args.is_cap)
@@ -209,13 +215,19 @@ def main(argv: list[str] | None = None) -> int:
                    "staleness_max": max(r["staleness"] for r in rows), **stats}
             history.append(rec)
             print(json.dumps(rec), flush=True)
-            # The weights for the next step: the engines load them before it begins.
-            publish(weights, step + 1, {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()},
-                    config=config)
+            # The weights for the next step: the engines hold them before it begins.
+            bf16 = ((k, v.detach().to(torch.bfloat16)) for k, v in model.state_dict().items())
+            if streamer is not None:
+                streamer.send(step + 1, bf16)
+                print(json.dumps({"streamed": streamer.last}), flush=True)
+            else:
+                publish(weights, step + 1, dict(bf16), config=config)
         code = rollout.wait(timeout=args.timeout)
         if code != 0:
             raise SystemExit(f"launch exited with {code}; see {out / 'launch.log'}")
     finally:
+        if streamer is not None:
+            streamer.close()
         if rollout.poll() is None:
             rollout.terminate()
             rollout.wait(timeout=120)

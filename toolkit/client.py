@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -26,6 +27,8 @@ _T_RESULT = P.TYPE_OF[P.Result]
 _T_STEP = P.TYPE_OF[P.StepBegin]
 _T_STATUS = P.TYPE_OF[P.Status]
 _T_WEIGHTS = P.TYPE_OF[P.WeightsUpdated]
+_T_PLAN = P.TYPE_OF[P.StreamPlan]
+_T_WANTED = P.TYPE_OF[P.StreamWanted]
 
 
 class WeightsUpdateFailed(ToolkitError):
@@ -48,6 +51,9 @@ class RouterClient:
         self.step_acks: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.status_waiters: list[asyncio.Future[P.Status]] = []
         self.weight_acks: dict[int, asyncio.Future[P.WeightsUpdated]] = {}
+        self.stream_plans: dict[tuple[int, str], asyncio.Future[P.StreamPlan]] = {}
+        self.on_stream_wanted: Callable[[P.StreamWanted], None] | None = None
+        """Called with every ``StreamWanted`` (the trainer's ``Streamer`` sends that replica a dense copy)."""
         self._tasks: list[asyncio.Task[None]] = []
         self.reconnects = 0
         # Step messages of the latest step, replayed to a restarted router so its tail counts agree.
@@ -151,6 +157,35 @@ class RouterClient:
             raise WeightsUpdateFailed(f"weights {path} (version {version}): {ack.error}")
         return ack
 
+    async def stream_weights(self, msg: P.StreamWeights, timeout_s: float = 30.0
+                             ) -> tuple[P.StreamPlan, asyncio.Future[P.WeightsUpdated] | None]:
+        """Announce a streamed update; returns the router's plan and, for an update of every replica
+        (not a catch-up: ``msg.target``), the future of its answer once every replica of the plan has
+        answered (the caller sends the payload meanwhile, then awaits it and calls
+        :meth:`forget_stream`). Sent once: an update is not resent (it would plan a second chain)."""
+        key = (msg.version, msg.target)
+        plan_fut: asyncio.Future[P.StreamPlan] = asyncio.get_running_loop().create_future()
+        self.stream_plans[key] = plan_fut
+        ack: asyncio.Future[P.WeightsUpdated] | None = None
+        if not msg.target:
+            ack = self.weight_acks[msg.version] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(msg)
+            try:
+                plan = await asyncio.wait_for(plan_fut, timeout_s)
+            except asyncio.TimeoutError:
+                raise RouterUnavailable(f"the router did not answer streamed update {msg.version} within "
+                                        f"{timeout_s:g}s") from None
+        except BaseException:
+            self.forget_stream(msg.version)
+            raise
+        finally:
+            self.stream_plans.pop(key, None)
+        return plan, ack
+
+    def forget_stream(self, version: int) -> None:
+        self.weight_acks.pop(version, None)
+
     async def _not_loaded(self, path: str, version: int, timeout_s: float) -> str:
         """Why an update timed out, naming the replicas still loading it (a hung file system, a stuck
         engine) so the operator knows which node to look at."""
@@ -211,6 +246,14 @@ class RouterClient:
             wfut = self.weight_acks.get(done.version)
             if wfut is not None and not wfut.done():
                 wfut.set_result(done)
+        elif mtype == _T_PLAN:
+            plan = P.decode_as(P.StreamPlan, frames[1])
+            pfut = self.stream_plans.get((plan.version, plan.target))
+            if pfut is not None and not pfut.done():
+                pfut.set_result(plan)
+        elif mtype == _T_WANTED:
+            if self.on_stream_wanted is not None:
+                self.on_stream_wanted(P.decode_as(P.StreamWanted, frames[1]))
         elif mtype == _T_STATUS:
             st = P.decode_as(P.Status, frames[1])
             for w in self.status_waiters:

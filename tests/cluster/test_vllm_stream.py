@@ -57,14 +57,15 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
         models: dict[str, Path], tmp_path: Path) -> None:
     import msgspec
 
+    from toolkit.core.protocol import StreamWeights
     from toolkit.engine.vllm import VllmEngine
-    from toolkit.engine.vllm_transfer import StreamPlan, read_checkpoint, to_torch
+    from toolkit.engine.vllm_transfer import STREAM_ARGS, read_checkpoint, to_torch
     from toolkit.weights import publish
     from toolkit.weights.wire import Encoder, Encoding
 
     cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
-                          "++engine.args.weight_transfer_config={backend: toolkit_gloo}",
-                          "++engine.args.worker_extension_cls=toolkit.engine.vllm_transfer.StreamWorker"])
+                          f"++engine.args.weight_transfer_config={{backend: {STREAM_ARGS['weight_transfer_config']['backend']}}}",
+                          f"++engine.args.worker_extension_cls={STREAM_ARGS['worker_extension_cls']}"])
     ckpt = read_checkpoint(str(models["ckpt"]))
     rng = np.random.default_rng(0)
     perturbed = {}
@@ -84,11 +85,13 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
         assert all(o.status == "ok" for o in outs), outs
         return [o.output_token_ids for o in outs]
 
-    async def stream(engine: VllmEngine, update: Any, version: int, **kw: Any) -> float:
+    async def stream(engine: VllmEngine, update: Any, version: int, **kw: Any) -> None:
         port, t, errors = trainer_send(update, **kw)
-        plan = StreamPlan(msgspec.msgpack.encode(update.manifest), version, "127.0.0.1", port, 1, 2, "127.0.0.1", 60)
+        msg = StreamWeights(version, msgspec.msgpack.encode(update.manifest), "127.0.0.1", port,
+                            update.manifest.base, 60.0, rank=1, world=2)
         try:
-            return await engine.stream_weights(plan)
+            await engine.stage_stream(msg)
+            await engine.apply_stream(version)
         finally:
             await asyncio.to_thread(t.join, 60)
             assert not t.is_alive()

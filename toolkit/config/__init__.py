@@ -34,6 +34,7 @@ from toolkit.config.constraints import Choice, bounded, field_errors, matching, 
 from toolkit.config.sections import (
     Affinity,
     CloseMode,
+    DeltaMode,
     GatewayConfig,
     GroupFilter,
     Move,
@@ -49,6 +50,8 @@ from toolkit.config.sections import (
     ToolParser,
     UpdateMode,
     WandbMode,
+    WeightsConfig,
+    WeightsTransport,
     WorkloadConfig,
     flip_count,
 )
@@ -57,10 +60,10 @@ from toolkit.core.rundir import RunDir, atomic_write
 
 __all__ = [
     "CONF_DIR", "VLLM_OWN_ARGS", "Affinity", "Backend", "Choice", "CloseMode", "ClusterConfig", "Config", "ConfigError",
-    "ConfigSchema", "GatewayConfig", "GroupConfig", "GroupFilter", "Move", "Output", "QueueOrder", "ReplicaResources",
+    "ConfigSchema", "DeltaMode", "GatewayConfig", "GroupConfig", "GroupFilter", "Move", "Output", "QueueOrder", "ReplicaResources",
     "ReportConfig", "RolloutConfig", "RouterConfig", "RouterPolicyName", "SimEngineConfig",
     "SlurmClusterConfig", "StaleAction", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",
-    "WandbMode", "WorkloadConfig", "compose_config", "engine_variants", "field_errors", "flip_count",
+    "WandbMode", "WeightsConfig", "WeightsTransport", "WorkloadConfig", "compose_config", "engine_variants", "field_errors", "flip_count",
     "from_dictconfig", "group_engine", "load_run_config", "moves_carry_kv", "register_configs",
     "replica_devices", "replica_nodes", "replica_resources", "replica_shape", "samples_per_prompt",
     "save_run_config",
@@ -84,6 +87,8 @@ class Config:
     """Tail routing: which requests go to the fast tail group, and when."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """How the ranks run a step's sessions, write its samples and wait for weights."""
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """How a trainer streams its weights (``rollout.weights_transport=stream``)."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     """The ranks' HTTP gateway for agents (``workload.agent``)."""
     report: ReportConfig = field(default_factory=ReportConfig)

@@ -134,6 +134,9 @@ class SimEngineConfig:
     kv_link_bytes_per_s: float = 50e9
     """Bytes/s at which a request's KV reaches this replica when it moves here with it
     (``tail.move=kv``): a 400 Gb/s NIC."""
+    weights_link_bytes_per_s: float = bounded(50e9, gt=0)
+    """Bytes/s at which a streamed weight update reaches this replica (``rollout.weights_transport=stream``:
+    the sim models the link's time from the update's bytes): a 400 Gb/s NIC."""
     step_overhead_s: float = 0.0004
     """Fixed cost of a decode step (scheduling, kernel launches, sampling)."""
     prefill_tokens_per_s: float = bounded(30000.0, gt=0)

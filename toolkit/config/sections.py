@@ -158,6 +158,20 @@ class UpdateMode(Choice):
     drain = "drain"
 
 
+class WeightsTransport(Choice):
+    """``rollout.weights_transport``."""
+
+    checkpoint = "checkpoint"
+    stream = "stream"
+
+
+class DeltaMode(Choice):
+    """``weights.delta``."""
+
+    off = "off"
+    auto = "auto"
+
+
 class CloseMode(Choice):
     """``rollout.close``."""
 
@@ -201,13 +215,18 @@ class RolloutConfig:
     weights (their Results list both versions); ``drain``: it lets the requests in the engine finish
     first, new ones wait. Either way no request is aborted or retried. An engine that cannot update in
     place drains."""
+    weights_transport: WeightsTransport = WeightsTransport.checkpoint
+    """How the trainer's weights reach the replicas: ``checkpoint``: it publishes them in ``weights_dir``
+    and every replica reads them back; ``stream``: it sends them over the network into every replica
+    (``toolkit.weights.Streamer``, the ``weights`` section), and step ``s`` waits for version ``s - k``
+    to reach the replicas (``max_staleness``)."""
     weights_dir: str | None = None
     """Published checkpoints (``toolkit.weights.publish``): before step ``s``, if the latest published
     ``<weights_dir>/step_XXXXX`` up to ``s`` is newer than the replicas' weights, every replica loads it
     (``update_mode``) as weight version ``XXXXX`` (the model's own weights are version 0), and so again
     whenever one up to ``s`` is published while step ``s`` runs; null = off."""
     max_staleness: int | None = bounded(None, ge=0, note="(0 = on-policy)", null="(never wait)")
-    """Bounded staleness ``k`` (needs ``weights_dir``): step ``s`` starts only once weights of version
+    """Bounded staleness ``k`` (needs ``weights_dir`` or ``weights_transport=stream``): step ``s`` starts only once weights of version
     ``>= s - k`` are published; 0 = strictly on-policy (each step waits for the update from the step
     before), 1 = the rollout of step ``s`` overlaps training on step ``s-1``; null = never wait."""
     weights_timeout_s: float = bounded(3600.0, gt=0)
@@ -238,6 +257,30 @@ class RolloutConfig:
     max_group_starts_per_step: int | None = bounded(None, ge=1, null="(4x the groups a step keeps in flight)")
     """``close=count``: groups a step may start, replacements of filtered ones included; a step that
     reaches it and has nothing left to land closes short (its report says so)."""
+
+
+    @property
+    def handshake(self) -> bool:
+        """The trainer's weights reach the replicas through the run (a checkpoint directory or streams)."""
+        return bool(self.weights_dir) or self.weights_transport == WeightsTransport.stream
+
+
+@dataclass
+class WeightsConfig:
+    """Streamed updates (``rollout.weights_transport=stream``): how the trainer's ``Streamer`` sends them."""
+
+    bucket_mb: float = bounded(64.0, gt=0)
+    """Size of the chunks the update moves in (two in flight per link): a replica forwards one as soon
+    as it has it, so the chain's fill time is one bucket per replica."""
+    delta: DeltaMode = DeltaMode.auto
+    """``auto``: a tensor goes as its changed elements (indices + values) against the version every
+    replica holds, where that is smaller than dense; ``off``: every tensor dense."""
+    timeout_s: float = bounded(300.0, gt=0)
+    """How long a peer of the chain may stall mid-update before the update fails (every replica keeps
+    its previous version)."""
+    host: str | None = None
+    """The address the trainer's rendezvous listens on, reachable from every replica; null = the
+    router's host if that is a loopback address, else this node's hostname."""
 
 
 @dataclass

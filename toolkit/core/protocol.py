@@ -57,7 +57,11 @@ class Register(Message):
     max_model_len: int = 8192
     vocab_size: int = 32000
     weights: UpdateWeights | None = None
-    """The ``UpdateWeights`` whose checkpoint it holds (None: the model's own weights)."""
+    """The ``UpdateWeights`` whose checkpoint it holds (None: the model's own weights; ``path`` empty: a
+    version streamed to it)."""
+    streams: str = ""
+    """How its engine takes streamed updates (``StreamWeights``): ``gloo``: it joins the update's chain;
+    ``model``: it models the link's time (the sim); empty: it cannot."""
 
 
 class ReplicaStats(Message):
@@ -251,6 +255,8 @@ class Status(Message):
     """Per job: its current step."""
     loading: list[str] = []
     """Replicas (their ids) handed the latest weights that have not acknowledged them yet."""
+    weights_version: int = -1
+    """The latest weights version every replica it was sent to has answered (-1: none yet)."""
 
 
 class Completion(Message):
@@ -284,6 +290,54 @@ class WeightsUpdated(Message):
     error: str = ""
     replicas: int = 0
     """In the router's answer: how many replicas acknowledged."""
+
+
+class StreamWeights(Message):
+    """Trainer -> router: update ``version`` is ready to stream from ``master:port`` (the trainer's
+    rendezvous); the router answers with a ``StreamPlan``, then with ``WeightsUpdated`` once every
+    replica of the plan has applied it (or failed). Router -> replica: the same, with the replica's
+    ``rank`` in the chain. Not resent: an update whose plan or answer is lost fails, and the trainer
+    sends the next one."""
+
+    version: int
+    manifest: bytes
+    """msgpack of the update's ``toolkit.weights.wire.Manifest``."""
+    master: str
+    port: int
+    base: int = -1
+    """The version its deltas apply to (-1: all dense)."""
+    timeout_s: float = 300.0
+    """How long a peer of the chain may stall before the update fails."""
+    target: str = ""
+    """A catch-up (``StreamWanted``): the one replica (its id) that gets it; empty: every replica."""
+    rank: int = 0
+    """Set by the router for a replica: its place in the chain (1..n); 0: not on the chain (the sim)."""
+    world: int = 0
+    """Set by the router: the chain's ranks, the trainer's included."""
+    serial: int = 0
+    """Set by the router, as ``UpdateWeights.serial``."""
+
+
+class StreamPlan(Message):
+    """Router -> trainer: who receives a ``StreamWeights``, in chain order."""
+
+    version: int
+    world: int = 1
+    """Ranks of the chain, the trainer's (0) included: 1 means nobody joins it (modelled links only)."""
+    replicas: list[str] = []
+    """Every replica that takes the update (the chain's ranks 1.. first, in order)."""
+    target: str = ""
+    dense: bool = False
+    """Refused: no replica holds the delta's base; send the update dense."""
+    error: str = ""
+
+
+class StreamWanted(Message):
+    """Router -> the trainer that streamed the run's weights: ``replica_id`` (registered late, restarted,
+    or left out of an update) needs ``version``, dense, before it serves."""
+
+    version: int
+    replica_id: str
 
 
 class Drain(Message):
@@ -323,6 +377,9 @@ TYPE_OF: Final[dict[type[Message], bytes]] = {
     WeightsUpdated: b"\x0d",
     Drain: b"\x0e",
     Shutdown: b"\x0f",
+    StreamWeights: b"\x10",
+    StreamPlan: b"\x11",
+    StreamWanted: b"\x12",
 }
 CLASS_OF: Final[dict[bytes, type[Message]]] = {v: k for k, v in TYPE_OF.items()}
 DECODERS: Final[dict[bytes, msgspec.msgpack.Decoder[Any]]] = {

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit.config.backends import ENGINES
 from toolkit.core.errors import ToolkitError
-from toolkit.core.protocol import Generate, ReplicaStats, Result
+from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights
 
 if TYPE_CHECKING:
     from toolkit.engine.nodes import NodeRole
@@ -76,6 +76,26 @@ class Engine(ABC):
         This default: not supported. It raises NotImplementedError before it changes anything, and the
         replica falls back to ``load_weights`` once the engine is idle (``drain``), saying so once."""
         raise NotImplementedError(f"the {type(self).__name__} backend cannot update weights while requests run")
+
+    stream_transport: str = ""
+    """How it takes streamed updates (``Register.streams``): ``gloo`` (it joins the update's chain),
+    ``model`` (it models the link's time), empty: it cannot."""
+
+    async def stage_stream(self, msg: StreamWeights) -> None:
+        """Receive streamed update ``msg`` (its place in the chain: ``msg.rank``) into a staging area while
+        the engine serves; raise if it fails (a delta against another version than the one it holds
+        included), the weights in service untouched. The replica calls :meth:`apply_stream` next."""
+        raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
+
+    async def apply_stream(self, version: int) -> None:
+        """Put the staged update in as ``version``, requests in the engine pausing between steps as in
+        :meth:`update_weights_in_place` (the replica holds new ones at its gate). On an error the engine
+        serves on the previous weights (or counts as dead if it could not put them back)."""
+        raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
+
+    async def discard_stream(self) -> None:
+        """Drop what :meth:`stage_stream` staged (the replica gave the update up)."""
+        raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
 
     def dead(self) -> bool:
         """True once the engine can serve nothing more (its process is gone): time to ``restart``."""

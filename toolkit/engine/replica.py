@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer
 
-from toolkit.config import Config, SimEngineConfig, group_engine
+from toolkit.config import Config, SimEngineConfig, VllmEngineConfig, WeightsTransport, group_engine
 from toolkit.config.entry import enter_component
 from toolkit.core import protocol as P
 from toolkit.core.lifecycle import ProcessRef, stdout_file, write_pidfile
@@ -49,6 +49,7 @@ from toolkit.core.security import client_curve
 from toolkit.core.sockets import RouterLink, own_bind_host
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.engine.metrics import ReplicaMetrics
+from toolkit.engine.vllm_transfer import STREAM_ARGS
 from toolkit.model.tokenizer import chat_tokenizer_dir
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class ReplicaServer:
             vocab_size=self.info.vocab_size,
             # A restarted router learns from it which weights are the run's newest (WeightSync.registered).
             weights=self._weights,
+            streams=self.engine.stream_transport,
         ))
 
     async def run(self) -> None:
@@ -176,6 +178,8 @@ class ReplicaServer:
                 await self._abort(msg.request_id)
             elif isinstance(msg, P.UpdateWeights):
                 self._update_weights(msg)
+            elif isinstance(msg, P.StreamWeights):
+                self._stream_weights(msg)
             elif isinstance(msg, P.Reregister):
                 logger.info("router asked to re-register (%s)", msg.reason)
                 await self._register()
@@ -288,6 +292,59 @@ class ReplicaServer:
             self.metrics.weight_loads.labels(mode, "error" if error else "ok").inc()
         await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
 
+    def _stream_weights(self, msg: P.StreamWeights) -> None:
+        if self._weights is not None and not self._weights.path and self._weights.version == msg.version:
+            self._weights = P.UpdateWeights("", msg.version, msg.serial)  # already applied: acknowledge again
+            self._spawn(self._send(P.WeightsUpdated(msg.version, self.replica_id)), "weights-ack")
+        elif self._weights_loading != ("", msg.version):
+            self._weights_loading = ("", msg.version)
+            self._spawn(self._load_stream(msg), f"stream-{msg.version}")
+
+    async def _load_stream(self, msg: P.StreamWeights) -> None:
+        """A streamed update: staged while the engine serves (the gate open), then applied with the
+        requests in the engine paused (``update_mode=pause``) or once none is (``drain``)."""
+        error = ""
+        t0 = time.monotonic()
+        try:
+            await self.engine.stage_stream(msg)
+            staged = time.monotonic()
+            try:
+                if self._update_mode == "pause":
+                    async with self._maintenance:
+                        self._open.clear()
+                        try:
+                            await self.engine.apply_stream(msg.version)
+                            self._note_version(msg.version)
+                        finally:
+                            self._open.set()
+                else:
+                    async with self._engine_exclusive():
+                        await self.engine.apply_stream(msg.version)
+            except BaseException:
+                self._check_engine()
+                raise
+            self._weights = P.UpdateWeights("", msg.version, msg.serial)
+            logger.info("streamed weights version %d: staged in %.2fs, applied in %.2fs", msg.version,
+                        staged - t0, time.monotonic() - staged)
+        except Exception as exc:
+            logger.exception("streamed weights version %d failed", msg.version)
+            error = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                await self.engine.discard_stream()
+        finally:
+            if self._weights_loading == ("", msg.version):
+                self._weights_loading = None
+        if self.metrics is not None:
+            self.metrics.weight_loads.labels("stream", "error" if error else "ok").inc()
+        await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
+
+    def _note_version(self, version: int) -> None:
+        """The requests in the engine go on with ``version``'s weights (for engines that keep no account)."""
+        for rid in self._entered:
+            seen = self._versions.get(rid)
+            if seen is not None and seen[-1] != version:
+                seen.append(version)
+
     async def _update_in_place(self, msg: P.UpdateWeights) -> bool:
         """``update_mode=pause``: new requests wait at the gate, the ones in the engine stay and go on with
         the new weights. False (nothing changed) if the engine cannot: the caller drains instead."""
@@ -304,10 +361,7 @@ class ReplicaServer:
                     self._in_place = False
                     logger.warning("update_mode=pause: %s; weight updates drain the engine instead", exc)
                     return False
-                for rid in self._entered:
-                    seen = self._versions.get(rid)
-                    if seen is not None and seen[-1] != msg.version:
-                        seen.append(msg.version)
+                self._note_version(msg.version)
                 logger.info("weights version %d loaded in place in %.2fs", msg.version, time.monotonic() - t0)
                 return True
             finally:
@@ -349,6 +403,9 @@ def engine_config(cfg: Config, group: str) -> Any:
         path = chat_tokenizer_dir(cfg)
         vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
         ecfg = dataclasses.replace(ecfg, tokenizer=str(path), vocab_size=min(ecfg.vocab_size, vocab))
+    if isinstance(ecfg, VllmEngineConfig) and cfg.rollout.weights_transport == WeightsTransport.stream:
+        # The toolkit's weight-transfer backend in vLLM's workers (toolkit/engine/vllm_transfer.py).
+        ecfg = dataclasses.replace(ecfg, args={**ecfg.args, **STREAM_ARGS})
     return ecfg
 
 

@@ -24,10 +24,11 @@ import numpy as np
 
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
-from toolkit.core.protocol import Generate, ReplicaStats, Result, Structured
+from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights, Structured
 from toolkit.engine.base import Engine, EngineInfo
 from toolkit.engine.structured import instance_text
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer
+from toolkit.weights.wire import Manifest, WrongBase
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,8 @@ class SimEngine(Engine):
         # An in-place weight update waiting for the next step boundary, and the running contexts to
         # prefill again after one (their KV came from the old weights).
         self._pending_weights: tuple[int, asyncio.Future[None]] | None = None
+        self._staged: int | None = None
+        """The streamed version staged (its link time spent), not yet applied."""
         self._recompute_tokens = 0
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error = ""
@@ -279,6 +282,9 @@ class SimEngine(Engine):
         (cached KV of the old weights is useless), as a real engine's reload does. A checkpoint
         directory that is not there fails, as it does in vLLM."""
         _checkpoint_exists(path)
+        self._reset_weights(version)
+
+    def _reset_weights(self, version: int) -> None:
         self.cache.blocks.clear()
         self.weight_version = version
 
@@ -289,13 +295,38 @@ class SimEngine(Engine):
         sequences' contexts are prefilled again in the next step (the old weights' KV is discarded, as
         the vllm backend does). Requests in flight go on; none is aborted."""
         _checkpoint_exists(path)
+        await self._switch_at_step(version)
+
+    async def _switch_at_step(self, version: int) -> None:
         if self._task is None or self._task.done():
-            await self.load_weights(path, version)
+            self._reset_weights(version)
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending_weights = (version, done)
         self._wake.set()
         await done
+
+    # ---- streamed updates: the link's time modelled from the update's bytes ---------------------------
+    stream_transport = "model"
+
+    async def stage_stream(self, msg: StreamWeights) -> None:
+        """The update's bytes over ``weights_link_bytes_per_s`` (scaled by ``time_scale``), the engine
+        serving meanwhile; a delta against another version than the one it holds is refused at once."""
+        manifest = msgspec.msgpack.decode(msg.manifest, type=Manifest)
+        if manifest.base >= 0 and manifest.base != self.weight_version:
+            raise WrongBase(f"update to version {manifest.version} is a delta against version {manifest.base}, "
+                            f"but this replica holds version {self.weight_version}: it needs a dense update")
+        await asyncio.sleep(manifest.total / self.cfg.weights_link_bytes_per_s * self.cfg.time_scale)
+        self._staged = manifest.version
+
+    async def apply_stream(self, version: int) -> None:
+        if self._staged != version:
+            raise RuntimeError(f"version {version} is not staged (staged: {self._staged})")
+        self._staged = None
+        await self._switch_at_step(version)
+
+    async def discard_stream(self) -> None:
+        self._staged = None
 
     def _switch_weights(self) -> None:
         """At a step boundary: apply a pending in-place update."""

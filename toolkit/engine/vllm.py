@@ -47,7 +47,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
-from toolkit.core.protocol import Completion, Generate, ReplicaStats, Result, Sampling, Structured
+from toolkit.core.protocol import (
+    Completion,
+    Generate,
+    ReplicaStats,
+    Result,
+    Sampling,
+    StreamWeights,
+    Structured,
+)
 from toolkit.engine import vllm_transfer
 from toolkit.engine.base import Engine, EngineGone, EngineInfo
 from toolkit.engine.nodes import NodeRole
@@ -397,34 +405,43 @@ class VllmEngine(Engine):
         if vllm_transfer.enabled(self.engine_args()):
             await vllm_transfer.hold(self.llm, self.weights_path or self.model_path, self.weight_version)
 
-    async def stream_weights(self, plan: vllm_transfer.StreamPlan) -> float:
-        """A streamed update (``toolkit/engine/vllm_transfer.py``), requests running: staged over the
-        network while the engine serves, then put in while it is paused as in
-        :meth:`update_weights_in_place` (keep, reset the prefix cache, resume; nothing aborted). Returns
-        the pause's seconds. A failed stage changes nothing; a failed apply is rolled back by the
+    @property
+    def stream_transport(self) -> str:  # type: ignore[override]
+        return "gloo" if vllm_transfer.enabled(self.engine_args()) else ""
+
+    async def stage_stream(self, msg: StreamWeights) -> None:
+        """A streamed update (``toolkit/engine/vllm_transfer.py``) staged over the network by the
+        workers while the engine serves; a failed stage changes nothing."""
+        await vllm_transfer.stage(self.llm, msg)
+
+    async def discard_stream(self) -> None:
+        await vllm_transfer.discard(self.llm)
+
+    async def apply_stream(self, version: int) -> None:
+        """Put the staged update in with requests running, as :meth:`update_weights_in_place` does (pause
+        ``keep``, reset the prefix cache, resume; nothing aborted). A failed apply is rolled back by the
         workers (the engine serves on, on the previous version), or, if that failed too, the engine
         counts as dead."""
         llm = self.llm
-        await vllm_transfer.stage(llm, plan)
         t0 = time.monotonic()
         await llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await vllm_transfer.apply(llm, plan.version)
+            await vllm_transfer.apply(llm, version)
             if not await llm.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("vLLM could not reset its prefix cache after the update")
         except BaseException as exc:
             st = await vllm_transfer.status(llm)
             if st.get("state") != "rolled_back":
-                self.broken = f"streamed update to version {plan.version} failed: {type(exc).__name__}: {exc}"
+                self.broken = f"streamed update to version {version} failed: {type(exc).__name__}: {exc}"
                 if self.active:
                     await llm.abort(list(self.active))
                 raise
             await llm.resume_generation()
             raise
         self.adapters.forget_loaded()
-        self.weight_version = plan.version
+        self.weight_version = version
         await llm.resume_generation()
-        return time.monotonic() - t0
+        logger.info("streamed weights version %d applied in a %.2fs pause", version, time.monotonic() - t0)
 
     async def _reload(self, path: str) -> None:
         t0 = time.monotonic()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from toolkit.core.protocol import StreamWeights
 from toolkit.weights.transport import Link
 from toolkit.weights.wire import Manifest, bits, decode
 
@@ -43,6 +45,8 @@ logger = logging.getLogger(__name__)
 BACKEND = "toolkit_gloo"
 EXTENSION = "toolkit.engine.vllm_transfer.StreamWorker"
 """``worker_extension_cls``: adds ``toolkit_stream_status`` to vLLM's workers."""
+STREAM_ARGS = {"weight_transfer_config": {"backend": BACKEND}, "worker_extension_cls": EXTENSION}
+"""The engine arguments that select this backend (``rollout.weights_transport=stream``)."""
 
 
 def _torch_dtype(name: str) -> Any:
@@ -239,22 +243,6 @@ class StreamWorker:
 
 
 # ---- the replica's side (its AsyncLLM) --------------------------------------------------------------
-@dataclass(frozen=True)
-class StreamPlan:
-    """One replica's part in a streamed update: the manifest and its place in the chain."""
-
-    manifest: bytes
-    """msgpack of the update's :class:`~toolkit.weights.wire.Manifest`."""
-    version: int
-    master: str
-    port: int
-    rank: int
-    world: int
-    host: str = ""
-    """This replica's address for the chain (its node's)."""
-    timeout_s: float = 300.0
-
-
 def enabled(args: dict[str, Any]) -> bool:
     """Whether engine arguments ``args`` select this backend."""
     wt = args.get("weight_transfer_config") or {}
@@ -272,13 +260,13 @@ async def status(llm: Any) -> dict[str, Any]:
     return (await llm.collective_rpc("toolkit_stream_status"))[0]
 
 
-async def stage(llm: Any, plan: StreamPlan, poll_s: float = 0.02) -> None:
+async def stage(llm: Any, plan: StreamWeights, poll_s: float = 0.02) -> None:
     """Receive the update into the workers' staging buffers while the engine serves; raise if it fails
     (the engine's weights untouched)."""
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
     info = {"phase": "stage", "manifest": plan.manifest, "master": plan.master, "port": plan.port,
-            "rank": plan.rank, "world": plan.world, "host": plan.host, "timeout_s": plan.timeout_s}
+            "rank": plan.rank, "world": plan.world, "host": own_host(plan.master), "timeout_s": plan.timeout_s}
     await llm.start_weight_update()
     try:
         await llm.update_weights(WeightTransferUpdateRequest(info))
@@ -287,9 +275,21 @@ async def stage(llm: Any, plan: StreamPlan, poll_s: float = 0.02) -> None:
         if st["state"] != "staged":
             raise RuntimeError(f"staging version {plan.version} failed: {st.get('error') or st}")
     except BaseException:
-        await llm.update_weights(WeightTransferUpdateRequest({"phase": "discard"}))
-        await llm.finish_weight_update()
+        await discard(llm)
         raise
+
+
+async def discard(llm: Any) -> None:
+    """Drop a staged update and end vLLM's weight-update session (the engine serves on, unchanged)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await llm.update_weights(WeightTransferUpdateRequest({"phase": "discard"}))
+    await llm.finish_weight_update()
+
+
+def own_host(master: str) -> str:
+    """This node's address on the chain: loopback when the trainer is (one host), else its hostname's."""
+    return master if master.startswith("127.") or master == "localhost" else socket.gethostbyname(socket.gethostname())
 
 
 async def apply(llm: Any, version: int) -> None:

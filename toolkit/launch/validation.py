@@ -26,6 +26,7 @@ from toolkit.config import (
     GroupFilter,
     ReplicaResources,
     SlurmClusterConfig,
+    WeightsTransport,
     engine_variants,
     field_errors,
     group_engine,
@@ -179,10 +180,32 @@ def decoding(cfg: Config) -> list[FieldError]:
 
 def staleness(cfg: Config) -> list[FieldError]:
     k = cfg.rollout.max_staleness
-    if k is None or cfg.rollout.weights_dir or cfg.rollout.close == CloseMode.count:
+    if k is None or cfg.rollout.handshake or cfg.rollout.close == CloseMode.count:
         return []  # with close=count and no weights, k bounds the step boundaries a session is carried across
     return [FieldError("rollout.max_staleness", k,
-                       "needs rollout.weights_dir (where the trainer publishes the weights to wait for), or null")]
+                       "needs rollout.weights_dir (where the trainer publishes the weights to wait for), or "
+                       "rollout.weights_transport=stream, or null")]
+
+
+def streamed_weights(cfg: Config) -> list[FieldError]:
+    """``rollout.weights_transport=stream``: what the engines and the rest of the config must allow."""
+    r = cfg.rollout
+    if r.weights_transport != WeightsTransport.stream:
+        return []
+    errors = []
+    if r.weights_dir:
+        errors.append(FieldError("rollout.weights_dir", r.weights_dir,
+                                 "null with rollout.weights_transport=stream (the trainer streams the weights "
+                                 "through toolkit.weights.Streamer), or weights_transport=checkpoint"))
+    for where, ecfg, _ in engine_variants(cfg):
+        if ecfg.type not in ("sim", "vllm"):
+            errors.append(FieldError(f"{where}.type", ecfg.type, "sim or vllm with rollout.weights_transport=stream"))
+        elif ecfg.type == "vllm" and ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
+            errors.append(FieldError(f"{where}.tensor_parallel_size", ecfg.tensor_parallel_size,
+                                     "1 (and pipeline_parallel_size 1) with rollout.weights_transport=stream: "
+                                     "streamed updates reach one worker per replica so far; or "
+                                     "weights_transport=checkpoint"))
+    return errors
 
 
 def partial_steps(cfg: Config) -> list[FieldError]:
@@ -197,7 +220,7 @@ def partial_steps(cfg: Config) -> list[FieldError]:
                      r.max_group_starts_per_step is None))
                 if not unset]
     errors = []
-    if r.max_staleness == 0 and r.weights_dir:
+    if r.max_staleness == 0 and r.handshake:
         errors.append(FieldError("rollout.max_staleness", 0,
                                  ">= 1 with rollout.close=count, or close=all: a session carried into the "
                                  "next step ran on older weights, so it cannot be on-policy"))
@@ -309,6 +332,7 @@ def trackers(cfg: Config) -> list[FieldError]:
 RULES: tuple[Rule, ...] = (
     backend_types, backend_checks, replica_placement, tail_groups, kv_moves, affinity, concurrency_cap, decoding,
     staleness,
+    streamed_weights,
     partial_steps,
     agent_workload, workload_sources, length_hint, trackers,
 )

@@ -5,6 +5,10 @@ published in ``rollout.weights_dir`` and has every replica load the latest one u
 step runs it loads, at once, any newer one up to ``s`` the trainer publishes meanwhile (the replicas
 take it as ``rollout.update_mode`` says, aborting nothing). The step report's ``weights`` entry says
 what the step started on, how long it waited, and each update that landed while it ran.
+
+With ``rollout.weights_transport=stream`` the trainer sends the weights itself (``toolkit.weights.Streamer``):
+rank 0 loads nothing, it waits until the router says version ``>= s - k`` has reached the replicas
+(``Status.weights_version``) and follows the versions that land while the step runs.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any
 
 from toolkit import weights
 from toolkit.client import RouterClient
-from toolkit.config import RolloutConfig
+from toolkit.config import RolloutConfig, WeightsTransport
+from toolkit.core.errors import RouterUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,8 @@ class StepWeights:
         r = self.cfg
         t0 = time.monotonic()
         need = step - r.max_staleness if r.max_staleness is not None else 0
+        if r.weights_transport == WeightsTransport.stream:
+            return await self._before_streamed(step, need, t0)
         if r.weights_dir and need > 0:
             ckpt = await weights.wait_for_version(
                 r.weights_dir,
@@ -68,6 +75,35 @@ class StepWeights:
         }
         return True
 
+    async def _streamed(self) -> int:
+        """The newest streamed version every replica it went to has (0: the model's own)."""
+        try:
+            return max(0, (await self.client.status()).weights_version)
+        except RouterUnavailable as exc:
+            logger.warning("the router did not say which weights its replicas hold: %s", exc)
+            return self.held[1] if self.held is not None else 0
+
+    async def _before_streamed(self, step: int, need: int, t0: float) -> bool:
+        version = await self._streamed()
+        logged = False
+        while version < need:
+            if self.stop():
+                return False
+            if time.monotonic() - t0 > self.cfg.weights_timeout_s:
+                raise weights.WeightsTimeout(
+                    f"step {step} needs weights version >= {need} (rollout.max_staleness = {self.cfg.max_staleness}): "
+                    f"the replicas hold version {version} after {self.cfg.weights_timeout_s:g}s "
+                    "(rollout.weights_timeout_s); is the trainer streaming (toolkit.weights.Streamer)?")
+            if not logged:
+                logger.info("step %d waits for streamed weights version %d (the replicas hold %d)", step, need, version)
+                logged = True
+            await asyncio.sleep(self.cfg.weights_poll_s)
+            version = await self._streamed()
+        self.held = (None, version)
+        self.steps[step] = {"version": version, "path": None, "waited_s": time.monotonic() - t0, "load_s": 0.0,
+                            "updates": []}
+        return True
+
     async def follow(self, step: int, done: asyncio.Event) -> None:
         """While ``step`` runs (until ``done``): load a checkpoint up to ``step`` as soon as it is
         published, so a step that began behind goes on with the newest weights there are. A load under
@@ -78,6 +114,13 @@ class StepWeights:
                 await asyncio.wait_for(done.wait(), self.cfg.weights_poll_s)
             if done.is_set():
                 return
+            if self.cfg.weights_transport == WeightsTransport.stream:
+                version = await self._streamed()
+                if self.held is not None and version > self.held[1]:
+                    self.held = (None, version)
+                    self.steps[step]["updates"].append(
+                        {"version": version, "path": None, "at_s": time.monotonic() - t0, "load_s": 0.0})
+                continue
             ckpt = await asyncio.to_thread(weights.latest, self.cfg.weights_dir, step)
             if ckpt is not None and self._newer(ckpt):
                 at = time.monotonic() - t0

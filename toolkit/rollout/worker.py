@@ -177,7 +177,7 @@ class RankRunner:
             self.metrics.begin(step, self.closer.sessions_to_close())
         done = asyncio.Event()
         follow = (asyncio.create_task(self.weights.follow(step, done), name="weights")
-                  if self.rank == 0 and cfg.rollout.weights_dir else None)
+                  if self.rank == 0 and cfg.rollout.handshake else None)
         collect = asyncio.create_task(self.closer.collect(step), name=f"step {step}")
         try:
             if follow is not None:

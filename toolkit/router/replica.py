@@ -29,6 +29,8 @@ class Replica:
     vocab_size: int
     model: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    streams: str = ""
+    """How its engine takes streamed updates (``Register.streams``)."""
 
     # ---- written by the pool (``pool.py``): whether it serves, and what it holds -----------------
     ready: bool = False

@@ -194,6 +194,8 @@ class Router:
             send_msg(self.frontend, client, self.status())
         elif isinstance(msg, P.UpdateWeights):
             self.weights.update(client, msg)
+        elif isinstance(msg, P.StreamWeights):
+            self.weights.stream(client, msg)
         elif isinstance(msg, P.Drain):
             self.elastic.drain(msg.replicas, msg.migrate)
         else:
@@ -261,7 +263,8 @@ class Router:
                         inflight=sum(r.load for r in replicas),
                         completed=self.stats["completed"], steps=self.tail.progress(self.timeline),
                         loading=sorted(r.replica_id for r in replicas
-                                       if not r.draining and self.weights.is_loading(r)))
+                                       if not r.draining and self.weights.is_loading(r)),
+                        weights_version=self.weights.landed)
 
     # ---- dispatch --------------------------------------------------------------------------
     def _decide(self, req: Request) -> Replica | None:

@@ -1,6 +1,12 @@
 """Weights between steps, the router's part: forward a checkpoint to every replica, answer once all have
 loaded it, hand it to replicas that register later, keep replicas that do not hold it out of service,
-and keep it across a router restart (``weights.json``)."""
+and keep it across a router restart (``weights.json``).
+
+A streamed update (``StreamWeights``) goes the same way, with a plan first: the router names the chain
+(every replica that holds the update's base; all of them for a dense one) and answers the trainer
+with it, then forwards each replica its rank. A replica left out (it registered late, restarted, or
+holds another version) or whose apply failed is out of dispatch until the trainer that streamed the
+run's weights sends it the current version dense (``StreamWanted``)."""
 
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ class Ack(NamedTuple):
 class ReplicaWeights:
     """What one registered replica did with the run's weights."""
 
-    __slots__ = ("ack", "loaded", "load_error", "awaiting")
+    __slots__ = ("ack", "loaded", "load_error", "awaiting", "streaming")
 
     def __init__(self) -> None:
         self.ack: Ack | None = None
@@ -39,6 +45,8 @@ class ReplicaWeights:
         weights, asked again each ``router.probe_timeout_s``."""
         self.awaiting = False
         """Its probe passed before it held the run's weights: it serves once it acknowledges them."""
+        self.streaming: int | None = None
+        """The streamed version it was sent and has not answered yet."""
 
 
 class WeightSync:
@@ -63,6 +71,12 @@ class WeightSync:
         replica loaded any, so every replica serves)."""
         self.waiting_clients: dict[tuple[str, int], set[bytes]] = {}
         """Clients waiting for a version, by (path, version)."""
+        self.members: dict[int, list[Replica]] = {}
+        """A streamed version's plan: the replicas its answer waits for."""
+        self.source: bytes | None = None
+        """The client that streamed the run's weights: it sends a replica that lacks them a dense copy."""
+        self.landed = self.latest.version if self.latest is not None else -1
+        """The latest version whose update every replica it went to has answered (``Status``)."""
         self._replicas: dict[Replica, ReplicaWeights] = {}
 
     def _of(self, r: Replica) -> ReplicaWeights:
@@ -94,6 +108,78 @@ class WeightSync:
                 self.push(r)
         self.answer_clients()
 
+    def stream(self, client: bytes, msg: P.StreamWeights) -> None:
+        """A trainer streams ``msg.version``: plan the chain, answer the trainer with it, forward each
+        replica its part. A delta goes to the replicas that hold its base (none: the trainer is told to
+        send it dense); the others are out of dispatch until they get the version dense."""
+        if msg.target:
+            self._catch_up(client, msg)
+            return
+        everyone = [r for r in self.pool.all() if not r.draining]
+        cannot = [r.replica_id for r in everyone if not r.streams]
+        if cannot:
+            self.send_to_client(client, P.StreamPlan(msg.version, error=(
+                f"replica(s) {', '.join(cannot)} cannot take streamed weights (their engine has no stream "
+                "transport): rollout.weights_transport=stream needs engine.type sim or vllm")))
+            return
+        free = [r for r in everyone if self._of(r).streaming is None]  # not taking a catch-up now
+        chosen = free if msg.base < 0 else [r for r in free if self._of(r).loaded == msg.base]
+        if everyone and not chosen:
+            self.send_to_client(client, P.StreamPlan(msg.version, dense=True))
+            return
+        self.source = client
+        self.client_updated = True
+        serial = max(self.latest.serial if self.latest else 0, self.highest_held_serial) + 1
+        self.latest = P.UpdateWeights("", msg.version, serial)
+        self._record(self.latest)
+        plan = self._send_chain(msg, chosen, serial)
+        logger.info("streamed weights version %d (%s): %d replica(s) on the chain, %d left for a dense copy",
+                    msg.version, "delta" if msg.base >= 0 else "dense", len(chosen), len(everyone) - len(chosen))
+        self.members[msg.version] = chosen
+        self.send_to_client(client, plan)
+        self.waiting_clients.setdefault(("", msg.version), set()).add(client)
+        self.answer_clients()  # no replica at all: answered at once (replicas=0)
+
+    def _send_chain(self, msg: P.StreamWeights, replicas: list[Replica], serial: int, target: str = "") -> P.StreamPlan:
+        """Forward ``msg`` to ``replicas`` with their ranks (the chain: those that join it, in order);
+        the plan for the trainer."""
+        chain = [r for r in replicas if r.streams == "gloo"]
+        world = 1 + len(chain)
+        for r in replicas:
+            rank = chain.index(r) + 1 if r in chain else 0
+            self._of(r).streaming = msg.version
+            self.send_to_replica(r.identity, P.StreamWeights(
+                msg.version, msg.manifest, msg.master, msg.port, msg.base, msg.timeout_s, target, rank, world, serial))
+        return P.StreamPlan(msg.version, world, [r.replica_id for r in chain + [r for r in replicas if r not in chain]],
+                            target)
+
+    def _catch_up(self, client: bytes, msg: P.StreamWeights) -> None:
+        """The trainer's dense copy of the run's weights for the one replica that asked for it."""
+        r = self.pool.get(msg.target)
+        if r is None or r.draining or self._of(r).streaming is not None:
+            why = "it is gone" if r is None else "it is draining" if r.draining else "it is taking an update"
+            self.send_to_client(client, P.StreamPlan(msg.version, target=msg.target, error=f"{msg.target}: {why}"))
+            return
+        logger.info("replica %s gets streamed weights version %d (dense)", r.replica_id, msg.version)
+        serial = self.latest.serial if self.latest is not None else 0
+        self.send_to_client(client, self._send_chain(msg, [r], serial, msg.target))
+
+    def _left_behind(self) -> None:
+        """Once a replica holds the streamed version the run requires: every serving replica that does
+        not and is not taking it (left out of the chain, or its apply failed) leaves dispatch until it
+        gets the version dense from the trainer."""
+        if self.required is None or self.required.path:
+            return
+        for r in self.pool.all():
+            w = self._of(r)
+            if r.ready and not r.draining and w.loaded != self.required.version and w.streaming is None:
+                logger.warning("replica %s holds weights version %s, not %d: out of dispatch until it gets it",
+                               r.replica_id, w.loaded, self.required.version)
+                self.pool.set_unready(r)
+                w.awaiting = True
+                w.load_error = w.load_error or f"it holds version {w.loaded}, not {self.required.version}"
+                self.push(r)
+
     def answer_clients(self) -> None:
         """Answer the clients whose update every ready replica has acknowledged (or one failed), once
         ``weights.json`` is written; the sweep calls it again while an answer waits for the file."""
@@ -101,9 +187,10 @@ class WeightSync:
         if not self.waiting_clients or self.files.pending(recorded):
             return
         write_error = self.files.error(recorded)
-        ready = [r for r in self.pool.all() if r.serving]
+        serving = [r for r in self.pool.all() if r.serving]
         for key in list(self.waiting_clients):
             version = key[1]
+            ready = serving if key[0] else [r for r in self.members.get(version, []) if r in self._replicas]
             acks = [self._of(r).ack for r in ready]
             errors = [f"{r.replica_id}: {a.error}" for r, a in zip(ready, acks, strict=True)
                       if a is not None and a.version == version and a.error]
@@ -116,6 +203,9 @@ class WeightSync:
             answer = P.WeightsUpdated(version, error="; ".join(errors), replicas=done)
             for client in self.waiting_clients.pop(key):
                 self.send_to_client(client, answer)
+            self.members.pop(version, None)
+            if done:
+                self.landed = max(self.landed, version) if key[0] == "" else version
 
     def _record(self, msg: P.UpdateWeights) -> None:
         """Kept for a restarted router. Written off the loop, so the replicas get the update at once;
@@ -165,9 +255,16 @@ class WeightSync:
         self._replicas.pop(r, None)
 
     def push(self, r: Replica) -> None:
-        """Send the run's weights to ``r``."""
-        if self.latest is not None:
+        """Send the run's weights to ``r`` (streamed ones: ask the trainer that streamed them)."""
+        if self.latest is None:
+            return
+        if self.latest.path:
             self.send_to_replica(r.identity, self.latest)
+        elif self.source is not None and self._of(r).streaming is None:
+            self.send_to_client(self.source, P.StreamWanted(self.latest.version, r.replica_id))
+        elif self.source is None:
+            logger.warning("replica %s needs streamed weights version %d, and no trainer has streamed to this "
+                           "router yet: it waits for the next update", r.replica_id, self.latest.version)
 
     def may_serve(self, r: Replica) -> bool:
         """``r`` holds the weights a replica must hold to serve. One whose load failed where others'
@@ -200,6 +297,8 @@ class WeightSync:
     def acknowledged(self, r: Replica, msg: P.WeightsUpdated) -> None:
         """``r`` answered an UpdateWeights; one that waited for these weights enters service."""
         w = self._of(r)
+        if w.streaming == msg.version:
+            w.streaming = None
         if msg.error:
             logger.error("replica %s failed to load weights version %d: %s", r.replica_id, msg.version, msg.error)
         else:
@@ -215,15 +314,20 @@ class WeightSync:
             w.load_error = ""
             self.pool.set_ready(r)
         self.answer_clients()
+        self._left_behind()
 
     def retry_failed_load(self, r: Replica) -> bool:
         """The sweep's part for a replica kept out of service by a failed load: hand it the run's weights
         again (a file system's hiccup passes; a checkpoint gone for good keeps it out, said each time).
         True if it was asked."""
         w = self._replicas.get(r)
-        if w is None or not (w.awaiting and w.load_error and self.required is not None):
+        if w is None or not (w.awaiting and self.required is not None and (w.load_error or not self.required.path)):
             return False
         logger.warning("replica %s stays out of service: it could not load weights version %d (%s); asking "
                        "again", r.replica_id, self.required.version, w.load_error)
-        self.send_to_replica(r.identity, self.required)
+        if self.required.path:
+            self.send_to_replica(r.identity, self.required)
+        else:
+            w.streaming = None  # a catch-up that never answered is asked again
+            self.push(r)
         return True

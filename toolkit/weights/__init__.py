@@ -12,6 +12,7 @@ from toolkit.weights.checkpoint import (
     versions,
     wait_for_version,
 )
+from toolkit.weights.streamer import Streamer, StreamFailed
 
-__all__ = ["MARKER", "CheckpointExists", "WeightsTimeout", "checkpoint_dir", "latest", "publish", "published",
+__all__ = ["MARKER", "StreamFailed", "Streamer", "CheckpointExists", "WeightsTimeout", "checkpoint_dir", "latest", "publish", "published",
            "versions", "wait_for_version"]

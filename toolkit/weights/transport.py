@@ -58,7 +58,7 @@ class Link:
                 from exc
 
     @staticmethod
-    def rendezvous(host: str, world: int, timeout_s: float) -> tuple[Any, int]:
+    def rendezvous(host: str, world: int | None, timeout_s: float) -> tuple[Any, int]:
         """The trainer's store on a free port of ``host``: (store, port) to hand to the receivers."""
         dist = _torch().distributed
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),

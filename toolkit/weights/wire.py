@@ -125,6 +125,8 @@ class Encoder:
         """Their dtypes and shapes (dense)."""
         self.version: int | None = None
         """The version of ``state`` (None: nothing sent yet)."""
+        self._staged: tuple[int | None, dict[str, np.ndarray], dict[str, TensorSpec]] = (None, {}, {})
+        """The update last encoded, committed once it landed."""
 
     def encode(self, version: int, named: Iterable[tuple[str, np.ndarray, str]], delta: bool) -> Update:
         """Encode ``named`` (name, elements, dtype) as ``version``. With ``delta`` (and a state to apply
@@ -161,12 +163,14 @@ class Encoder:
         """The last encoded update reached the replicas: it is the base of the next delta."""
         self.version, self.state, self.specs = self._staged
 
-    def dense(self) -> Update:
-        """The state last committed, every tensor dense (for a replica that missed a version)."""
-        if self.version is None:
+    def dense(self, staged: bool = False) -> Update:
+        """The state last committed (or, with ``staged``, the update last encoded), every tensor dense:
+        for a replica that missed a version, or an update no replica holds the base of."""
+        version, state, specs = self._staged if staged else (self.version, self.state, self.specs)
+        if version is None:
             raise ValueError("nothing was sent yet")
-        return Update(Manifest(self.version, -1, tuple(self.specs.values()), self.bucket_bytes),
-                      [a.view(np.uint8) for a in self.state.values()])
+        return Update(Manifest(version, -1, tuple(specs.values()), self.bucket_bytes),
+                      [a.view(np.uint8) for a in state.values()])
 
 
 def decode(manifest: Manifest, payload: np.ndarray, held: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -126,7 +126,7 @@ class CloseOnCount(StepClose):
 
     def _running_behind(self, group: Group, step: int) -> int:
         """How far behind a running group already is (it only grows until it lands)."""
-        if not self.cfg.rollout.weights_dir:
+        if not self.cfg.rollout.handshake:
             return step - self.started_at[group]
         started, g, _ = group
         known = [self.open.oldest[sid] for i in self._members(g)
@@ -210,6 +210,6 @@ class CloseOnCount(StepClose):
     def _behind(self, sample: Sample, step: int, began: int) -> int:
         """Versions between the sample's oldest token's weights and the newest the engines hold; without
         ``weights_dir`` (each step nominally its own policy): steps since its attempt began."""
-        if self.cfg.rollout.weights_dir and sample.weight_versions:
+        if self.cfg.rollout.handshake and sample.weight_versions:
             return self.newest - min(sample.weight_versions)
         return step - began

@@ -1,0 +1,158 @@
+"""Streamed updates at the router, a router in a thread with fake replicas: the chain's plan (ranks, who
+is left out of a delta, a dense update when nobody holds the base), the answer, replicas left behind
+out of dispatch until the trainer's dense copy, late replicas, engines that cannot stream. With real
+processes (the sim's modelled link, real vLLM): tests/integration/test_stream_sim.py,
+tests/cluster/vllm_routed/test_vllm_stream_routed.py."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.procs import wait_for
+from tests.helpers.router import FakeReplica, RouterThread, quiet, recv, status
+from toolkit.core import protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.contextmanager
+def router(tmp_path: Path, *streams: str) -> Iterator[tuple[RouterThread, list[FakeReplica], object]]:
+    """A router in this process, one ready fake replica per entry of ``streams`` and a raw client socket."""
+    from toolkit.config import compose_config
+    from toolkit.launch.validation import validate
+
+    cfg = compose_config(["groups=single", f"groups.throughput.replicas={len(streams)}", "router.heartbeat_s=5",
+                          "router.probe_timeout_s=0.5"])
+    validate(cfg)
+    rt = RouterThread(cfg, tmp_path / "run")
+    replicas: list[FakeReplica] = []
+    client = rt.socket()
+    try:
+        for i, s in enumerate(streams):
+            r = FakeReplica(rt, f"throughput-{i}", streams=s)
+            r.become_ready()
+            replicas.append(r)
+        yield rt, replicas, client
+    finally:
+        client.close(0)
+        for r in replicas:
+            r.close()
+        rt.close()
+
+
+def announce(client, version: int, base: int = -1, target: str = "") -> P.StreamPlan:  # type: ignore[no-untyped-def]
+    client.send_multipart(P.encode(P.StreamWeights(version, b"m", "127.0.0.1", 5000 + version, base, 30.0, target)))
+    plan = recv(client)
+    assert isinstance(plan, P.StreamPlan) and plan.version == version, plan
+    return plan
+
+
+def part(replica: FakeReplica) -> P.StreamWeights:
+    """The next message ``replica`` gets that is not a readiness probe (answered: it serves on)."""
+    while True:
+        msg = replica.recv()
+        if isinstance(msg, P.Generate) and msg.job == "__probe__":
+            replica.send(P.Result(msg.request_id, output_token_ids=[7], replica_id=replica.replica_id))
+            continue
+        assert isinstance(msg, P.StreamWeights), msg
+        return msg
+
+
+def ready(rt: RouterThread) -> int:
+    return status(rt).ready
+
+
+def test_a_dense_update_chains_every_replica_and_answers_once_all_applied_it(tmp_path: Path) -> None:
+    with router(tmp_path, "gloo", "model", "gloo") as (rt, (a, sim, b), client):
+        plan = announce(client, 1)
+        # The chain: the replicas that join it, in order, ranks 1.. (the trainer is 0); the sim models its link.
+        assert plan.world == 3 and not plan.dense and not plan.error
+        assert plan.replicas == [a.replica_id, b.replica_id, sim.replica_id]
+        parts = {r.replica_id: part(r) for r in (a, sim, b)}
+        assert [(parts[r.replica_id].rank, parts[r.replica_id].world) for r in (a, b, sim)] == [(1, 3), (2, 3), (0, 3)]
+        assert all(p.master == "127.0.0.1" and p.port == 5001 and p.manifest == b"m" for p in parts.values())
+        a.send(P.WeightsUpdated(1, a.replica_id))
+        sim.send(P.WeightsUpdated(1, sim.replica_id))
+        assert quiet(client, 0.3)  # one replica has not applied it yet
+        b.send(P.WeightsUpdated(1, b.replica_id))
+        done = recv(client)
+        assert isinstance(done, P.WeightsUpdated) and done.version == 1 and done.replicas == 3 and not done.error
+        st = wait_for(lambda: (s := _status(rt)).weights_version == 1 and s, what="the router's version")
+        assert st.loading == []
+
+
+def _status(rt: RouterThread) -> P.Status:
+    from toolkit.client import router_status
+
+    st = router_status(rt.frontend, 5.0, ctx=rt.ctx)
+    assert st is not None
+    return st
+
+
+def test_a_replica_whose_apply_failed_leaves_dispatch_until_the_trainers_dense_copy(tmp_path: Path) -> None:
+    with router(tmp_path, "gloo", "gloo") as (rt, (a, b), client):
+        announce(client, 1)
+        part(a), part(b)
+        a.send(P.WeightsUpdated(1, a.replica_id))
+        b.send(P.WeightsUpdated(1, b.replica_id, error="RuntimeError: staging version 1 failed: LinkBroken"))
+        # The answer names b; b holds version 0 while a serves version 1: b is out of dispatch, and the
+        # trainer is asked for a dense copy for it (the answer waits for weights.json: either comes first).
+        got = {type(m): m for m in (recv(client), recv(client))}
+        done, wanted = got[P.WeightsUpdated], got[P.StreamWanted]
+        assert done.replicas == 1 and b.replica_id in done.error and "LinkBroken" in done.error
+        assert (wanted.version, wanted.replica_id) == (1, b.replica_id)
+        wait_for(lambda: ready(rt) == 1, what="b out of dispatch")
+
+        # The next update is a delta against version 1: b, which does not hold it, is left out.
+        plan = announce(client, 2, base=1)
+        assert plan.replicas == [a.replica_id] and plan.world == 2
+        assert part(a).rank == 1
+        a.send(P.WeightsUpdated(2, a.replica_id))
+        done = recv(client)
+        assert isinstance(done, P.WeightsUpdated) and done.version == 2 and done.replicas == 1 and not done.error
+
+        # The trainer's dense copy of version 2 for b: a chain of two; b serves again once it applied it.
+        plan = announce(client, 2, target=b.replica_id)
+        assert plan.replicas == [b.replica_id] and plan.world == 2 and plan.target == b.replica_id
+        got = part(b)
+        assert (got.rank, got.world, got.target) == (1, 2, b.replica_id)
+        b.send(P.WeightsUpdated(2, b.replica_id))
+        wait_for(lambda: ready(rt) == 2, what="b back in dispatch")
+
+
+def test_a_delta_nobody_holds_the_base_of_is_asked_dense(tmp_path: Path) -> None:
+    with router(tmp_path, "gloo") as (_, (a,), client):
+        plan = announce(client, 4, base=3)
+        assert plan.dense and not plan.replicas
+        assert quiet(a.sock, 0.3)  # nothing was sent to the replica
+
+
+def test_an_engine_that_cannot_stream_fails_the_update_at_once_naming_it(tmp_path: Path) -> None:
+    with router(tmp_path, "gloo", "") as (_, (a, old), client):
+        plan = announce(client, 1)
+        assert old.replica_id in plan.error and "weights_transport=stream" in plan.error
+        assert quiet(a.sock, 0.3)
+
+
+def test_a_replica_that_registers_after_an_update_serves_only_once_it_has_it(tmp_path: Path) -> None:
+    with router(tmp_path, "gloo") as (rt, (a,), client):
+        announce(client, 1)
+        part(a)
+        a.send(P.WeightsUpdated(1, a.replica_id))
+        assert isinstance(recv(client), P.WeightsUpdated)
+        late = FakeReplica(rt, "throughput-1", streams="gloo")
+        try:
+            wanted = recv(client)
+            assert isinstance(wanted, P.StreamWanted) and (wanted.version, wanted.replica_id) == (1, late.replica_id)
+            late.become_ready()  # its probe passes, but it holds version 0
+            assert quiet(client, 0.3) and ready(rt) == 1
+            announce(client, 1, target=late.replica_id)
+            assert part(late).target == late.replica_id
+            late.send(P.WeightsUpdated(1, late.replica_id))
+            wait_for(lambda: ready(rt) == 2, what="the late replica in dispatch")
+        finally:
+            late.close()
