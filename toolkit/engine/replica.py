@@ -381,12 +381,27 @@ class ReplicaServer:
             async with self._engine_exclusive():
                 self.info = await self.engine.restart()
                 self._record_engine_pids()
+                if self._weights is not None and self._weights.version != self.engine.weight_version:
+                    await self._lost_streamed_weights()
             if self.metrics is not None:
                 self.metrics.restarts.inc()
             logger.info("engine restarted; %d request(s) were waiting", len(self.tasks))
         except Exception as exc:
             # Noticed by the receive loop, which ends the process (see serve).
             self._fatal = exc if isinstance(exc, EngineGone) else EngineGone(f"restart failed: {exc!r}")
+
+    async def _lost_streamed_weights(self) -> None:
+        """A restarted engine holds the last checkpoint it loaded, not the version streamed into it since:
+        register again as holding that, so the router keeps it out of dispatch until it has the run's
+        weights. The requests at the gate go back to the router with the old registration (it runs them
+        elsewhere): here they would run on the older weights."""
+        logger.warning("the restarted engine holds weights version %d, not the streamed version %d: registering "
+                       "again", self.engine.weight_version, self._weights.version if self._weights else 0)
+        self._weights = None
+        for t in list(self.tasks.values()):
+            t.cancel()
+        self.tasks.clear()
+        await self._register()
 
     def _record_engine_pids(self) -> None:
         """Pid files for the engine's own processes, so teardown stops them by pid even if this

@@ -206,6 +206,12 @@ class WeightSync:
             self.members.pop(version, None)
             if done:
                 self.landed = max(self.landed, version) if key[0] == "" else version
+            elif key[0] == "" and self.latest is not None and self.latest.version == version:
+                # No replica applied it (a trainer that died mid-update): the run's weights are still
+                # the ones they hold, which a replica that registers now must get.
+                self.latest = self.required
+                if self.required is not None:
+                    self._record(self.required)
 
     def _record(self, msg: P.UpdateWeights) -> None:
         """Kept for a restarted router. Written off the loop, so the replicas get the update at once;

@@ -100,6 +100,8 @@ class Streamer:
         self.client = RouterClient(self.run_dir)
         self.client.on_stream_wanted = self._wanted
         self._run(self.client.connect(connect_timeout_s))
+        self.caught_up: list[tuple[int, str]] = []
+        """(version, replica id) of every dense copy sent to a replica that asked for one."""
         self._catch_ups: queue.Queue[P.StreamWanted | None] = queue.Queue()
         self._asked: set[str] = set()
         self._worker = threading.Thread(target=self._serve_catch_ups, name="streamer-catch-up", daemon=True)
@@ -194,6 +196,7 @@ class Streamer:
                         continue
                     update = self.encoder.dense()
                 self._stream(update, target=msg.replica_id)
+                self.caught_up.append((update.manifest.version, msg.replica_id))
                 logger.info("weights version %d sent to %s (dense)", update.manifest.version, msg.replica_id)
             except (StreamFailed, RouterUnavailable, LinkBroken) as exc:
                 logger.warning("a dense copy for %s failed (the router asks again): %s", msg.replica_id, exc)
