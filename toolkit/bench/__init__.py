@@ -17,4 +17,5 @@ BENCHMARKS = {
     "gateway": "toolkit.bench.gateway",
     "loop": "toolkit.bench.loop",
     "partial": "toolkit.bench.partial",
+    "weights": "toolkit.bench.weights",
 }

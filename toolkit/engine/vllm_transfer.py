@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import numpy as np
 
 from toolkit.core.protocol import StreamWeights
 from toolkit.weights.transport import Link
-from toolkit.weights.wire import Manifest, bits, decode
+from toolkit.weights.wire import Manifest, Parts, bits, split
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,19 @@ def register() -> None:
     WeightTransferEngineFactory.register_engine(BACKEND, GlooStreamEngine)
 
 
+def _unniced() -> None:
+    """The calling thread back at the default priority where the system allows it: a CPU engine's
+    processes run niced (``engine.cpu_engine_nice``), and the receive thread would otherwise queue
+    behind the engine's own busy threads while the link waits."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+    except (PermissionError, OSError):
+        pass  # not allowed (no CAP_SYS_NICE): it receives at the process's priority
+
+
 class Receiver:
-    """One worker's side of streamed updates: what it holds, and what it is staging."""
+    """One worker's side of streamed updates: the bits of the weights it holds (its own arrays, changed
+    in place), and one staging buffer, reused (a fresh one per update would fault every page in again)."""
 
     def __init__(self) -> None:
         self.version = -1
@@ -152,10 +164,13 @@ class Receiver:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.status: dict[str, Any] = {"state": "idle"}
-        self._staged: tuple[Manifest, dict[str, np.ndarray]] | None = None
+        self._staging = np.empty(0, np.uint8)
+        self._staged: tuple[Manifest, Parts] | None = None
+        self._settling: threading.Thread | None = None
 
     def hold(self, path: str, version: int) -> None:
         """The engine holds checkpoint ``path`` as ``version`` (a start, a restart, a checkpoint load)."""
+        self._settled()
         tensors = read_checkpoint(path)
         self.state = {k: v for k, (v, _) in tensors.items()}
         self.dtypes = {k: d for k, (_, d) in tensors.items()}
@@ -166,18 +181,22 @@ class Receiver:
               timeout_s: float) -> None:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("an update is already being staged")
+        self._settled()
         self.discard()
         self.status = {"state": "staging", "version": manifest.version, "received": 0, "total": manifest.total}
+        if self._staging.size < manifest.total:
+            self._staging = np.empty(manifest.total, np.uint8)
+        staging = self._staging[:manifest.total]
 
         def run() -> None:
             try:
+                _unniced()
                 link = Link(master, port, rank, world, timeout_s, host=host)
-                staging = np.empty(manifest.total, np.uint8)
                 link.receive(manifest, staging, lambda done: self.status.__setitem__("received", done))
                 link.close()
-                new = decode(manifest, staging, self.version, self.state)
+                parts = split(manifest, staging, self.version, {k: v.size for k, v in self.state.items()})
                 with self._lock:
-                    self._staged = (manifest, new)
+                    self._staged = (manifest, parts)
                     self.status = {**self.status, "state": "staged"}
             except Exception as exc:  # noqa: BLE001 - reported through the status, the model untouched
                 logger.warning("staging version %d failed: %s", manifest.version, exc)
@@ -209,27 +228,54 @@ class Receiver:
             finalize_layerwise_reload(model, model_config)
 
     def apply(self, model: Any, model_config: Any) -> None:
-        """Load what was staged (the engine is paused). On an error, load back what was held."""
+        """Load what was staged (the engine is paused): deltas patched into the held bits in place (their
+        old values kept), dense tensors from the staging buffer, then copied into the held bits. On an
+        error, the old values go back and the held weights are loaded again."""
         with self._lock:
             staged = self._staged
         if staged is None:
             raise RuntimeError(f"nothing staged to apply (status: {self.status})")
-        manifest, new = staged
-        dtypes = {t.name: t.dtype for t in manifest.tensors}
+        manifest, parts = staged
+        dtypes = {**self.dtypes, **{t.name: t.dtype for t in manifest.tensors}}
+        saved: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         try:
-            self._load(model, model_config, new, dtypes)
+            for name, (idx, values) in parts.deltas.items():
+                flat = self.state[name].reshape(-1)
+                saved[name] = (idx, flat[idx].copy())
+                flat[idx] = values
+            self._load(model, model_config, {t.name: parts.dense.get(t.name, self.state.get(t.name))
+                                             for t in manifest.tensors}, dtypes)
         except BaseException as exc:
             logger.exception("applying version %d failed: putting version %d back", manifest.version, self.version)
             self.status = {"state": "broken", "error": f"{type(exc).__name__}: {exc}"}
+            for name, (idx, old) in saved.items():
+                self.state[name].reshape(-1)[idx] = old
             self._load(model, model_config, self.state, self.dtypes)
             self.status = {"state": "rolled_back", "error": f"{type(exc).__name__}: {exc}", "version": self.version}
             self.discard()
             raise
-        self.state.update(new)
-        self.dtypes.update(dtypes)
+        self.dtypes = dtypes
         self.version = manifest.version
         self.discard()
         self.status = {"state": "idle", "version": self.version}
+        if parts.dense:  # the held bits catch up off the pause; the next stage waits for them
+            self._settling = threading.Thread(target=self._settle, args=(parts.dense,), name="settle", daemon=True)
+            self._settling.start()
+
+    def _settle(self, dense: dict[str, np.ndarray]) -> None:
+        """Copy the dense tensors just applied from the staging buffer into the held bits (the staging
+        buffer is the next update's)."""
+        for name, new in dense.items():
+            held = self.state.get(name)
+            if held is not None and held.shape == new.shape and held.dtype == new.dtype:
+                np.copyto(held, new)
+            else:
+                self.state[name] = new.copy()
+
+    def _settled(self) -> None:
+        if self._settling is not None:
+            self._settling.join()
+            self._settling = None
 
 
 class StreamWorker:

@@ -148,6 +148,12 @@ def _save_tokenizer(tok: object, out: Path) -> None:
 
 def build_model(out: Path, seed: int = 0, tokenizer: object | None = None) -> Path:
     """A complete model directory (config, bf16 safetensors, tokenizer) with weights drawn from ``seed``."""
+    return build_llama(out, seed, tokenizer)
+
+
+def build_llama(out: Path, seed: int = 0, tokenizer: object | None = None, *, hidden: int = HIDDEN,
+                layers: int = LAYERS, heads: int = HEADS, intermediate: int = INTERMEDIATE) -> Path:
+    """A random-weight Llama of the given shape with the tiny tokenizer (``bench weights`` builds a 1 GB one)."""
     # torch comes with the vllm extra only.
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -155,8 +161,8 @@ def build_model(out: Path, seed: int = 0, tokenizer: object | None = None) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer if tokenizer is not None else build_tokenizer(out)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
         max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,  # type: ignore[attr-defined]
     )

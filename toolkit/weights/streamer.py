@@ -92,6 +92,8 @@ class Streamer:
         self.encoder = Encoder(int((bucket_mb or w.bucket_mb) * 2**20))
         self._lock = threading.Lock()  # the encoder's committed state: the trainer's thread and catch-ups
         self._committed = threading.Condition(self._lock)
+        self._sending_copy = False
+        """A dense copy of the committed state is being sent: a commit must not recycle its arrays."""
         self.last: dict[str, Any] = {}
         """What the last ``send`` did: ``version``, ``update_s``, ``bytes``, ``dense_bytes``, ``delta``, ``replicas``."""
         self._loop = asyncio.new_event_loop()
@@ -112,22 +114,28 @@ class Streamer:
         return fut.result(timeout_s)
 
     # ---- the trainer's call ----------------------------------------------------------------------------
-    def send(self, version: int, named_tensors: Iterable[tuple[str, Any]]) -> P.WeightsUpdated:
+    def send(self, version: int, named_tensors: Iterable[tuple[str, Any]], delta: bool | None = None) -> P.WeightsUpdated:
         """Stream ``named_tensors`` (``(name, tensor)`` pairs, the checkpoint's names; torch tensors or
         numpy arrays) into every replica as weights ``version``; returns the router's answer once every
         replica of the plan applied it. Raises StreamFailed (naming the replicas and the version) if
         any could not; the replicas that failed serve on their previous version meanwhile, out of
-        dispatch until they hold this one."""
+        dispatch until they hold this one. ``delta`` overrides ``weights.delta`` for this update."""
         t0 = time.monotonic()
         named = ((name, *as_bits(t)) for name, t in named_tensors)
-        update = self.encoder.encode(version, named, self.delta)
-        ack = self._stream(update)
-        if ack is None:  # no replica holds the delta's base: the whole update dense
-            update = self.encoder.dense(staged=True)
+        with self._committed:  # a dense copy being sent reads the committed state, never the spare one
+            update = self.encoder.encode(version, named, self.delta if delta is None else delta)
+        try:
             ack = self._stream(update)
-            assert ack is not None
+            if ack is None:  # no replica holds the delta's base: the whole update dense
+                update = self.encoder.dense(staged=True)
+                ack = self._stream(update)
+                assert ack is not None
+        except BaseException:
+            with self._committed:
+                self.encoder.abandon()
+            raise
         with self._committed:
-            self.encoder.commit()
+            self.encoder.commit(recycle=not self._sending_copy)
             self._committed.notify_all()
         m = update.manifest
         self.last = {"version": version, "update_s": time.monotonic() - t0, "bytes": m.total,
@@ -195,7 +203,12 @@ class Streamer:
                     if self.encoder.version is None:
                         continue
                     update = self.encoder.dense()
-                self._stream(update, target=msg.replica_id)
+                    self._sending_copy = True
+                try:
+                    self._stream(update, target=msg.replica_id)
+                finally:
+                    with self._committed:
+                        self._sending_copy = False
                 self.caught_up.append((update.manifest.version, msg.replica_id))
                 logger.info("weights version %d sent to %s (dense)", update.manifest.version, msg.replica_id)
             except (StreamFailed, RouterUnavailable, LinkBroken) as exc:

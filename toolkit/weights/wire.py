@@ -127,6 +127,10 @@ class Encoder:
         """The version of ``state`` (None: nothing sent yet)."""
         self._staged: tuple[int | None, dict[str, np.ndarray], dict[str, TensorSpec]] = (None, {}, {})
         """The update last encoded, committed once it landed."""
+        self._spare: dict[str, np.ndarray] = {}
+        """Arrays of a state no longer needed, written over by the next encode (fresh arrays would
+        fault every page in again: a second per GB on a CPU)."""
+        self._scratch = np.empty(0, np.bool_)
 
     def encode(self, version: int, named: Iterable[tuple[str, np.ndarray, str]], delta: bool) -> Update:
         """Encode ``named`` (name, elements, dtype) as ``version``. With ``delta`` (and a state to apply
@@ -139,11 +143,15 @@ class Encoder:
         for name, array, dtype in named:
             if name in staged:
                 raise ValueError(f"tensor {name!r} given twice in one update")
-            new = bits(array, dtype).reshape(-1).copy()  # its own: a trainer's step changes tensors in place
+            src = bits(array, dtype).reshape(-1)
+            new = self._spare.pop(name, None)
+            if new is None or new.shape != src.shape or new.dtype != src.dtype:
+                new = np.empty_like(src)
+            np.copyto(new, src)  # its own: a trainer's step changes tensors in place
             old = self.state.get(name) if base >= 0 else None
             spec = TensorSpec(name, dtype, tuple(int(d) for d in array.shape))
             if old is not None and self.specs[name].shape == spec.shape and self.specs[name].dtype == dtype:
-                idx = np.flatnonzero(old != new).astype(INDEX)
+                idx = self._changed(old, new)
                 if idx.size * (INDEX.itemsize + new.itemsize) < new.nbytes:
                     spec = TensorSpec(name, dtype, spec.shape, Encoding.DELTA, int(idx.size))
                     pieces += [idx.view(np.uint8), np.ascontiguousarray(new[idx]).view(np.uint8)]
@@ -159,9 +167,32 @@ class Encoder:
             base = -1
         return Update(Manifest(version, base, tuple(specs), self.bucket_bytes), pieces)
 
-    def commit(self) -> None:
-        """The last encoded update reached the replicas: it is the base of the next delta."""
+    CHUNK = 1 << 22
+
+    def _changed(self, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """Flat indices where ``old`` and ``new`` differ, in chunks (one small mask, reused)."""
+        if self._scratch.size < min(old.size, self.CHUNK):
+            self._scratch = np.empty(min(old.size, self.CHUNK), np.bool_)
+        found = []
+        for at in range(0, old.size, self.CHUNK):
+            n = min(self.CHUNK, old.size - at)
+            mask = np.not_equal(old[at:at + n], new[at:at + n], out=self._scratch[:n])
+            hit = np.flatnonzero(mask)
+            if hit.size:
+                found.append((hit + at).astype(INDEX))
+        return np.concatenate(found) if found else np.empty(0, INDEX)
+
+    def commit(self, recycle: bool = True) -> None:
+        """The last encoded update reached the replicas: it is the base of the next delta. The previous
+        state's arrays are written over by the next encode unless ``recycle`` is off (a reader still
+        holds them: a dense copy being sent)."""
+        previous = self.state
         self.version, self.state, self.specs = self._staged
+        self._spare = previous if recycle else {}
+
+    def abandon(self) -> None:
+        """The last encoded update did not land: its arrays are the next encode's to write over."""
+        self._spare = {**self._staged[1], **self._spare} if self._staged[1] is not self.state else self._spare
 
     def dense(self, staged: bool = False) -> Update:
         """The state last committed (or, with ``staged``, the update last encoded), every tensor dense:
@@ -173,30 +204,52 @@ class Encoder:
                       [a.view(np.uint8) for a in state.values()])
 
 
-def decode(manifest: Manifest, payload: np.ndarray, held: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The new tensors (bits, shaped) of ``manifest`` from ``payload`` (uint8, ``manifest.total`` bytes),
-    deltas applied to copies of ``state`` (the receiver's bits of version ``held``; never changed here).
-    Raises WrongBase for a delta against another version, ValueError for a payload that does not fit."""
+@dataclass
+class Parts:
+    """A payload split by tensor: dense tensors (views of the payload, shaped) and deltas (indices and
+    values, views of the payload), nothing copied."""
+
+    dense: dict[str, np.ndarray]
+    deltas: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def split(manifest: Manifest, payload: np.ndarray, held: int, sizes: dict[str, int]) -> Parts:
+    """``payload`` (uint8, ``manifest.total`` bytes) by tensor, checked against the receiver's state of
+    version ``held`` (``sizes``: its elements per tensor). Raises WrongBase for a delta against another
+    version or a tensor the receiver does not hold, ValueError for a payload that does not fit."""
     if manifest.base >= 0 and manifest.base != held:
         raise WrongBase(f"update to version {manifest.version} is a delta against version {manifest.base}, "
                         f"but this replica holds version {held}: it needs a dense update")
     if payload.dtype != np.uint8 or payload.size != manifest.total:
         raise ValueError(f"payload of {payload.size} bytes for a manifest of {manifest.total}")
-    out: dict[str, np.ndarray] = {}
+    parts = Parts({}, {})
     for spec, at in zip(manifest.tensors, manifest.offsets(), strict=True):
         kind = _BITS[ITEMSIZE[spec.dtype]]
         piece = payload[at:at + spec.nbytes]
         if spec.encoding == Encoding.DENSE:
-            out[spec.name] = piece.view(kind).reshape(spec.shape)
+            parts.dense[spec.name] = piece.view(kind).reshape(spec.shape)
             continue
-        old = state.get(spec.name)
-        if old is None or old.size != spec.numel:
+        if sizes.get(spec.name) != spec.numel:
             raise WrongBase(f"delta for {spec.name!r}: this replica holds no tensor of {spec.numel} elements there")
         cut = spec.nnz * INDEX.itemsize
         idx, values = piece[:cut].view(INDEX), piece[cut:].view(kind)
-        if idx.size and (idx.min() < 0 or idx.max() >= old.size):
-            raise ValueError(f"delta for {spec.name!r} indexes outside its {old.size} elements")
-        new = old.reshape(-1).copy()
+        if idx.size and (idx.min() < 0 or idx.max() >= spec.numel):
+            raise ValueError(f"delta for {spec.name!r} indexes outside its {spec.numel} elements")
+        parts.deltas[spec.name] = (idx, values)
+    return parts
+
+
+def decode(manifest: Manifest, payload: np.ndarray, held: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The new tensors (bits, shaped) of ``manifest`` from ``payload``, deltas applied to copies of
+    ``state`` (the receiver's bits of version ``held``; never changed here). Raises as :func:`split`."""
+    parts = split(manifest, payload, held, {k: v.size for k, v in state.items()})
+    out = {}
+    for spec in manifest.tensors:
+        if spec.name in parts.dense:
+            out[spec.name] = parts.dense[spec.name]
+            continue
+        idx, values = parts.deltas[spec.name]
+        new = state[spec.name].reshape(-1).copy()
         new[idx] = values
-        out[spec.name] = new.reshape(spec.shape)
+        out[spec.name] = new.reshape(state[spec.name].shape)
     return out
