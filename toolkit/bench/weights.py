@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,18 @@ def _interval(xs: list[float]) -> dict[str, float]:
             "mean_ci95": [round(mean - half, 3), round(mean + half, 3)]}
 
 
+STREAMED = re.compile(r"streamed weights version (\d+): staged in ([\d.]+)s, applied in ([\d.]+)s")
+
+
+def _replica_phases(logs: Path) -> dict[int, list[tuple[float, float]]]:
+    """Per streamed version, each replica's (stage, apply) seconds, from the replicas' own logs."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for log in sorted(logs.glob("replica-*.log")):
+        for m in STREAMED.finditer(log.read_text(errors="replace")):
+            out.setdefault(int(m.group(1)), []).append((float(m.group(2)), float(m.group(3))))
+    return out
+
+
 def modelled(delta_fraction: float) -> list[dict[str, Any]]:
     """An update of an 8B and a 70B model in bf16 to every node: checkpoint (the trainer writes, every node
     reads at the shared file system's per-client rate) against streaming over a 400 Gb/s link (a chain:
@@ -149,6 +162,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     capture_output=True, text=True, timeout=3600)
             finally:
                 load.stop()
+            phases = _replica_phases(stack.run_dir.logs)
         if proc.returncode != 0:
             raise RuntimeError(f"the trainer failed ({proc.returncode}): {proc.stderr[-4000:]}")
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -163,6 +177,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     link_s = statistics.median(link)
     dense_s, ckpt_s, delta_s = (statistics.median(steady[a]) for a in ("stream_dense", "checkpoint", "stream_delta"))
     fraction = statistics.fmean(u["bytes"] / u["dense_bytes"] for u in arms["stream_delta"])
+
+    def phase(arm: str, i: int) -> list[float]:
+        us = arms[arm][1:] if len(arms[arm]) > 2 else arms[arm]
+        return [p[i] for u in us for p in phases.get(u["version"], [])]
+
+    stage_dense = statistics.median(phase("stream_dense", 0))
     return {
         "model_bytes": bound["bytes"],
         "model_shape": shape,
@@ -175,6 +195,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         "link_bound_s": round(link_s, 3),
         "link_bound_rounds": [round(x, 3) for x in bound["link_bound_s"]],
         "stream_vs_link_bound": round(dense_s / link_s, 3),
+        # Where a streamed update's time goes, from the replicas' logs: the transfer into the staging
+        # buffer while the engine serves, and the pause that puts it in (vLLM's layerwise reload).
+        "stage_s": {a: _interval(phase(a, 0)) for a in ("stream_dense", "stream_delta")},
+        "apply_s": {a: _interval(phase(a, 1)) for a in ("stream_dense", "stream_delta")},
+        "stage_vs_link_bound": round(stage_dense / link_s, 3),
         "delta_bytes_fraction": round(fraction, 5),
         "delta_losses": [round(u["loss"], 4) for u in arms["stream_delta"]],
         "aborted_requests": sum(load.not_ok.values()),
