@@ -1,6 +1,8 @@
-"""examples/grpo_tiny.py end to end: real vLLM (CPU) rollouts, a torch GRPO trainer, the handshake
-(wait_step, publish, max_staleness=0). The reward rises, every step runs on the weights published
-after the step before, and the trainer's logprobs match the engine's closely."""
+"""examples/grpo_tiny.py end to end: real vLLM (CPU) rollouts, a torch GRPO trainer, the handshake. The
+on-policy run streams its weights (``--stream``: ``Streamer.send``, max_staleness=0), the partial one
+publishes checkpoints (``--partial``: close=count, max_staleness=1). The reward rises, every on-policy
+step runs on the weights sent after the step before, and the trainer's logprobs match the engine's
+closely."""
 
 from __future__ import annotations
 
@@ -33,11 +35,12 @@ def _vllm() -> None:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("partial", [False, True], ids=["on-policy", "partial"])
+@pytest.mark.parametrize("partial", [False, True], ids=["on-policy-streamed", "partial-checkpoints"])
 def test_grpo_on_the_tiny_model_raises_the_reward(tmp_path: Path, partial: bool) -> None:
     out = tmp_path / "grpo"
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_tiny.py"), "--out", str(out),
-                           "--steps", str(STEPS[partial]), "--cache", str(tmp_path / "cache"), *(["--partial"] if partial else [])],
+                           "--steps", str(STEPS[partial]), "--cache", str(tmp_path / "cache"),
+                           *(["--partial"] if partial else ["--stream"])],
                           capture_output=True, text=True, timeout=1400, cwd=ROOT)
     log = out / "launch.log"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
@@ -64,3 +67,5 @@ def test_grpo_on_the_tiny_model_raises_the_reward(tmp_path: Path, partial: bool)
     if not partial:
         assert all(r["k3_kl"] for r in rows)
     assert (out / "reward.png").stat().st_size > 10_000
+    if not partial:  # every update went over the network: no checkpoint was written
+        assert '"streamed"' in proc.stdout and not (out / "weights").exists()

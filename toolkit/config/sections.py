@@ -1,4 +1,4 @@
-"""The run's other sections: router, tail routing, rollout, workload, gateway and report."""
+"""The run's other sections: router, tail routing, rollout, weights, workload, gateway and report."""
 
 from __future__ import annotations
 
