@@ -9,6 +9,8 @@ import functools
 import logging
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.requests import gen as request
 from toolkit.config import compose_config
 from toolkit.core import protocol as P
@@ -99,8 +101,8 @@ def test_an_engine_that_cannot_update_in_place_drains_and_says_so_once(tmp_path:
     async def main() -> None:
         eng = FakeEngine(in_place=False)
         srv, sent = await r1_running(eng, tmp_path)
-        srv._update_weights(P.UpdateWeights("/ckpt/1", 1))
-        await until(lambda: not srv._open.is_set(), "the gate closed")
+        srv.weights.update(P.UpdateWeights("/ckpt/1", 1))
+        await until(lambda: not srv.gate.is_open(), "the gate closed")
         await asyncio.sleep(0.05)
         assert eng.loads == [] and not of(sent, P.WeightsUpdated)  # it waits for r1
         eng.release.set()
@@ -109,12 +111,12 @@ def test_an_engine_that_cannot_update_in_place_drains_and_says_so_once(tmp_path:
         [res] = of(sent, P.Result)
         assert res.status == "ok" and res.weight_versions == [0] and res.weight_version == 0
         assert of(sent, P.WeightsUpdated)[0].error == ""
-        srv._update_weights(P.UpdateWeights("/ckpt/2", 2))  # no second attempt, no second warning
+        srv.weights.update(P.UpdateWeights("/ckpt/2", 2))  # no second attempt, no second warning
         await until(lambda: len(of(sent, P.WeightsUpdated)) == 2, "the second acknowledgement")
         assert eng.loads == [("drain", 1, 0), ("drain", 2, 0)]
         srv.ctx.term()
 
-    with caplog.at_level(logging.WARNING, logger="toolkit.engine.replica"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.engine.replica_weights"):
         asyncio.run(main())
     warned = [r for r in caplog.records if "cannot update weights while requests run" in r.getMessage()]
     assert len(warned) == 1
@@ -124,7 +126,7 @@ def test_pause_keeps_requests_in_the_engine_and_the_replica_lists_the_versions_i
     async def main() -> None:
         eng = FakeEngine(in_place=True)
         srv, sent = await r1_running(eng, tmp_path)
-        srv._update_weights(P.UpdateWeights("/ckpt/3", 3))
+        srv.weights.update(P.UpdateWeights("/ckpt/3", 3))
         await until(lambda: of(sent, P.WeightsUpdated), "the acknowledgement")
         assert eng.loads == [("pause", 3, 1)] and not of(sent, P.Result)  # acknowledged with r1 running
         srv.tasks["r2"] = asyncio.create_task(srv._generate(gen("r2")))
@@ -133,6 +135,76 @@ def test_pause_keeps_requests_in_the_engine_and_the_replica_lists_the_versions_i
         await until(lambda: len(of(sent, P.Result)) == 2, "both Results")
         got = {r.request_id: (r.weight_versions, r.weight_version) for r in of(sent, P.Result)}
         assert got == {"r1": ([0, 3], 3), "r2": ([3], 3)}
+        srv.ctx.term()
+
+    asyncio.run(main())
+
+
+class StreamingEngine(FakeEngine):
+    """Stages a streamed version until ``staged`` is set (or fails it with ``fail``), applies it at once."""
+
+    def __init__(self, fail: str = "") -> None:
+        super().__init__(in_place=True)
+        self.staged = asyncio.Event()
+        self.fail = fail
+        self.discarded = 0
+
+    async def stage_stream(self, msg: P.StreamWeights) -> None:
+        await self.staged.wait()
+        if self.fail:
+            raise RuntimeError(self.fail)
+
+    async def apply_stream(self, version: int) -> None:
+        self.loads.append(("stream", version, self.running))
+        self.weight_version = version
+
+    async def discard_stream(self) -> None:
+        self.discarded += 1
+
+
+@pytest.mark.parametrize("mode", ["pause", "drain"])
+def test_a_streamed_version_is_staged_while_requests_enter_and_applied_per_update_mode(tmp_path: Path, mode: str) -> None:
+    async def main() -> None:
+        eng = StreamingEngine()
+        srv, sent = replica_with(eng, tmp_path, mode)
+        srv.tasks["r1"] = asyncio.create_task(srv._generate(gen("r1")))
+        await until(lambda: eng.running == 1, "r1 in the engine")
+        srv.weights.stream(P.StreamWeights(5, b"", "127.0.0.1", 1, serial=2))
+        # Staging: the gate stays open, a new request enters the engine.
+        srv.tasks["r2"] = asyncio.create_task(srv._generate(gen("r2")))
+        await until(lambda: eng.running == 2, "r2 in the engine while the update stages")
+        assert srv.gate.is_open() and not of(sent, P.WeightsUpdated)
+        eng.staged.set()
+        if mode == "pause":  # applied with both running, which go on with version 5
+            await until(lambda: of(sent, P.WeightsUpdated), "the acknowledgement")
+            assert eng.loads == [("stream", 5, 2)] and not of(sent, P.Result)
+            eng.release.set()
+        else:  # the gate closes, the running requests finish on version 0, then it applies
+            await until(lambda: not srv.gate.is_open(), "the gate closed")
+            assert not eng.loads
+            eng.release.set()
+            await until(lambda: of(sent, P.WeightsUpdated), "the acknowledgement")
+            assert eng.loads == [("stream", 5, 0)]
+        await until(lambda: len(of(sent, P.Result)) == 2, "both Results")
+        want = [0, 5] if mode == "pause" else [0]
+        assert {r.request_id: r.weight_versions for r in of(sent, P.Result)} == {"r1": want, "r2": want}
+        assert of(sent, P.WeightsUpdated)[0] == P.WeightsUpdated(5, srv.replica_id)
+        assert srv.weights.held == P.UpdateWeights("", 5, 2)  # what it registers with from now on
+        srv.ctx.term()
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_fails_to_stage_changes_nothing_and_says_why(tmp_path: Path) -> None:
+    async def main() -> None:
+        eng = StreamingEngine(fail="LinkBroken: rank 0 went away")
+        srv, sent = replica_with(eng, tmp_path, "pause")
+        srv.weights.stream(P.StreamWeights(5, b"", "127.0.0.1", 1))
+        eng.staged.set()
+        await until(lambda: of(sent, P.WeightsUpdated), "the answer")
+        [ack] = of(sent, P.WeightsUpdated)
+        assert ack.version == 5 and "LinkBroken" in ack.error
+        assert eng.loads == [] and eng.discarded == 1 and srv.weights.held is None and srv.gate.is_open()
         srv.ctx.term()
 
     asyncio.run(main())

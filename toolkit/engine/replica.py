@@ -5,14 +5,11 @@ generation, sends heartbeats with the engine's load and prefix-cache counters, r
 as its own task, and forwards Aborts to the engine. If the router's address file changes (the router
 restarted) it reconnects and registers again.
 
-Weights (``UpdateWeights``) close a gate in front of the engine: requests that arrive meanwhile wait
-there and run afterwards. With ``rollout.update_mode=pause`` the requests in the engine stay there:
-the engine pauses between steps, loads the checkpoint, resets its prefix cache and resumes them, so
-their later tokens come from the new weights (``Engine.update_weights_in_place``; an engine without it
-drains instead, and says so once). With ``drain`` the requests in the engine finish on the old weights
-first, then it loads. Either way nothing is aborted, and ``WeightsUpdated`` is sent once the load is
-done. Every Result names the versions of its tokens (``Result.weight_versions``): the engine's own
-account if it keeps one, else the versions the replica saw while the request was in the engine.
+Weights (``UpdateWeights``, ``StreamWeights``: ``replica_weights.py``) close a gate in front of the
+engine (``gate.py``): requests that arrive meanwhile wait there and run afterwards; per
+``rollout.update_mode`` the requests in the engine go on with the new weights or finish first. Every
+Result names the versions of its tokens (``Result.weight_versions``): the engine's own account if it
+keeps one, else the versions the replica saw while the request was in the engine.
 
 Engine deaths need the engine to itself: new requests wait at the gate while the ones in the engine
 fail at once (``engine_dead``, and the router requeues them); then the engine restarts. An engine
@@ -25,14 +22,12 @@ it closes the engine and its sockets and the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -48,7 +43,9 @@ from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.security import client_curve
 from toolkit.core.sockets import RouterLink, own_bind_host
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
+from toolkit.engine.gate import Gate
 from toolkit.engine.metrics import ReplicaMetrics
+from toolkit.engine.replica_weights import ReplicaWeights
 from toolkit.engine.vllm_transfer import STREAM_ARGS
 from toolkit.model.tokenizer import chat_tokenizer_dir
 
@@ -69,23 +66,14 @@ class ReplicaServer:
         self.info: EngineInfo | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.name = f"replica-{group}-{index}"
-        # The gate in front of the engine: closed while weights load or a dead engine restarts.
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._entered: set[str] = set()
-        self._maintenance = asyncio.Lock()
+        self.gate = Gate()
+        """Closed while weights load or a dead engine restarts."""
         self._recovery: asyncio.Task[None] | None = None
         self._fatal: BaseException | None = None
-        self._weights: P.UpdateWeights | None = None
-        self._weights_loading: tuple[str, int] | None = None
-        self._update_mode = cfg.rollout.update_mode
-        self._in_place = True  # until the engine says it cannot update in place
-        # Per request in the engine: the weight versions it ran on (for engines that keep no account).
-        self._versions: dict[str, list[int]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = ReplicaMetrics(lambda: len(self.tasks)) if cfg.report.metrics else None
+        self.weights = ReplicaWeights(engine, self.gate, cfg.rollout.update_mode, self.replica_id,
+                                      lambda m: self._send(m), self._spawn, self._check_engine, self.metrics)
 
     async def _send(self, msg: P.Message) -> None:
         await self.link.send(P.encode(msg))
@@ -98,7 +86,7 @@ class ReplicaServer:
             max_inflight=self.gcfg.max_inflight, max_model_len=self.info.max_model_len,
             vocab_size=self.info.vocab_size,
             # A restarted router learns from it which weights are the run's newest (WeightSync.registered).
-            weights=self._weights,
+            weights=self.weights.held,
             streams=self.engine.stream_transport,
         ))
 
@@ -177,9 +165,9 @@ class ReplicaServer:
             elif isinstance(msg, P.Abort):
                 await self._abort(msg.request_id)
             elif isinstance(msg, P.UpdateWeights):
-                self._update_weights(msg)
+                self.weights.update(msg)
             elif isinstance(msg, P.StreamWeights):
-                self._stream_weights(msg)
+                self.weights.stream(msg)
             elif isinstance(msg, P.Reregister):
                 logger.info("router asked to re-register (%s)", msg.reason)
                 await self._register()
@@ -195,17 +183,11 @@ class ReplicaServer:
         rid = msg.request_id
         t0 = time.monotonic()
         try:
-            await self._open.wait()
-            self._entered.add(rid)
-            self._versions[rid] = [self.engine.weight_version]
-            self._idle.clear()
+            await self.gate.enter(rid, self.engine.weight_version)
             try:
                 res = await self.engine.generate(msg)
             finally:
-                self._entered.discard(rid)
-                seen = self._versions.pop(rid, [])
-                if not self._entered:
-                    self._idle.set()
+                seen = self.gate.leave(rid)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine's own failure: the router decides whether to retry
@@ -229,7 +211,7 @@ class ReplicaServer:
 
     async def _abort(self, rid: str) -> None:
         task = self.tasks.get(rid)
-        if task is not None and rid not in self._entered:
+        if task is not None and rid not in self.gate.entered:
             # Still at the gate: the engine never saw it.
             task.cancel()
             self.tasks.pop(rid, None)
@@ -242,130 +224,12 @@ class ReplicaServer:
         await self.engine.abort(rid)
 
     # ---- the engine to itself: weight loads and restarts -------------------------------------
-    @contextlib.asynccontextmanager
-    async def _engine_exclusive(self) -> AsyncIterator[None]:
-        """Hold new requests at the gate and wait until none is in the engine."""
-        async with self._maintenance:
-            self._open.clear()
-            try:
-                await self._idle.wait()
-                yield
-            finally:
-                self._open.set()
-
+    # ---- the engine to itself: restarts ------------------------------------------------------------
     def _spawn(self, coro: object, name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
-
-    def _update_weights(self, msg: P.UpdateWeights) -> None:
-        target = (msg.path, msg.version)
-        if self._weights is not None and target == (self._weights.path, self._weights.version):
-            # A resend (the router forwards every client retry), or the same checkpoint handed out again
-            # by a later update (a rollback to it): acknowledge again, under the latest serial.
-            self._weights = msg
-            self._spawn(self._send(P.WeightsUpdated(msg.version, self.replica_id)), "weights-ack")
-        elif target != self._weights_loading:
-            self._weights_loading = target
-            self._spawn(self._load_weights(msg), f"weights-{msg.version}")
-
-    async def _load_weights(self, msg: P.UpdateWeights) -> None:
-        target = (msg.path, msg.version)
-        error = ""
-        try:
-            if not (self._update_mode == "pause" and self._in_place and await self._update_in_place(msg)):
-                async with self._engine_exclusive():
-                    t0 = time.monotonic()
-                    logger.info("loading weights %s as version %d (the engine is idle)", msg.path, msg.version)
-                    await self.engine.load_weights(msg.path, msg.version)
-                    logger.info("weights version %d loaded in %.2fs", msg.version, time.monotonic() - t0)
-            self._weights = msg
-        except Exception as exc:
-            logger.exception("loading weights %s failed", msg.path)
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            if self._weights_loading == target:
-                self._weights_loading = None
-        if self.metrics is not None:
-            mode = "in_place" if self._update_mode == "pause" and self._in_place else "drain"
-            self.metrics.weight_loads.labels(mode, "error" if error else "ok").inc()
-        await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
-
-    def _stream_weights(self, msg: P.StreamWeights) -> None:
-        if self._weights is not None and not self._weights.path and self._weights.version == msg.version:
-            self._weights = P.UpdateWeights("", msg.version, msg.serial)  # already applied: acknowledge again
-            self._spawn(self._send(P.WeightsUpdated(msg.version, self.replica_id)), "weights-ack")
-        elif self._weights_loading != ("", msg.version):
-            self._weights_loading = ("", msg.version)
-            self._spawn(self._load_stream(msg), f"stream-{msg.version}")
-
-    async def _load_stream(self, msg: P.StreamWeights) -> None:
-        """A streamed update: staged while the engine serves (the gate open), then applied with the
-        requests in the engine paused (``update_mode=pause``) or once none is (``drain``)."""
-        error = ""
-        t0 = time.monotonic()
-        try:
-            await self.engine.stage_stream(msg)
-            staged = time.monotonic()
-            try:
-                if self._update_mode == "pause":
-                    async with self._maintenance:
-                        self._open.clear()
-                        try:
-                            await self.engine.apply_stream(msg.version)
-                            self._note_version(msg.version)
-                        finally:
-                            self._open.set()
-                else:
-                    async with self._engine_exclusive():
-                        await self.engine.apply_stream(msg.version)
-            except BaseException:
-                self._check_engine()
-                raise
-            self._weights = P.UpdateWeights("", msg.version, msg.serial)
-            logger.info("streamed weights version %d: staged in %.2fs, applied in %.2fs", msg.version,
-                        staged - t0, time.monotonic() - staged)
-        except Exception as exc:
-            logger.exception("streamed weights version %d failed", msg.version)
-            error = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(Exception):
-                await self.engine.discard_stream()
-        finally:
-            if self._weights_loading == ("", msg.version):
-                self._weights_loading = None
-        if self.metrics is not None:
-            self.metrics.weight_loads.labels("stream", "error" if error else "ok").inc()
-        await self._send(P.WeightsUpdated(msg.version, self.replica_id, error=error))
-
-    def _note_version(self, version: int) -> None:
-        """The requests in the engine go on with ``version``'s weights (for engines that keep no account)."""
-        for rid in self._entered:
-            seen = self._versions.get(rid)
-            if seen is not None and seen[-1] != version:
-                seen.append(version)
-
-    async def _update_in_place(self, msg: P.UpdateWeights) -> bool:
-        """``update_mode=pause``: new requests wait at the gate, the ones in the engine stay and go on with
-        the new weights. False (nothing changed) if the engine cannot: the caller drains instead."""
-        async with self._maintenance:
-            self._open.clear()
-            try:
-                t0 = time.monotonic()
-                running = len(self._entered)
-                logger.info("loading weights %s as version %d in place (%d request(s) in the engine)",
-                            msg.path, msg.version, running)
-                try:
-                    await self.engine.update_weights_in_place(msg.path, msg.version)
-                except NotImplementedError as exc:
-                    self._in_place = False
-                    logger.warning("update_mode=pause: %s; weight updates drain the engine instead", exc)
-                    return False
-                self._note_version(msg.version)
-                logger.info("weights version %d loaded in place in %.2fs", msg.version, time.monotonic() - t0)
-                return True
-            finally:
-                self._open.set()
 
     def _check_engine(self) -> None:
         if self.engine.dead() and (self._recovery is None or self._recovery.done()):
@@ -378,10 +242,11 @@ class ReplicaServer:
 
     async def _recover(self) -> None:
         try:
-            async with self._engine_exclusive():
+            async with self.gate.exclusive():
                 self.info = await self.engine.restart()
                 self._record_engine_pids()
-                if self._weights is not None and self._weights.version != self.engine.weight_version:
+                held = self.weights.held
+                if held is not None and held.version != self.engine.weight_version:
                     await self._lost_streamed_weights()
             if self.metrics is not None:
                 self.metrics.restarts.inc()
@@ -396,8 +261,8 @@ class ReplicaServer:
         weights. The requests at the gate go back to the router with the old registration (it runs them
         elsewhere): here they would run on the older weights."""
         logger.warning("the restarted engine holds weights version %d, not the streamed version %d: registering "
-                       "again", self.engine.weight_version, self._weights.version if self._weights else 0)
-        self._weights = None
+                       "again", self.engine.weight_version, self.weights.held.version if self.weights.held else 0)
+        self.weights.held = None
         for t in list(self.tasks.values()):
             t.cancel()
         self.tasks.clear()
