@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             # The weights for the next step: the engines hold them before it begins.
             bf16 = ((k, v.detach().to(torch.bfloat16)) for k, v in model.state_dict().items())
             if streamer is not None:
-                streamer.send(step + 1, bf16)
-                print(json.dumps({"streamed": streamer.last}), flush=True)
+                if step + 1 < args.steps:  # the rollout runs no step after the last: nobody to send to
+                    streamer.send(step + 1, bf16)
+                    print(json.dumps({"streamed": streamer.last}), flush=True)
             else:
                 publish(weights, step + 1, dict(bf16), config=config)
         code = rollout.wait(timeout=args.timeout)

@@ -175,7 +175,7 @@ class RouterClient:
                 plan = await asyncio.wait_for(plan_fut, timeout_s)
             except asyncio.TimeoutError:
                 raise RouterUnavailable(f"the router did not answer streamed update {msg.version} within "
-                                        f"{timeout_s:g}s") from None
+                                        f"{timeout_s:g}s (has the run ended?)") from None
         except BaseException:
             self.forget_stream(msg.version)
             raise
