@@ -25,7 +25,7 @@ def router(tmp_path: Path, *streams: str) -> Iterator[tuple[RouterThread, list[F
     from toolkit.config import compose_config
     from toolkit.launch.validation import validate
 
-    cfg = compose_config(["groups=single", f"groups.throughput.replicas={len(streams)}", "router.heartbeat_s=5",
+    cfg = compose_config(["groups=single", f"groups.throughput.replicas={max(1, len(streams))}", "router.heartbeat_s=5",
                           "router.probe_timeout_s=0.5"])
     validate(cfg)
     rt = RouterThread(cfg, tmp_path / "run")
@@ -156,3 +156,25 @@ def test_a_replica_that_registers_after_an_update_serves_only_once_it_has_it(tmp
             wait_for(lambda: ready(rt) == 2, what="the late replica in dispatch")
         finally:
             late.close()
+
+
+def test_an_update_with_no_replica_yet_is_the_runs_weights_for_the_first_that_registers(tmp_path: Path) -> None:
+    with router(tmp_path) as (rt, _, client):
+        plan = announce(client, 1)
+        assert plan.replicas == [] and plan.world == 1
+        done = recv(client)
+        assert isinstance(done, P.WeightsUpdated) and done.version == 1 and done.replicas == 0
+        first = FakeReplica(rt, "throughput-0", streams="gloo")
+        try:
+            wanted = recv(client)  # the run's weights are version 1: it is sent them before it serves
+            assert isinstance(wanted, P.StreamWanted) and (wanted.version, wanted.replica_id) == (1, first.replica_id)
+        finally:
+            first.close()
+
+
+def test_an_update_while_every_replica_takes_another_is_refused_at_once(tmp_path: Path) -> None:
+    with router(tmp_path, "gloo") as (_, (a,), client):
+        announce(client, 1)
+        part(a)  # a takes version 1 and has not answered
+        plan = announce(client, 2)
+        assert plan.busy and "taking another update" in plan.error and a.replica_id in plan.error

@@ -329,6 +329,8 @@ class StreamPlan(Message):
     target: str = ""
     dense: bool = False
     """Refused: no replica holds the delta's base; send the update dense."""
+    busy: bool = False
+    """Refused for now: every replica is taking another update (a dense copy); send it again shortly."""
     error: str = ""
 
 

@@ -122,7 +122,11 @@ class WeightSync:
                 f"replica(s) {', '.join(cannot)} cannot take streamed weights (their engine has no stream "
                 "transport): rollout.weights_transport=stream needs engine.type sim or vllm")))
             return
-        free = [r for r in everyone if self._of(r).streaming is None]  # not taking a catch-up now
+        free = [r for r in everyone if self._of(r).streaming is None]  # not taking another update now
+        if everyone and not free:
+            self.send_to_client(client, P.StreamPlan(msg.version, busy=True, error=(
+                f"every replica ({', '.join(r.replica_id for r in everyone)}) is taking another update")))
+            return
         chosen = free if msg.base < 0 else [r for r in free if self._of(r).loaded == msg.base]
         if everyone and not chosen:
             self.send_to_client(client, P.StreamPlan(msg.version, dense=True))
@@ -206,7 +210,7 @@ class WeightSync:
             self.members.pop(version, None)
             if done:
                 self.landed = max(self.landed, version) if key[0] == "" else version
-            elif key[0] == "" and self.latest is not None and self.latest.version == version:
+            elif key[0] == "" and ready and self.latest is not None and self.latest.version == version:
                 # No replica applied it (a trainer that died mid-update): the run's weights are still
                 # the ones they hold, which a replica that registers now must get.
                 self.latest = self.required

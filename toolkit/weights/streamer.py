@@ -129,7 +129,8 @@ class Streamer:
             if ack is None:  # no replica holds the delta's base: the whole update dense
                 update = self.encoder.dense(staged=True)
                 ack = self._stream(update)
-                assert ack is not None
+                if ack is None:
+                    raise StreamFailed(f"weights version {version}: the router asked for it dense again")
         except BaseException:
             with self._committed:
                 self.encoder.abandon()
@@ -152,6 +153,11 @@ class Streamer:
         try:
             msg = P.StreamWeights(m.version, msgspec.msgpack.encode(m), self.host, port, m.base, self.timeout_s, target)
             plan, answer = self._run(self.client.stream_weights(msg))
+            deadline = time.monotonic() + self.timeout_s
+            while plan.busy and time.monotonic() < deadline:  # every replica takes a dense copy: soon done
+                self.client.forget_stream(m.version)
+                time.sleep(0.2)
+                plan, answer = self._run(self.client.stream_weights(msg))
             try:
                 if plan.error:
                     raise StreamFailed(f"weights version {m.version}: {plan.error}")
