@@ -150,3 +150,60 @@ def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_rest
             assert greedy(stack, 5, "g6") == g1
         finally:
             streamer.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_tensor_parallel_replica_takes_dense_and_delta_streams_on_every_worker(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """Both workers of a replica of tensor_parallel_size 2 are ranks of the chain: each gets the update and
+    vLLM's loaders take its shard. Greedy tokens equal those of the same weights from a checkpoint."""
+    from toolkit.engine.vllm_transfer import read_checkpoint, to_torch
+    from toolkit.weights import Streamer, publish
+
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
+                          "engine.tensor_parallel_size=2", "rollout.weights_transport=stream"])
+    validate(cfg)
+    ckpt = read_checkpoint(str(models["ckpt"]))
+    rng = np.random.default_rng(2)
+    w1 = [(n, to_torch(b, d)) for n, (b, d) in ckpt.items()]
+    w2 = []
+    for name, (b, dtype) in ckpt.items():
+        b = b.copy()
+        flat = b.reshape(-1)
+        flat[rng.choice(flat.size, max(1, flat.size // 100), replace=False)] ^= 1
+        w2.append((name, to_torch(b, dtype)))
+
+    async def ask(stack: LocalStack, version: int, tag: str) -> list[list[int]]:
+        c = RouterClient(stack.run_dir)
+        await c.connect(10)
+        try:
+            outs = [r for r, _ in await asyncio.gather(*(
+                c.generate(gen(f"{tag}-{k}", p, 20, temperature=0.0, ignore_eos=True, job="t"))
+                for k, p in enumerate(PROMPTS)))]
+        finally:
+            await c.close()
+        assert all(r.status == "ok" and r.weight_versions == [version] for r in outs), outs
+        return [r.output_token_ids for r in outs]
+
+    async def load(stack: LocalStack, path: Path, version: int) -> None:
+        c = RouterClient(stack.run_dir)
+        await c.connect(10)
+        try:
+            await c.update_weights(str(path), version, timeout_s=300)
+        finally:
+            await c.close()
+
+    with LocalStack(cfg, tmp_path / "run") as stack:
+        stack.start(timeout_s=600)
+        with Streamer(stack.run_dir.root, bucket_mb=0.0625, timeout_s=60) as streamer:
+            streamer.send(1, w1)
+            assert streamer.last["replicas"] == 1 and not streamer.last["delta"]
+            g1 = asyncio.run(ask(stack, 1, "tp1"))
+            streamer.send(2, w2)
+            assert streamer.last["delta"]
+            g2 = asyncio.run(ask(stack, 2, "tp2"))
+        asyncio.run(load(stack, models["ckpt"], 3))
+        assert asyncio.run(ask(stack, 3, "tp3")) == g1
+        path = publish(tmp_path / "weights", 4, dict(w2), config=None, files=[models["ckpt"] / "config.json"])
+        asyncio.run(load(stack, path, 4))
+        assert asyncio.run(ask(stack, 4, "tp4")) == g2

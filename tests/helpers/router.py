@@ -54,11 +54,12 @@ def quiet(sock: zmq.Socket, timeout_s: float = 0.3) -> bool:
 
 
 class FakeReplica:
-    def __init__(self, rt: RouterThread, name: str, max_inflight: int = 4, streams: str = "") -> None:
+    def __init__(self, rt: RouterThread, name: str, max_inflight: int = 4, streams: str = "",
+                 stream_ranks: int = 1) -> None:
         self.replica_id = f"{name}@testhost:1"
         self.sock = rt.socket(self.replica_id)
         self.register = P.Register(self.replica_id, name.rsplit("-", 1)[0], max_inflight=max_inflight,
-                                   streams=streams)
+                                   streams=streams, stream_ranks=stream_ranks)
         self.send(self.register)
 
     def send(self, msg: P.Message) -> None:

@@ -331,14 +331,17 @@ def test_affinity_wait_needs_a_policy_that_keeps_a_sessions_replica() -> None:
 
 
 def test_streamed_weights_are_checked_at_setup_naming_every_bad_field() -> None:
-    # With a checkpoint directory too, on a replica of two workers, and a bad delta mode: every one named.
+    # With a checkpoint directory too, on a replica of two engine cores, and bad choices: every one named.
     with pytest.raises(ConfigError) as info:
         validate(compose_config(["model=tiny", "groups=single", "rollout.weights_transport=stream",
-                                 "rollout.weights_dir=/w", "engine.tensor_parallel_size=2"]))
+                                 "rollout.weights_dir=/w", "++engine.args.data_parallel_size=2"]))
     errors = {e.field: e.allowed for e in info.value.errors}
-    assert set(errors) == {"rollout.weights_dir", "engine.tensor_parallel_size"}
+    assert set(errors) == {"rollout.weights_dir", "engine.args.data_parallel_size"}
     assert "weights_transport=checkpoint" in errors["rollout.weights_dir"]
-    assert "one worker per replica" in errors["engine.tensor_parallel_size"]
+    assert "several engine cores" in errors["engine.args.data_parallel_size"]
+    # Tensor parallel replicas stream: every worker is a rank of the chain.
+    validate(compose_config(["model=tiny", "groups=single", "rollout.weights_transport=stream",
+                             "engine.tensor_parallel_size=2"]))
     with pytest.raises(ConfigError) as info:
         check_overrides(["rollout.weights_transport=nfs", "weights.delta=sometimes", "weights.bucket_mb=0"])
     assert {("rollout.weights_transport", "one of ['checkpoint', 'stream']"), ("weights.delta", "one of ['off', 'auto']")} \

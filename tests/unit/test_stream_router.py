@@ -178,3 +178,28 @@ def test_an_update_while_every_replica_takes_another_is_refused_at_once(tmp_path
         part(a)  # a takes version 1 and has not answered
         plan = announce(client, 2)
         assert plan.busy and "taking another update" in plan.error and a.replica_id in plan.error
+
+
+def test_the_workers_of_a_tensor_parallel_replica_take_consecutive_ranks(tmp_path: Path) -> None:
+    from toolkit.config import compose_config
+    from toolkit.launch.validation import validate
+
+    cfg = compose_config(["groups=single", "groups.throughput.replicas=2", "router.heartbeat_s=5"])
+    validate(cfg)
+    rt = RouterThread(cfg, tmp_path / "run")
+    client = rt.socket()
+    a = FakeReplica(rt, "throughput-0", streams="gloo", stream_ranks=2)
+    b = FakeReplica(rt, "throughput-1", streams="gloo", stream_ranks=2)
+    try:
+        a.become_ready()
+        b.become_ready()
+        plan = announce(client, 1)
+        assert plan.world == 5 and sorted(plan.replicas) == [a.replica_id, b.replica_id]
+        got = {r.replica_id: (p.rank, p.world) for r in (a, b) for p in [part(r)]}
+        # In the plan's order, two ranks each: 1-2 and 3-4 (the trainer is 0).
+        assert [got[rid] for rid in plan.replicas] == [(1, 5), (3, 5)]
+    finally:
+        client.close(0)
+        a.close()
+        b.close()
+        rt.close()

@@ -62,6 +62,8 @@ class Register(Message):
     streams: str = ""
     """How its engine takes streamed updates (``StreamWeights``): ``gloo``: it joins the update's chain;
     ``model``: it models the link's time (the sim); empty: it cannot."""
+    stream_ranks: int = 1
+    """Ranks it takes in an update's chain: one per engine worker (tensor x pipeline parallel)."""
 
 
 class ReplicaStats(Message):
@@ -311,7 +313,8 @@ class StreamWeights(Message):
     target: str = ""
     """A catch-up (``StreamWanted``): the one replica (its id) that gets it; empty: every replica."""
     rank: int = 0
-    """Set by the router for a replica: its place in the chain (1..n); 0: not on the chain (the sim)."""
+    """Set by the router for a replica: its first place in the chain (1..; its workers take the next
+    ``Register.stream_ranks``); 0: not on the chain (the sim)."""
     world: int = 0
     """Set by the router: the chain's ranks, the trainer's included."""
     serial: int = 0

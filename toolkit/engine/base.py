@@ -80,6 +80,8 @@ class Engine(ABC):
     stream_transport: str = ""
     """How it takes streamed updates (``Register.streams``): ``gloo`` (it joins the update's chain),
     ``model`` (it models the link's time), empty: it cannot."""
+    stream_ranks: int = 1
+    """Ranks it takes in an update's chain (``Register.stream_ranks``): one per worker that holds weights."""
 
     async def stage_stream(self, msg: StreamWeights) -> None:
         """Receive streamed update ``msg`` (its place in the chain: ``msg.rank``) into a staging area while

@@ -87,7 +87,7 @@ class ReplicaServer:
             vocab_size=self.info.vocab_size,
             # A restarted router learns from it which weights are the run's newest (WeightSync.registered).
             weights=self.weights.held,
-            streams=self.engine.stream_transport,
+            streams=self.engine.stream_transport, stream_ranks=self.engine.stream_ranks,
         ))
 
     async def run(self) -> None:

@@ -409,6 +409,10 @@ class VllmEngine(Engine):
     def stream_transport(self) -> str:  # type: ignore[override]
         return "gloo" if vllm_transfer.enabled(self.engine_args()) else ""
 
+    @property
+    def stream_ranks(self) -> int:  # type: ignore[override]
+        return self.cfg.tensor_parallel_size * self.cfg.pipeline_parallel_size  # every worker holds weights
+
     async def stage_stream(self, msg: StreamWeights) -> None:
         """A streamed update (``toolkit/engine/vllm_transfer.py``) staged over the network by the
         workers while the engine serves; a failed stage changes nothing."""

@@ -105,7 +105,6 @@ def register() -> None:
         port: int = 0
         rank: int = 0
         world: int = 0
-        host: str = ""
         timeout_s: float = 300.0
 
     class GlooStreamEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
@@ -128,8 +127,13 @@ def register() -> None:
 
         def receive_weights(self, u: UpdateInfo) -> None:
             if u.phase == "stage":
-                self.stream.stage(msgspec.msgpack.decode(u.manifest, type=Manifest), u.master, u.port, u.rank,
-                                  u.world, u.host, u.timeout_s)
+                # Every worker of the replica is a rank of the chain, in vLLM's own order: each receives
+                # the whole update and vLLM's weight loaders take its shard of each tensor.
+                from vllm.distributed.parallel_state import get_world_group
+
+                rank = u.rank + get_world_group().rank_in_group
+                self.stream.stage(msgspec.msgpack.decode(u.manifest, type=Manifest), u.master, u.port, rank,
+                                  u.world, own_host(u.master), u.timeout_s)
             elif u.phase == "apply":
                 self.stream.apply(self.model, self.model_config)
             elif u.phase == "discard":
@@ -179,6 +183,8 @@ class Receiver:
 
     def stage(self, manifest: Manifest, master: str, port: int, rank: int, world: int, host: str,
               timeout_s: float) -> None:
+        """Receive ``manifest``'s payload as rank ``rank`` of the chain, in a thread (``status`` says how
+        it went); ``host``: this worker's address for the chain."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("an update is already being staged")
         self._settled()
@@ -303,7 +309,15 @@ async def hold(llm: Any, path: str, version: int) -> None:
 
 
 async def status(llm: Any) -> dict[str, Any]:
-    return (await llm.collective_rpc("toolkit_stream_status"))[0]
+    """The workers' states as one: the first failure, else staging until every worker staged."""
+    states = await llm.collective_rpc("toolkit_stream_status")
+    for want in ("unavailable", "failed", "broken", "rolled_back", "staging"):
+        if any(st.get("state") == want for st in states):
+            out = next(st for st in states if st.get("state") == want)
+            if want == "rolled_back" and not all(st.get("state") == "rolled_back" for st in states):
+                return {**out, "state": "broken", "error": f"some workers rolled back, others did not: {states}"}
+            return out
+    return states[0]
 
 
 async def stage(llm: Any, plan: StreamWeights, poll_s: float = 0.02) -> None:
@@ -312,7 +326,7 @@ async def stage(llm: Any, plan: StreamWeights, poll_s: float = 0.02) -> None:
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
     info = {"phase": "stage", "manifest": plan.manifest, "master": plan.master, "port": plan.port,
-            "rank": plan.rank, "world": plan.world, "host": own_host(plan.master), "timeout_s": plan.timeout_s}
+            "rank": plan.rank, "world": plan.world, "timeout_s": plan.timeout_s}
     await llm.start_weight_update()
     try:
         await llm.update_weights(WeightTransferUpdateRequest(info))

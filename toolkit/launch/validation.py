@@ -200,10 +200,10 @@ def streamed_weights(cfg: Config) -> list[FieldError]:
     for where, ecfg, _ in engine_variants(cfg):
         if ecfg.type not in ("sim", "vllm"):
             errors.append(FieldError(f"{where}.type", ecfg.type, "sim or vllm with rollout.weights_transport=stream"))
-        elif ecfg.type == "vllm" and ecfg.tensor_parallel_size * ecfg.pipeline_parallel_size > 1:
-            errors.append(FieldError(f"{where}.tensor_parallel_size", ecfg.tensor_parallel_size,
-                                     "1 (and pipeline_parallel_size 1) with rollout.weights_transport=stream: "
-                                     "streamed updates reach one worker per replica so far; or "
+        elif ecfg.type == "vllm" and int(ecfg.args.get("data_parallel_size", 1) or 1) > 1:
+            errors.append(FieldError(f"{where}.args.data_parallel_size", ecfg.args["data_parallel_size"],
+                                     "1 with rollout.weights_transport=stream (a replica of several engine cores "
+                                     "takes no streamed update; run them as replicas of a group), or "
                                      "weights_transport=checkpoint"))
     return errors
 

@@ -31,6 +31,8 @@ class Replica:
     labels: dict[str, str] = field(default_factory=dict)
     streams: str = ""
     """How its engine takes streamed updates (``Register.streams``)."""
+    stream_ranks: int = 1
+    """Ranks its workers take in an update's chain."""
 
     # ---- written by the pool (``pool.py``): whether it serves, and what it holds -----------------
     ready: bool = False

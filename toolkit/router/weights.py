@@ -148,9 +148,13 @@ class WeightSync:
         """Forward ``msg`` to ``replicas`` with their ranks (the chain: those that join it, in order);
         the plan for the trainer."""
         chain = [r for r in replicas if r.streams == "gloo"]
-        world = 1 + len(chain)
+        first, at = {}, 1
+        for r in chain:  # each replica's workers take consecutive ranks
+            first[r] = at
+            at += r.stream_ranks
+        world = at
         for r in replicas:
-            rank = chain.index(r) + 1 if r in chain else 0
+            rank = first.get(r, 0)
             self._of(r).streaming = msg.version
             self.send_to_replica(r.identity, P.StreamWeights(
                 msg.version, msg.manifest, msg.master, msg.port, msg.base, msg.timeout_s, target, rank, world, serial))
