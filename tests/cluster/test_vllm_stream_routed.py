@@ -25,6 +25,9 @@ from toolkit.launch.validation import validate
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [[(7 * i + k) % 500 + 3 for i in range(40)] for k in range(3)]
+LONG = 1900
+"""Tokens of the requests that run through an update: 10 s and more of decoding on 2 cores (the tiny
+model's 2,048 positions less the prompt)."""
 
 
 def greedy(stack: LocalStack, version: int, tag: str) -> list[list[int]]:
@@ -65,7 +68,7 @@ def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_rest
 
     cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
                           "groups.throughput.replicas=2", "rollout.weights_transport=stream",
-                          "router.policy=round_robin"])
+                          "router.policy=round_robin", "engine.max_model_len=2048"])
     validate(cfg)
     ckpt = read_checkpoint(str(models["ckpt"]))
     rng = np.random.default_rng(1)
@@ -91,17 +94,17 @@ def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_rest
                 c = RouterClient(stack.run_dir)
                 await c.connect(10)
                 try:
-                    running = [asyncio.create_task(c.generate(gen(f"long{k}", PROMPTS[k % 3], 700, temperature=1.0,
+                    running = [asyncio.create_task(c.generate(gen(f"long{k}", PROMPTS[k % 3], LONG, temperature=1.0,
                                                                   seed=k, ignore_eos=True, job="t")))
                                for k in range(4)]
-                    await asyncio.sleep(3.0)  # decoding by now (a 700-token request takes longer)
+                    await asyncio.sleep(3.0)  # decoding by now, and far from done
                     await asyncio.to_thread(update)
                     return [r for r, _ in await asyncio.gather(*running)]
                 finally:
                     await c.close()
 
             done = asyncio.run(asyncio.wait_for(during(lambda: streamer.send(1, w1)), 300))
-            assert all(r.status == "ok" and len(r.output_token_ids) == 700 for r in done), \
+            assert all(r.status == "ok" and len(r.output_token_ids) == LONG for r in done), \
                 [(r.status, r.error) for r in done]
             assert any(r.weight_versions == [0, 1] for r in done), [r.weight_versions for r in done]
             assert streamer.last["replicas"] == 2 and not streamer.last["delta"]
