@@ -97,7 +97,11 @@ def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_rest
                     running = [asyncio.create_task(c.generate(gen(f"long{k}", PROMPTS[k % 3], LONG, temperature=1.0,
                                                                   seed=k, ignore_eos=True, job="t")))
                                for k in range(4)]
-                    await asyncio.sleep(3.0)  # decoding by now, and far from done
+                    # Until every one decodes (the replicas' heartbeats count their tokens), far from done.
+                    st0 = await c.status()
+                    base = st0.groups["throughput"].generated_tokens
+                    while (await c.status()).groups["throughput"].generated_tokens < base + 4 * 20:
+                        await asyncio.sleep(0.1)
                     await asyncio.to_thread(update)
                     return [r for r, _ in await asyncio.gather(*running)]
                 finally:

@@ -188,9 +188,10 @@ class Streamer:
                                        + "; ".join(x for x in (ack.error, broken) if x))
                 return ack
             finally:
-                self.client.forget_stream(m.version)
+                if answer is not None:
+                    self.client.forget_stream(m.version)
         finally:
-            del store
+            del store  # the rendezvous' server socket closes with it
 
     # ---- replicas that missed a version ------------------------------------------------------------------
     def _wanted(self, msg: P.StreamWanted) -> None:

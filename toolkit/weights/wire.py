@@ -192,7 +192,8 @@ class Encoder:
 
     def abandon(self) -> None:
         """The last encoded update did not land: its arrays are the next encode's to write over."""
-        self._spare = {**self._staged[1], **self._spare} if self._staged[1] is not self.state else self._spare
+        if self._staged[1] is not self.state:  # (an encode that raised left the committed state staged)
+            self._spare = self._staged[1]
 
     def dense(self, staged: bool = False) -> Update:
         """The state last committed (or, with ``staged``, the update last encoded), every tensor dense:
