@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"cluster"},
     {"report"},
     {"launch"},
+    {"plan"},
     {"bench"},
 ]
 """Bottom to top. ``client``, ``weights`` and ``samples`` are the trainer API's modules (``weights``

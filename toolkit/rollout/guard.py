@@ -9,12 +9,12 @@ import inspect
 import logging
 import operator
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from toolkit.core import clock
 from toolkit.core.errors import Terminated, ToolkitError
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
@@ -158,15 +158,15 @@ class Waits:
         self.since: float | None = None
 
     def begin(self) -> None:
-        self.since = time.monotonic()
+        self.since = clock.monotonic()
 
     def end(self) -> None:
         if self.since is not None:
-            self.total_s += time.monotonic() - self.since
+            self.total_s += clock.monotonic() - self.since
             self.since = None
 
     def seconds(self) -> float:
-        return self.total_s + (time.monotonic() - self.since if self.since is not None else 0.0)
+        return self.total_s + (clock.monotonic() - self.since if self.since is not None else 0.0)
 
 
 async def guarded(what: str, sid: str, awaitable: Any, timeout: float | None,

@@ -24,10 +24,10 @@ from hydra.utils import instantiate
 from toolkit.client import RouterClient
 from toolkit.config import CloseMode, Config, group_engine, samples_per_prompt
 from toolkit.config.entry import enter_component
-from toolkit.core.errors import RouterUnavailable, ToolkitError
+from toolkit.core.errors import RouterUnavailable
 from toolkit.core.lifecycle import ProcessRef, quiet_gc
 from toolkit.core.metrics import Endpoint
-from toolkit.core.protocol import Generate, GroupStatus, Sampling
+from toolkit.core.protocol import GroupStatus
 from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.sockets import own_bind_host
 from toolkit.gateway.chat import ChatTokenizer
@@ -35,20 +35,16 @@ from toolkit.gateway.server import Gateway, gateway_settings
 from toolkit.model.tokenizer import chat_tokenizer_dir, load_tokenizer
 from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
-from toolkit.rollout.envs import Environment
 from toolkit.rollout.guard import (
-    Waits,
     check_failure_budget,
     guarded,
     in_own_thread,
     maybe_await,
-    token_ids,
-    user_call,
 )
-from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.loopwatch import LoopWatch
 from toolkit.rollout.metrics import RankMetrics
 from toolkit.rollout.prompts import PromptSource
+from toolkit.rollout.sessions import EnvSessions, rank_cap
 from toolkit.rollout.shards import gather_shard_info, write_manifest, write_shard
 from toolkit.rollout.stepreport import closing_report, step_report, write_step_report
 from toolkit.rollout.stepweights import StepWeights
@@ -60,11 +56,9 @@ from toolkit.session.columns import (
     write_parquet,
 )
 from toolkit.session.requests import RequestLog
-from toolkit.session.sample import NonPrefixTurn, Sample, session_id
+from toolkit.session.sample import Sample, session_id
 
 logger = logging.getLogger(__name__)
-
-MAX_TURNS_HARD = 256
 
 
 class RankRunner:
@@ -81,12 +75,8 @@ class RankRunner:
         self.prompts: PromptSource = instantiate(cfg.workload.prompts)
         self.agent = instantiate(cfg.workload.agent, _partial_=True) if cfg.workload.agent else None
         self.agent_is_async = inspect.iscoroutinefunction(getattr(self.agent, "func", self.agent))
-        self.env_factory = None if self.agent is not None else instantiate(cfg.workload.env, _partial_=True)
-        self.length_hint: LengthHint | None = instantiate(cfg.workload.length_hint) if cfg.workload.length_hint else None
         self.gateway: Any = None
         self.watch: LoopWatch | None = None
-        self.sampling = Sampling(max_tokens=cfg.workload.max_tokens, temperature=cfg.workload.temperature,
-                                 top_p=cfg.workload.top_p)
         self.tail = TailWatch(run_dir, cfg.job, cfg.tail.threshold is not None)
         self.client = RouterClient(run_dir)
         # Responses stay token ids unless asked: decoding is the costliest thing a rank could do per token.
@@ -99,13 +89,8 @@ class RankRunner:
             cfg, self.rank, self.size, samples_per_prompt(cfg), self._run_session, self.group_names,
             lambda: RequestLog(self.metrics.request if self.metrics is not None else None), first_step,
             lambda step, sid: self.client.session_done(cfg.job, step, sid))
-
-    def _my_cap(self) -> int:
-        cap = self.cfg.rollout.max_concurrent_rollouts
-        if cap is None:
-            return 1 << 30
-        # Split the step-wide cap exactly across ranks.
-        return max(1, cap // self.size + (1 if self.rank < cap % self.size else 0))
+        self.env_sessions = (EnvSessions(cfg, self.client, self.prompts, self.max_model_len, lambda: self.closer.open)
+                             if self.agent is None else None)
 
     async def run(self) -> None:
         await self.client.connect(self.cfg.cluster.ready_timeout_s)
@@ -113,7 +98,7 @@ class RankRunner:
         if self.metrics is not None:
             endpoint = Endpoint(self.metrics.registry, own_bind_host(self.cfg.router.host, self.cfg.cluster.type),
                                 self.run_dir, f"rank-{self.rank}", {"rank": str(self.rank)})
-        self.sem = asyncio.Semaphore(self._my_cap())
+        self.sem = asyncio.Semaphore(rank_cap(self.cfg, self.rank, self.size))
         try:
             if self.agent is not None:
                 await self._start_gateway()
@@ -276,69 +261,8 @@ class RankRunner:
         return samples  # its SessionDone goes to the router as it lands (the closer's)
 
     async def session(self, step: int, index: int, attempt: int = 0) -> list[Sample]:
-        sid = session_id(self.cfg.job, step, index)
-        sample = Sample.start(index, sid, [])
-        # The toolkit's own failures (the router gone...) are not the environment's.
-        waits = Waits()
-        _, error = await guarded("environment", sid, self._turns(step, sid, sample, waits, attempt),
-                                 self.cfg.workload.env_timeout_s, (ToolkitError,), waits)
-        if error:
-            sample.mark("failed", error)
-        return [sample]
-
-    async def _turns(self, step: int, sid: str, sample: Sample, waits: Waits, attempt: int) -> None:
-        cfg = self.cfg
-        assert self.env_factory is not None
-        env: Environment = self.env_factory()
-        open_step = self.closer.open  # the step it may land in: read at each request
-        context = token_ids(await user_call(env.reset, self.prompts.get(step, sample.index)), "reset's prompt")
-        sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
-        sample.prompt_length = len(context)
-        for turn in range(MAX_TURNS_HARD):
-            budget = min(self.sampling.max_tokens, self.max_model_len - len(context))
-            if budget < 1:
-                sample.mark("truncated", "context reached max_model_len")
-                return
-            msg = Generate(
-                request_id=f"{sid}/{turn}" + (f"~{attempt}" if attempt else ""), job=cfg.job, session_id=sid,
-                step=open_step.step,
-                prompt_token_ids=context,
-                sampling=Sampling(budget, self.sampling.temperature, self.sampling.top_p),
-                deadline=time.time() + cfg.rollout.request_timeout_s,
-                prompt_key=self.prompts.prompt_key(step, sample.index),
-            )
-            if self.length_hint is not None:
-                try:
-                    msg.expected_tokens = ask(self.length_hint, msg)
-                except HintFailed as exc:  # the user's code: this session fails, alone
-                    sample.mark("failed", str(exc))
-                    return
-            sent = time.time()
-            waits.begin()
-            try:
-                res, route = await self.client.generate(msg)
-            except asyncio.CancelledError:  # the session timed out: its request leaves the engines too
-                await self.client.abort(msg.request_id)
-                raise
-            finally:
-                waits.end()
-            open_step.log.add(res, route, len(context), sent, time.time(), sample.index)
-            open_step.answered(sid, res)
-            if res.status != "ok":
-                sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")
-                return
-            try:
-                sample.add_turn(context, res)
-            except NonPrefixTurn as exc:
-                sample.mark("failed", str(exc))
-                return
-            outcome = await user_call(env.step, res.output_token_ids, res.finish_reason)
-            sample.reward += outcome.reward
-            if outcome.done:
-                return
-            sample.extend_observation(token_ids(outcome.observation, "step's observation"))
-            context = list(sample.tokens)
-        sample.mark("truncated", f"more than {MAX_TURNS_HARD} turns")
+        assert self.env_sessions is not None
+        return await self.env_sessions.run(step, index, attempt)
 
     async def agent_session(self, step: int, index: int, attempt: int = 0) -> list[Sample]:
         """One session of an agent over HTTP: the agent runs against its own base URL on this rank's

@@ -6,11 +6,11 @@ replica held goes back to the router (``orphaned``), which requeues or fails it.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 
 from toolkit.config import RouterConfig
+from toolkit.core import clock
 from toolkit.core import protocol as P
 from toolkit.router.elastic import Elastic
 from toolkit.router.pool import ReplicaPool
@@ -43,7 +43,7 @@ class Membership:
             if not self.elastic.refuse_retired(ident, msg.replica_id):
                 self.send(ident, P.Reregister("unknown replica"))
             return
-        now = time.monotonic()
+        now = clock.monotonic()
         interval, r.last_seen = now - r.last_seen, now
         before, s = r.stats, msg.stats
         r.stats = s
@@ -68,7 +68,7 @@ class Membership:
         if same is not None:
             self.drop(same, "re-registered")
         r = Replica(msg.replica_id, ident, msg.group, msg.max_inflight, msg.max_model_len, msg.vocab_size,
-                    msg.model, dict(msg.labels), msg.streams, max(1, msg.stream_ranks), last_seen=time.monotonic())
+                    msg.model, dict(msg.labels), msg.streams, max(1, msg.stream_ranks), last_seen=clock.monotonic())
         self.pool.add(r)
         if was_draining:
             # It stays on its way out: never probed into service; it holds nothing now, so it stops.
@@ -93,7 +93,7 @@ class Membership:
         self._probes += 1
         probe = P.Generate(request_id=f"{PROBE_PREFIX}{r.replica_id}:{self._probes}", job="__probe__",
                            prompt_token_ids=[1, 2, 3], sampling=P.Sampling(max_tokens=1))
-        r.probe_sent_at = time.monotonic()
+        r.probe_sent_at = clock.monotonic()
         self.send(r.identity, probe)
 
     def drop(self, r: Replica, why: str) -> None:

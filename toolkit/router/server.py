@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -19,13 +18,15 @@ import msgspec
 import zmq
 
 from toolkit.config import Affinity, Config, curve_enabled, moves_carry_kv
+from toolkit.core import clock
 from toolkit.core import protocol as P
 from toolkit.core.metrics import Endpoint
 from toolkit.core.rundir import FileWriter, RunDir, atomic_write
 from toolkit.core.security import server_curve
-from toolkit.core.sockets import advertised, make_socket, recv_frames, send_frames, send_msg
+from toolkit.core.sockets import recv_frames
 from toolkit.router.answered import Answered
 from toolkit.router.elastic import Elastic, EmptyGroups
+from toolkit.router.links import Links, ZmqLinks
 from toolkit.router.membership import PROBE_PREFIX, Membership
 from toolkit.router.metrics import DecisionTimer, RouterMetrics
 from toolkit.router.migration import Migrations
@@ -51,15 +52,19 @@ _enc = P._encoder
 
 
 class Router:
-    def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, cfg: Config, run_dir: RunDir, ctx: zmq.Context | None = None,
+                 links: Links | None = None) -> None:
+        """``links``: where its messages go; by default two ZMQ sockets of ``ctx`` (see :meth:`bind`)."""
         self.cfg = cfg
         self.rcfg = cfg.router
         self.run_dir = run_dir
-        self.ctx = ctx or zmq.Context.instance()
-        # CURVE (router.curve): encrypted sockets that admit only the run's own replicas and ranks.
-        self.curve = server_curve(curve_enabled(cfg), self.ctx, run_dir.root)
-        self.frontend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
-        self.backend = make_socket(self.ctx, zmq.ROUTER, curve=self.curve)
+        self.curve = None
+        if links is None:
+            # CURVE (router.curve): encrypted sockets that admit only the run's own replicas and ranks.
+            ctx = ctx or zmq.Context.instance()
+            self.curve = server_curve(curve_enabled(cfg), ctx, run_dir.root)
+            links = ZmqLinks(ctx, self.curve)
+        self.links = links
         self.groups = frozenset(cfg.groups)
         # Each request's life: waiting, live (queued or running), answered.
         self.queue = FairQueue(AFFINITY_SCAN if cfg.router.affinity == Affinity.wait else 1)
@@ -89,17 +94,19 @@ class Router:
         self.endpoint: Endpoint | None = None
 
     def _to_replica(self, ident: bytes, msg: P.Message) -> None:
-        send_msg(self.backend, ident, msg)
+        self.links.replica_msg(ident, msg)
 
     def _to_client(self, ident: bytes, msg: P.Message) -> None:
-        send_msg(self.frontend, ident, msg)
+        self.links.client_msg(ident, msg)
+
+    def _sockets(self) -> ZmqLinks:
+        if not isinstance(self.links, ZmqLinks):
+            raise TypeError("this router has no sockets: its links are not ZMQ's")
+        return self.links
 
     # ---- lifecycle -------------------------------------------------------------------------
     def bind(self, host: str) -> dict[str, str]:
-        self.frontend.bind(f"tcp://{host}:*")
-        self.backend.bind(f"tcp://{host}:*")
-        self.frontend_addr = advertised(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.backend_addr = advertised(self.backend.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.frontend_addr, self.backend_addr = self._sockets().bind(host)
         self.tail.adopt_sentinels()
         info = {"frontend": self.frontend_addr, "backend": self.backend_addr, "pid": str(os.getpid())}
         if self.metrics is not None:
@@ -109,8 +116,7 @@ class Router:
         return info
 
     def close(self) -> None:
-        self.frontend.close(0)
-        self.backend.close(0)
+        self.links.close()
         if self.curve is not None:
             self.curve.close()
         if self.endpoint is not None:
@@ -118,31 +124,32 @@ class Router:
         self.files.close()
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        links = self._sockets()
         poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.backend, zmq.POLLIN)
+        poller.register(links.frontend, zmq.POLLIN)
+        poller.register(links.backend, zmq.POLLIN)
         sweep_every = min(self.rcfg.heartbeat_s / 2, 0.25)
-        next_sweep = time.monotonic() + sweep_every
-        next_move = time.monotonic() + TICK_S if self.tail.active else float("inf")
+        next_sweep = clock.monotonic() + sweep_every
+        next_move = clock.monotonic() + TICK_S if self.tail.active else float("inf")
         while not should_stop():
-            timeout_ms = max(0.0, (min(next_sweep, next_move) - time.monotonic()) * 1000)
+            timeout_ms = max(0.0, (min(next_sweep, next_move) - clock.monotonic()) * 1000)
             events = dict(poller.poll(int(timeout_ms)))  # what pyzmq does with a float
             # Results first: they free the slots the new requests need.
-            if self.backend in events:
-                self._drain(self.backend, self._on_backend)
+            if links.backend in events:
+                self._drain(links.backend, self.on_backend)
                 self.dispatch()
             changed = False
-            if self.frontend in events:
-                self._drain(self.frontend, self._on_frontend)
+            if links.frontend in events:
+                self._drain(links.frontend, self.on_frontend)
                 changed = True
-            now = time.monotonic()
+            now = clock.monotonic()
             if now >= next_sweep:
                 self.sweep()
-                next_sweep = time.monotonic() + sweep_every
+                next_sweep = clock.monotonic() + sweep_every
                 changed = True
             if now >= next_move:
                 self.move_long_runners()
-                next_move = time.monotonic() + TICK_S
+                next_move = clock.monotonic() + TICK_S
             if changed:  # else the dispatch after the backend drain has already seen this state
                 self.dispatch()
 
@@ -165,7 +172,7 @@ class Router:
         return True
 
     # ---- frontend --------------------------------------------------------------------------
-    def _on_frontend(self, client: bytes, mtype: bytes, payload: bytes) -> None:
+    def on_frontend(self, client: bytes, mtype: bytes, payload: bytes) -> None:
         if mtype == _T_GENERATE:
             try:
                 msg = _dec_generate.decode(payload)
@@ -173,7 +180,7 @@ class Router:
                 rid = P.request_id_of(payload)
                 if rid is not None:  # that request fails, at once, instead of waiting for an answer
                     bad = P.Result(request_id=rid, status="client_error", error=f"bad Generate: {exc}")
-                    send_frames(self.frontend, client, _T_RESULT, _enc.encode(bad))
+                    self.links.to_client(client, _T_RESULT, _enc.encode(bad))
                 raise P.ProtocolError(f"bad Generate: {exc}") from exc
             self.submit(client, msg, payload)
             return
@@ -184,14 +191,14 @@ class Router:
             self.tail.step_begin(msg.job, msg.step, msg.n_sessions)
             self.timeline.begin(msg.job, msg.step)
             self.pool.reweight()
-            send_msg(self.frontend, client, msg)
+            self.links.client_msg(client, msg)
         elif isinstance(msg, P.SessionDone):
             flip = self.tail.session_done(msg.job, msg.step, msg.session_id)
             if flip is not None:
                 self.timeline.flipped(msg.job, msg.step, *flip)
                 self.move_long_runners()
         elif isinstance(msg, P.StatusRequest):
-            send_msg(self.frontend, client, self.status())
+            self.links.client_msg(client, self.status())
         elif isinstance(msg, P.UpdateWeights):
             self.weights.update(client, msg)
         elif isinstance(msg, P.StreamWeights):
@@ -206,7 +213,7 @@ class Router:
         cached = self.answered.result(rid)
         if cached is not None:
             self.stats["duplicates"] += 1
-            send_frames(self.frontend, client, _T_RESULT, cached)
+            self.links.to_client(client, _T_RESULT, cached)
             return
         existing = self.live.get(rid)
         if existing is not None:
@@ -217,7 +224,7 @@ class Router:
         # FIFO (a baseline for benchmarks) is the fair queue with every request under one job.
         job = "*" if self.rcfg.queue == "fifo" else (msg.job or f"model:{msg.model}")
         self._seq += 1
-        req = Request(msg, payload, client, job, self._seq, time.time())
+        req = Request(msg, payload, client, job, self._seq, clock.wall())
         if self.answered.aborted_early(rid):
             self._fail(req, "cancelled", "aborted before it arrived")
             return
@@ -255,7 +262,7 @@ class Router:
             req.client_aborted = True
             r = self.pool.get(req.replica)
             if r is not None:
-                send_msg(self.backend, r.identity, P.Abort(rid))
+                self.links.replica_msg(r.identity, P.Abort(rid))
 
     def status(self) -> P.Status:
         replicas = self.pool.all()
@@ -281,7 +288,7 @@ class Router:
 
     def move_long_runners(self) -> None:
         """Move what tail routing picks (long runners; after a flip, the step's running requests)."""
-        now = time.monotonic()
+        now = clock.monotonic()
         for req, r in self.tail.to_move(now):
             why = "tail" if self.tail.flipped(req.msg.job, req.msg.step) else self.cfg.tail.policy
             self.migrations.start(req, r, why, self.tail.group)
@@ -306,15 +313,15 @@ class Router:
                 return
 
     def _send(self, req: Request, r: Replica) -> None:
-        send_frames(self.backend, r.identity, _T_GENERATE, req.payload)
-        now = time.monotonic()
+        self.links.to_replica(r.identity, _T_GENERATE, req.payload)
+        now = clock.monotonic()
         if not r.inflight:
             r.restart_stall_clock(now)  # the stall clock runs only while work is in flight
         self.pool.take_slot(r, req)
         self.tail.dispatched(req, r, now)
         req.replica = r.replica_id
         req.group = r.group
-        req.t_dispatch = time.time()
+        req.t_dispatch = clock.wall()
         req.dispatches += 1
         self.timeline.dispatched(req.msg.job, req.msg.step, r.group, req.t_dispatch)
         self.dispatched[r.group] += 1
@@ -322,12 +329,12 @@ class Router:
     def _release(self, r: Replica, req: Request) -> None:
         """Take a request off a live replica (answered, expired), freeing its slot."""
         if self.pool.release_slot(r, req):
-            self.timeline.finished(req.msg.job, req.msg.step, r.group, time.time())
+            self.timeline.finished(req.msg.job, req.msg.step, r.group, clock.wall())
             if r.draining:
                 self.elastic.shutdown_if_idle(r)
 
     # ---- backend ---------------------------------------------------------------------------
-    def _on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
+    def on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
         if mtype == _T_RESULT:
             try:
                 res = _dec_result.decode(payload)
@@ -381,7 +388,7 @@ class Router:
     # ---- requests whose replica died ---------------------------------------------------------
     def _orphaned(self, r: Replica, reqs: list[Request], why: str) -> None:
         """A dropped replica's requests go back to the front of their jobs' queues (or fail as poison)."""
-        now = time.time()
+        now = clock.wall()
         for req in reqs:
             self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
             self._died_under(req, r.replica_id, why)
@@ -405,11 +412,11 @@ class Router:
         self.tail.forget(req)
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
                         dispatches=req.dispatches, moves=req.moves)
-        send_frames(self.frontend, req.client, _T_RESULT, payload, _enc.encode(route))
+        self.links.to_client(req.client, _T_RESULT, payload, _enc.encode(route))
         self.answered.keep(req.request_id, payload)
         self.stats["completed"] += 1
         if self.metrics is not None:
-            self.metrics.completed(req, status, time.time())
+            self.metrics.completed(req, status, clock.wall())
 
     def _fail(self, req: Request, status: str, error: str) -> None:
         res = P.Result(request_id=req.request_id, status=status, error=error)
@@ -418,8 +425,8 @@ class Router:
 
     # ---- timers ----------------------------------------------------------------------------
     def sweep(self) -> None:
-        self.membership.check(time.monotonic())
-        wall = time.time()
+        self.membership.check(clock.monotonic())
+        wall = clock.wall()
         self.empty_groups.check(wall)
         self.weights.answer_clients()  # an answer may wait for weights.json
         if self._deadlines > 0:
@@ -437,7 +444,7 @@ class Router:
                 r = self.pool.get(req.replica)
                 if r is not None:
                     self._release(r, req)
-                    send_msg(self.backend, r.identity, P.Abort(req.request_id))
+                    self.links.replica_msg(r.identity, P.Abort(req.request_id))
             self._fail(req, "timeout", "deadline passed")
 
     def events(self) -> Counter[str]:

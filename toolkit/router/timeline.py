@@ -8,11 +8,11 @@ router stops. ``toolkit.report.run_report`` draws ``timeline.png`` from these fi
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.core import clock
 from toolkit.core.rundir import FileWriter, RunDir
 
 
@@ -54,7 +54,7 @@ class Timeline:
             return
         if old is not None:
             self.write(old)
-        self.steps[job] = StepTimeline(job, step, time.time())
+        self.steps[job] = StepTimeline(job, step, clock.wall())
 
     def of(self, job: str, step: int) -> StepTimeline | None:
         """``job``'s timeline if its current one is of ``step``."""

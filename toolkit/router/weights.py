@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import NamedTuple
 
+from toolkit.core import clock
 from toolkit.core import protocol as P
 from toolkit.core.rundir import FileWriter, RunDir, read_json
 from toolkit.router.pool import ReplicaPool
@@ -321,7 +321,7 @@ class WeightSync:
             if self.latest is not None and msg.version == self.latest.version:
                 self.required = self.latest
         w.ack = Ack(msg.version, msg.error)
-        r.restart_stall_clock(time.monotonic())  # a load pauses generation: the stall clock starts after it
+        r.restart_stall_clock(clock.monotonic())  # a load pauses generation: the stall clock starts after it
         w.load_error = msg.error if not r.ready else ""
         if w.awaiting and self.may_serve(r):
             w.awaiting = False

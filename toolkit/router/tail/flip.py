@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 
 from toolkit.config import flip_count
+from toolkit.core import clock
 from toolkit.core.rundir import FileWriter, RunDir, read_json
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class CountFlip:
         if self.threshold is None:
             return False
         if st.flipped_at is None and len(st.done) >= flip_count(self.threshold, st.n_sessions):
-            st.flipped_at = time.time()
+            st.flipped_at = clock.wall()
             st.flip_count = len(st.done)
             self.files.write(
                 self.run_dir.sentinel(job),

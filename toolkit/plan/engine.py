@@ -1,0 +1,262 @@
+"""The sim engine in virtual time, stepping by stretches: between two events (a request arrives or is
+aborted, one finishes) every running sequence gains one token a step and the context grows by the
+batch each step, so the stretch's duration is a sum in closed form over ``toolkit.engine.sim``'s own
+step model. The engine decides like the sim does: it admits waiting requests at step boundaries up to
+``max_num_seqs``, plans each request's tokens with ``plan_output``, looks prompts up in the same
+``PrefixCache``, and lands a moved request's KV after its link time. A twin replica runs thousands of
+steps in a few events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from toolkit.config import SimEngineConfig
+from toolkit.core.errors import ToolkitError
+from toolkit.core.protocol import Generate, ReplicaStats, Result
+from toolkit.engine.sim import PrefixCache, plan_output, step_seconds
+
+Answer = Callable[[Result], None]
+
+
+class _Seq:
+    __slots__ = ("req", "tokens", "logprobs", "finish", "produced", "cached", "done")
+
+    def __init__(self, req: Generate, tokens: list[int], logprobs: list[float], finish: str) -> None:
+        self.req = req
+        self.tokens = tokens
+        self.logprobs = logprobs
+        self.finish = finish
+        self.produced = 0
+        self.cached = 0
+        self.done = False
+
+
+class _Stretch:
+    """Steps from ``start``: ``n`` sequences, ``ctx0`` context tokens in the first step, which also
+    prefills ``prefill`` tokens; step ``i`` lasts ``a + b * (ctx0 + i * n)`` (+ ``p`` for the first),
+    or exactly ``fixed`` for a one-step stretch that finishes a step already under way."""
+
+    __slots__ = ("start", "n", "ctx0", "a", "b", "p", "prefill", "k", "fixed", "timer")
+
+    def __init__(self, start: float, n: int, ctx0: int, a: float, b: float, p: float, prefill: int, k: int,
+                 fixed: float | None = None) -> None:
+        self.start, self.n, self.ctx0, self.a, self.b, self.p, self.k = start, n, ctx0, a, b, p, k
+        self.prefill = prefill
+        self.fixed = fixed
+        self.timer: asyncio.TimerHandle | None = None
+
+    def elapsed(self, j: int) -> float:
+        """Seconds of its first ``j`` steps."""
+        if j <= 0:
+            return 0.0
+        if self.fixed is not None:
+            return self.fixed
+        return j * self.a + self.b * (j * self.ctx0 + self.n * j * (j - 1) / 2) + self.p
+
+    def done_by(self, t: float) -> int:
+        """Steps finished by time ``t``."""
+        lo, hi = 0, self.k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.start + self.elapsed(mid) <= t + 1e-12:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class TwinEngine:
+    def __init__(self, cfg: SimEngineConfig, loop: asyncio.AbstractEventLoop, answer: Answer) -> None:
+        self.cfg = cfg
+        self.loop = loop
+        self.answer = answer
+        """Takes each request's one Result."""
+        self.cache = PrefixCache(cfg.block_size, cfg.kv_cache_tokens)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.by_id: dict[str, _Seq] = {}
+        self.prefix_hits = self.prefix_queries = 0
+        self.steps = self.generated_tokens = self.prefill_tokens = 0
+        self.model_s = self.active_s = 0.0
+        self._active_since: float | None = None
+        self._stretch: _Stretch | None = None
+        self._boundary_due = False
+        scale = cfg.time_scale
+        self._a = step_seconds(cfg, 0) * scale
+        self._b = (step_seconds(cfg, 1) - step_seconds(cfg, 0)) * scale
+
+    # ---- requests in ---------------------------------------------------------------------------------
+    def submit(self, req: Generate) -> None:
+        c = self.cfg
+        prompt = req.prompt_token_ids
+        if not prompt or len(prompt) > c.max_model_len or min(prompt) < 0 or max(prompt) >= c.vocab_size:
+            self._later(Result(request_id=req.request_id, status="client_error",
+                               error=f"prompt of {len(prompt)} tokens outside limits"))
+            return
+        if req.sampling.structured is not None:
+            self._later(Result(request_id=req.request_id, status="client_error",
+                               error="the twin's engines plan no structured outputs"))
+            return
+        try:
+            tokens, logprobs, finish = plan_output(c, req)
+        except ToolkitError as exc:
+            self._later(Result(request_id=req.request_id, status="client_error", error=str(exc)))
+            return
+        seq = _Seq(req, tokens, logprobs, finish)
+        self.by_id[req.request_id] = seq
+        if req.kv_tokens > 0:  # its KV crosses the link first, without holding up the running batch
+            link_s = req.kv_tokens * c.kv_bytes_per_token / c.kv_link_bytes_per_s
+            self.loop.call_later(link_s * c.time_scale, self._landed, seq)
+        else:
+            self._admit(seq)
+
+    def _later(self, res: Result) -> None:
+        self.loop.call_soon(self.answer, res)
+
+    def _landed(self, seq: _Seq) -> None:
+        if not seq.done:
+            seq.cached = self.cache.match(seq.req.prompt_token_ids)
+            self.cache.insert(seq.req.prompt_token_ids[: seq.req.kv_tokens])
+            self._admit(seq)
+
+    def _admit(self, seq: _Seq) -> None:
+        self.waiting.append(seq)
+        if self._stretch is None:
+            if not self._boundary_due:  # idle: the next step begins now (with whatever else arrives now)
+                self._boundary_due = True
+                self.loop.call_soon(self._boundary)
+        else:
+            self._cut()
+
+    def abort(self, request_id: str) -> None:
+        seq = self.by_id.get(request_id)
+        if seq is None or seq.done:
+            return
+        if seq in self.running:
+            self._cut()  # the tokens of the steps it finished are its own
+            if seq.done:  # it finished just now
+                return
+            self.running.remove(seq)
+            self._finish(seq, "cancelled", "abort", computed=True)
+        else:
+            self._finish(seq, "cancelled", "abort", computed=False)
+
+    # ---- steps ---------------------------------------------------------------------------------------
+    def _cut(self) -> None:
+        """Something changed mid-stretch: the steps done so far count, the one under way ends where it
+        was going to, and the boundary after it sees the change."""
+        st = self._stretch
+        if st is None:
+            return
+        j = st.done_by(self.loop.time())
+        if j >= st.k:  # it ends now: its end comes first
+            assert st.timer is not None
+            st.timer.cancel()
+            self._end()
+            return
+        if j == 0 and st.fixed is not None:
+            return  # one step, under way
+        self._advance(st, j)
+        assert st.timer is not None
+        st.timer.cancel()
+        under_way = st.elapsed(j + 1) - st.elapsed(j)
+        prefill = st.prefill if j == 0 else 0  # the first step prefills
+        nxt = _Stretch(st.start + st.elapsed(j), st.n, 0, 0.0, 0.0, 0.0, prefill, 1, fixed=under_way)
+        self._stretch = nxt
+        nxt.timer = self.loop.call_at(nxt.start + under_way, self._end)
+
+    def _advance(self, st: _Stretch, j: int) -> None:
+        """Count ``j`` finished steps of ``st``: every running sequence gained ``j`` tokens."""
+        if j <= 0:
+            return
+        for seq in self.running:
+            seq.produced += j
+        self.steps += j
+        self.generated_tokens += j * st.n
+        self.model_s += st.elapsed(j)
+        self.prefill_tokens += st.prefill
+
+    def _end(self) -> None:
+        st = self._stretch
+        assert st is not None
+        self._advance(st, st.k)
+        self._stretch = None
+        still = []
+        for seq in self.running:
+            if seq.produced >= len(seq.tokens):
+                self._finish(seq, "ok", seq.finish, computed=True)
+            else:
+                still.append(seq)
+        self.running = still
+        self._boundary()
+
+    def _boundary(self) -> None:
+        self._boundary_due = False
+        if self._stretch is not None:
+            return
+        c = self.cfg
+        now = self.loop.time()
+        prefill = 0
+        while self.waiting and len(self.running) < c.max_num_seqs:
+            seq = self.waiting.popleft()
+            if seq.done:
+                continue
+            prompt = seq.req.prompt_token_ids
+            found = self.cache.match(prompt)
+            prefill += len(prompt) - found
+            came = max(0, found - seq.cached) if seq.req.kv_tokens > 0 else 0
+            seq.cached = found - came
+            self.prefix_queries += len(prompt) - came
+            self.prefix_hits += seq.cached
+            self.running.append(seq)
+        if not self.running:
+            if self._active_since is not None:
+                self.active_s += now - self._active_since
+                self._active_since = None
+            return
+        if self._active_since is None:
+            self._active_since = now
+        n = len(self.running)
+        ctx0 = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
+        k = max(1, min(len(s.tokens) - s.produced for s in self.running))
+        p = (step_seconds(c, 0, prefill) - step_seconds(c, 0)) * c.time_scale
+        st = _Stretch(now, n, ctx0, self._a, self._b, p, prefill, k)
+        self._stretch = st
+        st.timer = self.loop.call_at(now + st.elapsed(k), self._end)
+
+    def _finish(self, seq: _Seq, status: str, finish: str, computed: bool) -> None:
+        n = seq.produced
+        if computed:
+            self.cache.insert(seq.req.prompt_token_ids + seq.tokens[:n])
+        seq.done = True
+        self.by_id.pop(seq.req.request_id, None)
+        self.answer(Result(
+            request_id=seq.req.request_id, status=status, output_token_ids=seq.tokens[:n],
+            logprobs=seq.logprobs[:n] if seq.req.sampling.logprobs else [], finish_reason=finish,
+            cached_tokens=seq.cached, weight_version=0, weight_versions=[0]))
+
+    # ---- what its heartbeats carry -------------------------------------------------------------------
+    def stats(self) -> ReplicaStats:
+        now = self.loop.time()
+        st = self._stretch
+        j = st.done_by(now) if st is not None else 0
+        n = st.n if st is not None else 0
+        ctx = sum(len(s.req.prompt_token_ids) + s.produced + j for s in self.running)
+        active = self.active_s + (now - self._active_since if self._active_since is not None else 0.0)
+        return ReplicaStats(
+            running=len(self.running), waiting=sum(1 for s in self.waiting if not s.done),
+            kv_usage=min(1.0, ctx / self.cfg.kv_cache_tokens), prefix_hits=self.prefix_hits,
+            prefix_queries=self.prefix_queries, weight_version=0, generated_tokens=self.generated_tokens + j * n,
+            engine_steps=self.steps + j, prefill_tokens=self.prefill_tokens,
+            model_s=self.model_s + (st.elapsed(j) if st is not None else 0.0), active_s=active)
+
+    def halt(self) -> None:
+        """Stop stepping for good (its replica died): nothing it holds ever finishes."""
+        if self._stretch is not None and self._stretch.timer is not None:
+            self._stretch.timer.cancel()
+        self._stretch = None
+        self.waiting.clear()
+        self.running.clear()
+        self.answer = lambda res: None

@@ -1,0 +1,210 @@
+"""The twin's fleet around the router's own object: replicas of :class:`TwinEngine` that register,
+beat and answer as replica processes do, rank clients that speak as ``RouterClient`` does, and the
+links between them, which deliver each message as a callback of the virtual-time loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from toolkit.config import Config, SimEngineConfig
+from toolkit.core import protocol as P
+from toolkit.plan.engine import TwinEngine
+from toolkit.router.links import Links
+from toolkit.router.server import Router
+from toolkit.router.tail.routing import TICK_S
+
+_T_RESULT = P.TYPE_OF[P.Result]
+_T_GENERATE = P.TYPE_OF[P.Generate]
+_dec_generate = P.DECODERS[_T_GENERATE]
+_dec_result = P.DECODERS[_T_RESULT]
+_dec_route = msgspec.msgpack.Decoder(P.Route)
+_enc = msgspec.msgpack.Encoder()
+
+
+class Wire(Links):
+    """The router's links in the twin, and the way in to the router: every message is a callback on the
+    loop after ``latency_s`` (0: the next turn of the loop), and the router dispatches after each
+    turn that brought it messages, as its own loop does after a drain."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, latency_s: float) -> None:
+        self.loop = loop
+        self.latency_s = latency_s
+        self.router: Router | None = None
+        self.replicas: dict[bytes, TwinReplica] = {}
+        self.clients: dict[bytes, TwinClient] = {}
+        self._dispatch_due = False
+
+    def _deliver(self, fn: Any, *args: Any) -> None:
+        if self.latency_s > 0:
+            self.loop.call_later(self.latency_s, fn, *args)
+        else:
+            self.loop.call_soon(fn, *args)
+
+    # the router's side
+    def to_replica(self, ident: bytes, *frames: bytes) -> None:
+        r = self.replicas.get(ident)
+        if r is not None:
+            self._deliver(r.receive, frames)
+
+    def to_client(self, ident: bytes, *frames: bytes) -> None:
+        c = self.clients.get(ident)
+        if c is not None:
+            self._deliver(c.receive, frames)
+
+    # the way in
+    def from_replica(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
+        self._deliver(self._in, True, ident, mtype, payload)
+
+    def from_client(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
+        self._deliver(self._in, False, ident, mtype, payload)
+
+    def _in(self, backend: bool, ident: bytes, mtype: bytes, payload: bytes) -> None:
+        assert self.router is not None
+        (self.router.on_backend if backend else self.router.on_frontend)(ident, mtype, payload)
+        if not self._dispatch_due:
+            self._dispatch_due = True
+            self.loop.call_soon(self._dispatch)
+
+    def _dispatch(self) -> None:
+        self._dispatch_due = False
+        assert self.router is not None
+        self.router.dispatch()
+
+    def start_timers(self, heartbeat_s: float) -> None:
+        """The router's own timers: its sweep, and tail routing's moves while it is on."""
+        assert self.router is not None
+        router = self.router
+        sweep_every = min(heartbeat_s / 2, 0.25)
+
+        def sweep() -> None:
+            router.sweep()
+            router.dispatch()
+            self.loop.call_later(sweep_every, sweep)
+
+        def move() -> None:
+            router.move_long_runners()
+            router.dispatch()
+            self.loop.call_later(TICK_S, move)
+
+        self.loop.call_later(sweep_every, sweep)
+        if router.tail.active:
+            self.loop.call_later(TICK_S, move)
+
+
+class TwinReplica:
+    """A replica of the twin: registers, beats every ``router.heartbeat_s`` and serves what the router
+    sends, with its engine stepping in virtual time. :meth:`die` stops it dead (a lost node)."""
+
+    def __init__(self, cfg: Config, group: str, index: int, engine: SimEngineConfig, wire: Wire) -> None:
+        self.cfg = cfg
+        self.group = group
+        self.replica_id = f"{group}-{index}@twin"
+        self.ident = self.replica_id.encode()
+        self.ecfg = engine
+        self.wire = wire
+        self.engine = TwinEngine(engine, wire.loop, self._answer)
+        self.alive = False
+        self._beat: asyncio.TimerHandle | None = None
+        wire.replicas[self.ident] = self
+
+    def start(self) -> None:
+        self.alive = True
+        self._register()
+        self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
+
+    def _send(self, msg: P.Message) -> None:
+        if self.alive:
+            self.wire.from_replica(self.ident, *P.encode(msg))
+
+    def _register(self) -> None:
+        g = self.cfg.groups[self.group]
+        self._send(P.Register(replica_id=self.replica_id, group=self.group, labels={"group": self.group, **g.labels},
+                              model=self.ecfg.model, max_inflight=g.max_inflight,
+                              max_model_len=self.ecfg.max_model_len, vocab_size=self.ecfg.vocab_size,
+                              streams="model"))
+
+    def _heartbeat(self) -> None:
+        if not self.alive:
+            return
+        self._send(P.Heartbeat(self.replica_id, self.engine.stats()))
+        self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
+
+    def _answer(self, res: P.Result) -> None:
+        if self.alive:
+            self.wire.from_replica(self.ident, _T_RESULT, _enc.encode(res))
+
+    def receive(self, frames: tuple[bytes, ...]) -> None:
+        if not self.alive:
+            return
+        mtype, payload = frames[0], frames[1]
+        if mtype == _T_GENERATE:
+            self.engine.submit(_dec_generate.decode(payload))
+            return
+        msg = P.decode(mtype, payload)
+        if isinstance(msg, P.Abort):
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, P.Reregister):
+            self._register()
+        elif isinstance(msg, P.Shutdown):
+            self.die()
+        else:
+            raise NotImplementedError(f"the twin's replicas take no {type(msg).__name__} (weights are not modelled)")
+
+    def die(self) -> None:
+        """Gone at once, with what it ran: no answer, no heartbeat (the router finds out by their absence)."""
+        self.alive = False
+        if self._beat is not None:
+            self._beat.cancel()
+        self.engine.halt()
+
+
+class TwinClient:
+    """A rank's ``RouterClient`` in the twin: the calls its sessions and closers make."""
+
+    def __init__(self, rank: int, wire: Wire) -> None:
+        self.ident = f"rank-{rank}".encode()
+        self.wire = wire
+        self.pending: dict[str, asyncio.Future[tuple[P.Result, P.Route | None]]] = {}
+        self.acks: dict[tuple[str, int], asyncio.Future[None]] = {}
+        wire.clients[self.ident] = self
+
+    def _send(self, msg: P.Message) -> None:
+        self.wire.from_client(self.ident, *P.encode(msg))
+
+    async def generate(self, msg: P.Generate) -> tuple[P.Result, P.Route | None]:
+        fut: asyncio.Future[tuple[P.Result, P.Route | None]] = self.wire.loop.create_future()
+        self.pending[msg.request_id] = fut
+        self._send(msg)
+        try:
+            return await fut
+        finally:
+            self.pending.pop(msg.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._send(P.Abort(request_id))
+
+    async def session_done(self, job: str, step: int, session_id: str) -> None:
+        self._send(P.SessionDone(job, step, session_id))
+
+    async def step_begin(self, job: str, step: int, n_sessions: int) -> None:
+        fut: asyncio.Future[None] = self.wire.loop.create_future()
+        self.acks[(job, step)] = fut
+        self._send(P.StepBegin(job, step, n_sessions))
+        await fut
+
+    def receive(self, frames: tuple[bytes, ...]) -> None:
+        if frames[0] == _T_RESULT:
+            res = _dec_result.decode(frames[1])
+            route = _dec_route.decode(frames[2]) if len(frames) > 2 else None
+            fut = self.pending.get(res.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result((res, route))
+            return
+        msg = P.decode(frames[0], frames[1])
+        if isinstance(msg, P.StepBegin):
+            ack = self.acks.pop((msg.job, msg.step), None)
+            if ack is not None and not ack.done():
+                ack.set_result(None)

@@ -1,0 +1,144 @@
+"""The end of a ``python -m toolkit.plan -m`` sweep: every point's predictions, ranked by step time, in a
+table of 80 columns and ``plan_summary.csv``; the setting that moved step time most; ``--plot`` draws
+step time against the first swept value (a line per value of the second)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from toolkit.plan.summary import FIELDS, difference
+from toolkit.report.run_report import pct, table_width
+from toolkit.report.sweep import _fmt, collect, short_names, swept_keys
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_FILE = "plan_summary.csv"
+PLOT_FILE = "plan_sweep.png"
+OPTIONS: dict[str, Any] = {"plot": False}
+"""The plan's command-line options beyond Hydra's (``--plot``)."""
+
+
+def plan_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """A row per point: its swept values and its predictions, fastest first."""
+    rows = collect(sweep_dir)
+    for r in rows:
+        try:
+            summary = json.loads((sweep_dir / r["run"] / "report.json").read_text())["summary"]
+        except (OSError, ValueError, KeyError):
+            summary = {}
+        r.update({k: summary.get(k) for k in FIELDS})
+    return sorted(rows, key=lambda r: (r["step_time_s"] is None, r["step_time_s"] or 0.0))
+
+
+def write_csv(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    keys = swept_keys(rows)
+    path = sweep_dir / SUMMARY_FILE
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["rank", "run", *keys, *FIELDS])
+        w.writeheader()
+        for i, r in enumerate(rows, 1):
+            w.writerow({"rank": i, "run": r["run"], **{k: r["swept"].get(k, "") for k in keys},
+                        **{k: "" if r[k] is None else r[k] for k in FIELDS}})
+    return path
+
+
+def plan_table(rows: list[dict[str, Any]], width: int = 80) -> Table:
+    keys = swept_keys(rows)
+    names = short_names(keys)
+    columns: list[tuple[str, list[str], bool, int]] = [
+        ("#", [str(i) for i in range(1, len(rows) + 1)], True, 99),
+        *((names[k], [r["swept"].get(k, "-") for r in rows], False, 99) for k in keys),
+        ("step s", [_fmt(r["step_time_s"], 2) for r in rows], True, 98),
+        ("p90 s", [_fmt(r["step_time_p90_s"], 2) for r in rows], True, 5),
+        ("bound", [_fmt(r["bound_ratio"], 2) for r in rows], True, 97),
+        ("smp/s", [_fmt(r["samples_per_s"], 1) for r in rows], True, 4),
+        ("busy", [pct(r["fleet_busy_share"], 0) for r in rows], True, 3),
+        ("hit", [pct(r["prefix_hit"], 0) for r in rows], True, 2),
+        ("moves", [_fmt(r["moves_per_step"], 1) for r in rows], True, 1),
+    ]
+    for rank in sorted({c[3] for c in columns if c[3] < 97}):
+        if table_width([[h, *cells] for h, cells, _, _ in columns]) <= width:
+            break
+        columns = [c for c in columns if c[3] != rank]
+    table = Table(title=f"plan: {len(rows)} configs, fastest first")
+    for header, _, right, _ in columns:
+        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    for i in range(len(rows)):
+        table.add_row(*(cells[i] for _, cells, _, _ in columns))
+    return table
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The best point, how much it gains over the worst, and the setting that made the difference."""
+    timed = [r for r in rows if r["step_time_s"] is not None]
+    if not timed:
+        return "no point ran"
+    best, worst = timed[0], timed[-1]
+    line = (f"best: {best['overrides'] or best['run']} at {best['step_time_s']:.2f}s a step, "
+            f"{1 - best['step_time_s'] / worst['step_time_s']:.0%} below the slowest")
+    moved = difference(timed, swept_keys(timed))
+    if moved is not None:
+        line += f"; {moved[0]} made the most difference ({moved[1]:.2f}s between its values' means)"
+    return line
+
+
+def plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path | None:
+    import matplotlib  # heavy, and only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = swept_keys(rows)
+    if not keys:
+        return None
+    x_key, line_key = keys[0], (keys[1] if len(keys) > 1 else None)
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["step_time_s"] is None:
+            continue
+        label = f"{line_key}={r['swept'].get(line_key)}" if line_key else "step time"
+        try:
+            x = float(r["swept"][x_key])
+        except (KeyError, ValueError):
+            continue
+        lines.setdefault(label, []).append((x, r["step_time_s"]))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("predicted step time (s)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = sweep_dir / PLOT_FILE
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+class PlanSweep(Callback):
+    """Hydra callback of ``toolkit.plan``: after a multirun, rank its points (table, CSV, plot)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        rows = plan_rows(sweep_dir)
+        if not rows:
+            logger.warning("no twin runs under %s", sweep_dir)
+            return
+        console = Console()
+        console.print(plan_table(rows, min(console.width, 80)))
+        console.print(verdict(rows), highlight=False, soft_wrap=True)
+        console.print(f"[dim]{write_csv(sweep_dir, rows)}[/dim]")
+        if OPTIONS["plot"]:
+            path = plot(sweep_dir, rows)
+            if path is not None:
+                console.print(f"[dim]{path}[/dim]")

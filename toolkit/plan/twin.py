@@ -1,0 +1,175 @@
+"""The fleet twin: a run of ``launch``'s config in virtual time, with no process, socket or sleep. The
+router is the router's own object (pool, policies, fair queue, tail routing, migrations, membership);
+the replicas are :class:`~toolkit.plan.engine.TwinEngine` s on the sim's step model; the ranks run the
+rollout's own sessions and step closers. Each step yields the step report a real run writes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hydra.utils import instantiate
+
+from toolkit.config import Config, SimEngineConfig, group_engine, samples_per_prompt
+from toolkit.core import clock
+from toolkit.core.errors import ConfigError, FieldError
+from toolkit.core.rundir import RunDir
+from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
+from toolkit.plan.loop import VirtualLoop
+from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
+from toolkit.rollout.sessions import EnvSessions, rank_cap
+from toolkit.rollout.stepreport import closing_report, step_report
+from toolkit.router.server import Router
+from toolkit.session.columns import Columns
+from toolkit.session.requests import RequestLog
+from toolkit.session.sample import Sample
+
+EPOCH = 1.7e9
+"""The twin's wall clock at its start (virtual seconds are added to it): fixed, so a twin repeats."""
+
+
+def twin_errors(cfg: Config) -> list[FieldError]:
+    """What a twin cannot run of ``cfg``, each naming the setting (empty: it runs)."""
+    errors = []
+    for g in sorted(cfg.groups):
+        e = group_engine(cfg, g)
+        if not isinstance(e, SimEngineConfig):
+            errors.append(FieldError(f"groups.{g} engine type", e.type, "sim: the twin runs the sim's step model "
+                                     "(set engine=sim, the group's speed in its fields)"))
+    if cfg.workload.agent:
+        errors.append(FieldError("workload.agent", "set", "null: agents over HTTP run outside the toolkit; the twin "
+                                 "runs environments (workload.env)"))
+    if cfg.rollout.weights_dir is not None:
+        errors.append(FieldError("rollout.weights_dir", cfg.rollout.weights_dir, "null: the twin models no weight "
+                                 "updates"))
+    return errors
+
+
+@dataclasses.dataclass
+class TwinRun:
+    """What a twin run gave: the step reports, and the fleet's counters at its end."""
+
+    steps: list[dict[str, Any]]
+    replicas: dict[str, dict[str, Any]]
+    """Per replica: its group and its engine's counters (``ReplicaStats`` as a dict)."""
+    router: dict[str, int]
+    """The router's event counts (completed, requeued, moves by reason...)."""
+    virtual_s: float
+    real_s: float
+    """Seconds of this machine's time the twin took."""
+
+
+class _Rank:
+    """One rollout rank: its closer, its sessions and its share of the concurrency cap."""
+
+    def __init__(self, cfg: Config, rank: int, size: int, client: TwinClient, max_model_len: int) -> None:
+        self.client = client
+        self.sem = asyncio.Semaphore(rank_cap(cfg, rank, size))
+        self.closer = CLOSERS[cfg.rollout.close](
+            cfg, rank, size, samples_per_prompt(cfg), self._run, sorted(cfg.groups), RequestLog, 0,
+            lambda step, sid: client.session_done(cfg.job, step, sid))
+        self.sessions = EnvSessions(cfg, client, instantiate(cfg.workload.prompts), max_model_len,
+                                    lambda: self.closer.open)
+
+    async def _run(self, started: int, index: int, attempt: int) -> list[Sample]:
+        async with self.sem:
+            samples = await self.sessions.run(started, index, attempt)
+        self.closer.open.log.sessions_done_at.append(clock.wall())
+        return samples
+
+
+def _concat(parts: list[Columns]) -> Columns:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+class Twin:
+    def __init__(self, cfg: Config, run_dir: Path | None = None, latency_s: float = 0.0,
+                 events: Callable[[Twin], None] | None = None) -> None:
+        """``run_dir``: where the router keeps its files (a temporary directory by default); ``latency_s``:
+        each message's delay; ``events``: called once the fleet is up, to schedule what happens to it
+        (``loop.call_at``: a replica lost mid-step...)."""
+        errors = twin_errors(cfg)
+        if errors:
+            raise ConfigError(errors)
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.latency_s = latency_s
+        self.events = events
+        self.loop = VirtualLoop()
+        self.wire = Wire(self.loop, latency_s)
+        self.replicas: list[TwinReplica] = []
+        self.router: Router | None = None
+
+    def run(self) -> TwinRun:
+        t = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="twin-") as tmp:
+            rd = RunDir(self.run_dir or Path(tmp))
+            rd.make()
+            cfg = dataclasses.replace(self.cfg, report=dataclasses.replace(self.cfg.report, metrics=False))
+            with clock.virtual(self.loop.time, EPOCH):
+                self.router = Router(cfg, rd, links=self.wire)
+                self.wire.router = self.router
+                try:
+                    steps = self.loop.run(self._main(cfg))
+                finally:
+                    self.router.close()
+                    self.loop.close()
+        return TwinRun(steps, {r.replica_id: {"group": r.group, **_stats(r)} for r in self.replicas},
+                       dict(self.router.events()), self.loop.now, time.perf_counter() - t)
+
+    async def _main(self, cfg: Config) -> list[dict[str, Any]]:
+        assert self.router is not None
+        for g in sorted(cfg.groups):
+            for i in range(cfg.groups[g].replicas):
+                self.replicas.append(TwinReplica(cfg, g, i, group_engine(cfg, g), self.wire))
+        for r in self.replicas:
+            r.start()
+        self.wire.start_timers(cfg.router.heartbeat_s)
+        max_model_len = min(group_engine(cfg, g).max_model_len for g in cfg.groups)
+        ranks = [_Rank(cfg, k, cfg.ranks, TwinClient(k, self.wire), max_model_len) for k in range(cfg.ranks)]
+        if self.events is not None:
+            self.events(self)
+        reports = []
+        try:
+            for step in range(cfg.steps):
+                await ranks[0].client.step_begin(cfg.job, step, cfg.sessions_per_step)
+                t0, active0 = clock.wall(), self._active()
+                landed: list[Landed] = list(await asyncio.gather(*(r.closer.collect(step) for r in ranks)))
+                reports.append(self._report(cfg, step, t0, landed))
+                wall = reports[-1]["wall_s"]
+                reports[-1]["fleet_busy_share"] = ((self._active() - active0) / (len(self.replicas) * wall)
+                                                   if wall > 0 else None)
+        finally:
+            for r in ranks:
+                await r.closer.aclose()
+        return reports
+
+    def _report(self, cfg: Config, step: int, t0: float, landed: list[Landed]) -> dict[str, Any]:
+        assert self.router is not None
+        groups = sorted(cfg.groups)
+        wall = clock.wall() - t0
+        cols = _concat([x.builder.columns() for x in landed])
+        requests = _concat([x.log.columns(groups) for x in landed])
+        closing = {"counts": np.array([x.counts[k] for x in landed for k in STEP_COUNTERS], dtype=np.int64),
+                   "in_flight": np.array([g for x in landed for g in x.in_flight], dtype=np.int64).reshape(-1)}
+        st = self.router.tail.flip.steps.get(cfg.job)
+        flip = ({"job": cfg.job, "step": step, "time": st.flipped_at, "count": st.flip_count}
+                if st is not None and st.step == step and st.flipped_at is not None else None)
+        report = step_report(step, wall, t0, cols, requests, groups, cfg, flip, self.router.status().groups)
+        report.update(closing_report(closing, cfg.rollout.close))
+        return report
+
+    def _active(self) -> float:
+        """Seconds in which the replicas' engines had work, summed, so far."""
+        return sum(r.engine.stats().active_s for r in self.replicas)
+
+
+def _stats(r: TwinReplica) -> dict[str, Any]:
+    s = r.engine.stats()
+    return {f: getattr(s, f) for f in s.__struct_fields__}
