@@ -23,6 +23,7 @@ from toolkit.core.rundir import RunDir
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop
 from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
+from toolkit.rollout.guard import inline_call
 from toolkit.rollout.sessions import EnvSessions, rank_cap
 from toolkit.rollout.stepreport import closing_report, step_report
 from toolkit.router.server import Router
@@ -56,6 +57,8 @@ class TwinRun:
     """What a twin run gave: the step reports, and the fleet's counters at its end."""
 
     steps: list[dict[str, Any]]
+    sessions: list[dict[int, tuple[int, int]]]
+    """Per step, each session that landed in it: ``index -> (generated tokens, turns)``."""
     replicas: dict[str, dict[str, Any]]
     """Per replica: its group and its engine's counters (``ReplicaStats`` as a dict)."""
     router: dict[str, int]
@@ -75,7 +78,7 @@ class _Rank:
             cfg, rank, size, samples_per_prompt(cfg), self._run, sorted(cfg.groups), RequestLog, 0,
             lambda step, sid: client.session_done(cfg.job, step, sid))
         self.sessions = EnvSessions(cfg, client, instantiate(cfg.workload.prompts), max_model_len,
-                                    lambda: self.closer.open)
+                                    lambda: self.closer.open, inline_call)
 
     async def _run(self, started: int, index: int, attempt: int) -> list[Sample]:
         async with self.sem:
@@ -105,6 +108,7 @@ class Twin:
         self.wire = Wire(self.loop, latency_s)
         self.replicas: list[TwinReplica] = []
         self.router: Router | None = None
+        self.sessions: list[dict[int, tuple[int, int]]] = []
 
     def run(self) -> TwinRun:
         t = time.perf_counter()
@@ -120,7 +124,7 @@ class Twin:
                 finally:
                     self.router.close()
                     self.loop.close()
-        return TwinRun(steps, {r.replica_id: {"group": r.group, **_stats(r)} for r in self.replicas},
+        return TwinRun(steps, self.sessions, {r.replica_id: {"group": r.group, **_stats(r)} for r in self.replicas},
                        dict(self.router.events()), self.loop.now, time.perf_counter() - t)
 
     async def _main(self, cfg: Config) -> list[dict[str, Any]]:
@@ -155,6 +159,8 @@ class Twin:
         groups = sorted(cfg.groups)
         wall = clock.wall() - t0
         cols = _concat([x.builder.columns() for x in landed])
+        self.sessions.append({int(i): (int(g), int(t)) for i, g, t in
+                              zip(cols["index"], cols["generated_tokens"], cols["num_turns"], strict=True)})
         requests = _concat([x.log.columns(groups) for x in landed])
         closing = {"counts": np.array([x.counts[k] for x in landed for k in STEP_COUNTERS], dtype=np.int64),
                    "in_flight": np.array([g for x in landed for g in x.in_flight], dtype=np.int64).reshape(-1)}

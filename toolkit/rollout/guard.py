@@ -116,6 +116,15 @@ async def user_call(fn: Callable[..., Any], *args: Any) -> Any:
         raise UserCodeFailed(f"raised {type(exc).__name__}: {exc}") from exc
 
 
+async def inline_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """:func:`user_call` on the loop's own thread (the fleet twin's: a thread would return at a virtual
+    time nobody chose). A call that hangs holds the loop."""
+    try:
+        return await maybe_await(fn(*args))
+    except Exception as exc:
+        raise UserCodeFailed(f"raised {type(exc).__name__}: {exc}") from exc
+
+
 async def bounded(awaitable: Any, timeout_s: float | None) -> Any:
     """``awaitable``'s result, cancelling it after ``timeout_s`` (SessionTimeout). Unlike wait_for,
     a TimeoutError the user's own code raises stays that error, not a session timeout."""

@@ -5,7 +5,7 @@ its ``RouterClient``; the fleet twin (``toolkit.plan``) runs the same sessions i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hydra.utils import instantiate
@@ -21,6 +21,7 @@ from toolkit.rollout.prompts import PromptSource
 from toolkit.session.requests import OpenStep
 from toolkit.session.sample import NonPrefixTurn, Sample, session_id
 
+UserCall = Callable[..., Awaitable[Any]]
 MAX_TURNS_HARD = 256
 
 
@@ -34,9 +35,11 @@ def rank_cap(cfg: Config, rank: int, size: int) -> int:
 
 class EnvSessions:
     def __init__(self, cfg: Config, client: Any, prompts: PromptSource, max_model_len: int,
-                 open_step: Callable[[], OpenStep]) -> None:
+                 open_step: Callable[[], OpenStep], call: UserCall = user_call) -> None:
         """``client``: ``generate(Generate) -> (Result, Route)`` and ``abort(request_id)``; ``open_step``:
-        the step a session's requests land in now (read at each request)."""
+        the step a session's requests land in now (read at each request); ``call``: how the environment's
+        methods are called (``user_call``: a synchronous one in a thread of its own)."""
+        self.call = call
         self.cfg = cfg
         self.client = client
         self.prompts = prompts
@@ -63,7 +66,7 @@ class EnvSessions:
         cfg = self.cfg
         env: Environment = self.env_factory()
         open_step = self.open_step()  # the step it may land in: the rank's, read at each request
-        context = token_ids(await user_call(env.reset, self.prompts.get(step, sample.index)), "reset's prompt")
+        context = token_ids(await self.call(env.reset, self.prompts.get(step, sample.index)), "reset's prompt")
         sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
         sample.prompt_length = len(context)
         for turn in range(MAX_TURNS_HARD):
@@ -104,7 +107,7 @@ class EnvSessions:
             except NonPrefixTurn as exc:
                 sample.mark("failed", str(exc))
                 return
-            outcome = await user_call(env.step, res.output_token_ids, res.finish_reason)
+            outcome = await self.call(env.step, res.output_token_ids, res.finish_reason)
             sample.reward += outcome.reward
             if outcome.done:
                 return

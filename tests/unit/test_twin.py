@@ -1,0 +1,131 @@
+"""The fleet twin (``toolkit/plan/``) on constructed cases: a session's times added up by hand from the
+sim's step model, a move to the tail group, a replica lost mid-step, fairness between two jobs, and
+a config it cannot run refused with every reason at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hydra.utils import instantiate
+
+from toolkit.config import compose_config, group_engine
+from toolkit.core import clock
+from toolkit.core import protocol as P
+from toolkit.core.errors import ConfigError
+from toolkit.core.rundir import RunDir
+from toolkit.engine.sim import plan_output, step_seconds
+from toolkit.launch.validation import validate
+from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
+from toolkit.plan.loop import VirtualLoop
+from toolkit.plan.twin import EPOCH, Twin
+from toolkit.router.server import Router
+
+# Steps of ~10 ms that read context; replicas beat every 0.2 s.
+FAST = ["engine.step_overhead_s=0.002", "engine.hbm_bandwidth=2e12", "router.heartbeat_s=0.2"]
+
+
+def config(*overrides: str):
+    cfg = compose_config([*FAST, *overrides])
+    validate(cfg)
+    return cfg
+
+
+def test_one_session_ends_when_its_turn_and_the_probe_before_it_say(tmp_path) -> None:
+    """One single-turn session on one replica: the probe's step, then the turn's steps."""
+    cfg = config("groups=single", "workload=singleturn", "sessions_per_step=1", "steps=1", "ranks=1")
+    run = Twin(cfg, tmp_path).run()
+    (step,) = run.steps
+    e = group_engine(cfg, "throughput")
+    probe = step_seconds(e, 3, 3)  # the router's readiness probe: 3 prompt tokens, 1 token out
+    n = step["generated_tokens"]
+    p = len(instantiate(cfg.workload.prompts).get(0, 0).token_ids)  # the single-turn env sends it as is
+    by_hand = probe + sum(step_seconds(e, p + i, p if i == 0 else 0) for i in range(n))
+    assert step["wall_s"] == pytest.approx(by_hand, abs=1e-6)
+    assert step["sessions_by_status"] == {"completed": 1}
+
+
+def test_long_runners_move_to_the_tail_group_and_end_whole() -> None:
+    cfg = config("sessions_per_step=48", "steps=2", "workload.max_tokens=1024", "seed=3")
+    run = Twin(cfg).run()
+    assert sum((s["tail"] or {}).get("moves", 0) for s in run.steps) > 0
+    for s in run.steps:
+        assert s["sessions"] == 48 and s["requests_by_status"] == {"ok": s["requests"]}
+    assert run.router.get("migrated:age", 0) + run.router.get("migrated:trade", 0) > 0
+
+
+def test_a_replica_lost_mid_step_loses_no_session_and_costs_time() -> None:
+    cfg = config("groups=single", "groups.throughput.replicas=2", "sessions_per_step=32", "steps=1",
+                 "workload.max_tokens=512")
+    whole = Twin(cfg).run()
+
+    def lose_one(twin: Twin) -> None:
+        twin.loop.call_at(0.3, twin.replicas[0].die)
+
+    lost = Twin(cfg, events=lose_one).run()
+    (a,), (b,) = whole.steps, lost.steps
+    assert b["sessions_by_status"] == {"completed": 32} and b["requests_by_status"] == {"ok": b["requests"]}
+    assert b["generated_tokens"] == a["generated_tokens"]  # the same tokens, from the replica left
+    assert lost.router["requeued"] > 0 and b["wall_s"] > a["wall_s"]
+
+
+def test_two_jobs_share_one_slot_turn_about(tmp_path) -> None:
+    """One replica, one slot, four requests of job a and four of job b at once: the fair queue serves
+    the jobs turn about, each request one step (one token) after the one before."""
+    cfg = config("groups=single", "groups.throughput.max_inflight=1")
+    e = group_engine(cfg, "throughput")
+    loop = VirtualLoop()
+    wire = Wire(loop, 0.0)
+    done: list[tuple[float, str]] = []
+
+    async def main() -> None:
+        replica = TwinReplica(cfg, "throughput", 0, e, wire)
+        replica.start()
+        wire.start_timers(cfg.router.heartbeat_s)
+        clients = {job: TwinClient(i, wire) for i, job in enumerate("ab")}
+        await asyncio.sleep(0.1)  # registered and probed
+
+        async def one(job: str, i: int) -> None:
+            msg = P.Generate(request_id=f"{job}{i}", job=job, prompt_token_ids=[10 + i, 20, 30, 40],
+                             sampling=P.Sampling(max_tokens=1, seed=i))
+            await clients[job].generate(msg)
+            done.append((loop.time(), msg.request_id))
+
+        await asyncio.gather(*(one(job, i) for job in "ab" for i in range(4)))
+
+    with clock.virtual(loop.time, EPOCH):
+        rd = RunDir(tmp_path)
+        rd.make()
+        router = Router(cfg, rd, links=wire)
+        wire.router = router
+        try:
+            loop.run(main())
+        finally:
+            router.close()
+            loop.close()
+    jobs = [rid[0] for _, rid in done]
+    assert sorted(jobs) == list("aaaabbbb") and all(x != y for x, y in zip(jobs, jobs[1:], strict=False))
+    one_step = step_seconds(e, 4, 4)  # 4 prompt tokens, none cached (the first token differs)
+    gaps = [t1 - t0 for (t0, _), (t1, _) in zip(done, done[1:], strict=False)]
+    assert gaps == pytest.approx([one_step] * 7, abs=1e-9)
+
+
+def test_a_config_the_twin_cannot_run_is_refused_naming_every_setting() -> None:
+    cfg = compose_config(["engine=vllm", "+workload.agent={_target_:builtins.print}", "rollout.weights_dir=/tmp/w"])
+    with pytest.raises(ConfigError) as exc:
+        Twin(cfg)
+    text = str(exc.value)
+    assert "groups.throughput engine type" in text and "workload.agent" in text and "rollout.weights_dir" in text
+
+
+def test_the_twin_repeats_itself() -> None:
+    cfg = config("sessions_per_step=16", "steps=2", "seed=5")
+    a, b = Twin(cfg).run(), Twin(cfg).run()
+    assert [s["wall_s"] for s in a.steps] == [s["wall_s"] for s in b.steps]
+
+
+def test_plan_output_is_what_the_twin_counts() -> None:
+    """The twin's tokens are the sim's: a request's tokens are a pure function of it."""
+    e = group_engine(config(), "throughput")
+    msg = P.Generate(request_id="x", session_id="s", prompt_token_ids=[1, 2, 3], sampling=P.Sampling(seed=1))
+    assert plan_output(e, msg)[0] == plan_output(e, msg)[0]

@@ -1,0 +1,150 @@
+"""The twin's engine (``toolkit/plan/engine.py``) against the sim engine itself: both run in the same
+virtual-time loop on constructed cases (one request, a full batch, arrivals mid-stretch, an abort, a
+moved request's KV), and every request must end at the same virtual time with the same tokens. The
+one-request case is also checked against times added up by hand from the sim's step model."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from toolkit.config import SimEngineConfig
+from toolkit.core.protocol import Generate, Result, Sampling
+from toolkit.engine.sim import SimEngine, plan_output, step_seconds
+from toolkit.plan.engine import TwinEngine
+from toolkit.plan.loop import Stalled, VirtualLoop
+
+# Context reads matter (kv_bytes_per_token), prefill matters, and one step is ~10 ms.
+CFG = SimEngineConfig(step_overhead_s=0.002, weight_bytes=16e9, hbm_bandwidth=2e12, kv_bytes_per_token=4e6,
+                      prefill_tokens_per_s=20000.0, max_num_seqs=3, output_len_median=20.0, output_len_sigma=0.8,
+                      kv_cache_tokens=100_000)
+
+
+def req(i: int, prompt_len: int = 40, max_tokens: int = 64, kv_tokens: int = 0) -> Generate:
+    prompt = [(7 * i + j) % 500 + 1 for j in range(prompt_len)]
+    return Generate(request_id=f"r{i}", session_id=f"s{i}", prompt_token_ids=prompt,
+                    sampling=Sampling(max_tokens=max_tokens, seed=i), kv_tokens=kv_tokens)
+
+
+@dataclass
+class Event:
+    at: float
+    kind: str  # submit | abort
+    msg: Generate | None = None
+    rid: str = ""
+
+
+def run_sim(events: list[Event], cfg: SimEngineConfig = CFG) -> dict[str, tuple[float, Result]]:
+    loop = VirtualLoop()
+    engine = SimEngine(cfg)
+    done: dict[str, tuple[float, Result]] = {}
+
+    async def one(msg: Generate) -> None:
+        res = await engine.generate(msg)
+        done[msg.request_id] = (loop.time(), res)
+
+    async def main() -> None:
+        engine._task = loop.create_task(engine._run())  # start() would add a signal handler: no self-pipe here
+        tasks = []
+        for e in sorted(events, key=lambda e: e.at):
+            if e.at > loop.time():  # what happens at one instant happens in one turn of the loop
+                await asyncio.sleep(e.at - loop.time())
+            if e.kind == "submit":
+                assert e.msg is not None
+                tasks.append(loop.create_task(one(e.msg)))
+            else:
+                await engine.abort(e.rid)
+        await asyncio.gather(*tasks)
+        engine._task.cancel()
+
+    try:
+        loop.run(main())
+    finally:
+        loop.close()
+    return done
+
+
+def run_twin(events: list[Event], cfg: SimEngineConfig = CFG) -> dict[str, tuple[float, Result]]:
+    loop = VirtualLoop()
+    done: dict[str, tuple[float, Result]] = {}
+    engine = TwinEngine(cfg, loop, lambda res: done.__setitem__(res.request_id, (loop.time(), res)))
+    def happen(at: float) -> None:  # in order: timers due at one instant leave asyncio's heap in any order
+        for e in events:
+            if e.at == at:
+                engine.submit(e.msg) if e.kind == "submit" else engine.abort(e.rid)
+
+    for at in sorted({e.at for e in events}):
+        loop.call_at(at, happen, at)
+
+    async def main() -> None:
+        while len(done) < sum(e.kind == "submit" for e in events):
+            await asyncio.sleep(0.001)
+
+    try:
+        loop.run(main())
+    finally:
+        loop.close()
+    return done
+
+
+def same(a: dict[str, tuple[float, Result]], b: dict[str, tuple[float, Result]]) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        (ta, ra), (tb, rb) = a[rid], b[rid]
+        assert (rid, ra.status, ra.output_token_ids, ra.cached_tokens) == (rid, rb.status, rb.output_token_ids,
+                                                                          rb.cached_tokens)
+        # The sim's answer reaches its caller a loop turn after the step (its future's callback).
+        assert tb == pytest.approx(ta, abs=1e-9), rid
+
+
+def test_one_request_ends_when_the_sims_steps_added_up_by_hand_say() -> None:
+    msg = req(1)
+    n = len(plan_output(CFG, msg)[0])
+    p = len(msg.prompt_token_ids)
+    by_hand = sum(step_seconds(CFG, p + i, p if i == 0 else 0) for i in range(n))
+    twin = run_twin([Event(0.0, "submit", msg)])
+    assert twin["r1"][0] == pytest.approx(by_hand, rel=1e-12)
+    assert len(twin["r1"][1].output_token_ids) == n
+    same(run_sim([Event(0.0, "submit", msg)]), twin)
+
+
+def test_a_full_batch_admits_the_waiting_at_the_boundary_where_a_place_frees() -> None:
+    events = [Event(0.0, "submit", req(i)) for i in range(7)]  # max_num_seqs=3: four wait
+    sim, twin = run_sim(events), run_twin(events)
+    same(sim, twin)
+    assert max(t for t, _ in twin.values()) > 2 * min(t for t, _ in twin.values())
+
+
+def test_arrivals_mid_stretch_join_at_the_next_step_boundary() -> None:
+    events = [Event(0.0, "submit", req(0, max_tokens=200)), Event(0.0313, "submit", req(1)),
+              Event(0.05, "submit", req(2, prompt_len=300)), Event(0.0501, "submit", req(3)),
+              Event(0.4, "submit", req(4)), Event(0.41, "submit", req(5))]
+    same(run_sim(events), run_twin(events))
+
+
+def test_an_abort_mid_stretch_keeps_the_tokens_of_the_steps_done_and_the_others_go_on() -> None:
+    events = [Event(0.0, "submit", req(0, max_tokens=300)), Event(0.0, "submit", req(1, max_tokens=300)),
+              Event(0.0, "submit", req(2)), Event(0.0, "submit", req(3)),
+              Event(0.0777, "abort", rid="r0"), Event(0.1, "abort", rid="r3")]
+    sim, twin = run_sim(events), run_twin(events)
+    same(sim, twin)
+    assert twin["r0"][1].status == "cancelled" and 0 < len(twin["r0"][1].output_token_ids)
+
+
+def test_a_moved_requests_kv_lands_after_its_link_time_and_counts_as_neither_hit_nor_miss() -> None:
+    base = req(0)
+    moved = Generate(request_id="m", session_id="s0", prompt_token_ids=base.prompt_token_ids + [9] * 60,
+                     sampling=Sampling(max_tokens=64, seed=3), kv_tokens=80)
+    events = [Event(0.0, "submit", base), Event(0.02, "submit", moved), Event(0.021, "submit", req(5))]
+    same(run_sim(events), run_twin(events))
+
+
+def test_a_twin_waiting_on_nothing_that_will_happen_says_it_stalled() -> None:
+    loop = VirtualLoop()
+    try:
+        with pytest.raises(Stalled):
+            loop.run(loop.create_future())
+    finally:
+        loop.close()
