@@ -18,4 +18,5 @@ BENCHMARKS = {
     "loop": "toolkit.bench.loop",
     "partial": "toolkit.bench.partial",
     "weights": "toolkit.bench.weights",
+    "twin": "toolkit.bench.twin",
 }

@@ -1,8 +1,8 @@
 """``python -m toolkit.bench router``: the router's cost against a minimal pyzmq broker.
 
 Three measures: throughput against a broker with the same sockets and payloads and no policy; the
-throughput cost of serving Prometheus metrics; and the cost of one dispatch decision with 512
-replicas and 50,000 queued requests. Method: docs/benchmarks.md#router.
+throughput cost of serving Prometheus metrics; and the cost of one dispatch decision with 512 and
+with 4,096 replicas, 50,000 requests queued. Method: docs/benchmarks.md#router.
 """
 
 from __future__ import annotations
@@ -311,6 +311,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     n = 5000 if quick else 30000
     router_rps, raw_rps = throughput(n=n, window=1024, replicas=4, rounds=1 if quick else 3)
     p50, p99 = decision_cost(samples=2000 if quick else 20000, queued=5000 if quick else 50000)
+    p50_4096, p99_4096 = decision_cost(replicas=4096, samples=2000 if quick else 20000,
+                                       queued=5000 if quick else 50000)
     # Started first, a router runs a few percent slower here whatever its config (an A/A run with
     # metrics off in both measured 0.963): each order once, and the geometric mean of the two.
     runs = [metrics_ratio(n=n, window=1024, replicas=4, rounds=1 if quick else 13, on_first=first)
@@ -328,6 +330,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "decision_us_p50": round(p50, 2),
         "decision_us_p99": round(p99, 2),
         "replicas": 512,
+        "decision_us_p50_4096": round(p50_4096, 2),
+        "decision_us_p99_4096": round(p99_4096, 2),
         "queued": 5000 if quick else 50000,
         "window": 1024,
         "prompt_tokens": PROMPT_LEN,
