@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from toolkit.config import Config, SimEngineConfig, group_engine, samples_per_prompt
 from toolkit.core import clock
 from toolkit.core.errors import ConfigError, FieldError
+from toolkit.core.lifecycle import quiet_gc
 from toolkit.core.rundir import RunDir
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop
@@ -116,6 +117,7 @@ class Twin:
             rd = RunDir(self.run_dir or Path(tmp))
             rd.make()
             cfg = dataclasses.replace(self.cfg, report=dataclasses.replace(self.cfg.report, metrics=False))
+            quiet_gc()  # a twin allocates like a fleet's worth of ranks and replicas
             with clock.virtual(self.loop.time, EPOCH):
                 self.router = Router(cfg, rd, links=self.wire)
                 self.wire.router = self.router
