@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
 
 from toolkit.config.backends import (
@@ -202,6 +203,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 def compose_config(overrides: list[str] | None = None) -> Config:
     """The config ``launch`` gets for these overrides (composed from ``conf/``; not yet validated)."""
     register_configs()
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app (``toolkit.plan``'s replay): its loader
+        return from_dictconfig(compose(config_name="config", overrides=overrides or []))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return from_dictconfig(compose(config_name="config", overrides=overrides or []))
 

@@ -1,7 +1,8 @@
 """``python -m toolkit.plan [overrides]``: launch's config, composed the same way (Hydra overrides,
 ``-m`` sweeps), run by the fleet twin instead of a fleet: no allocation, no process. Each run writes
 ``report.json`` (its step reports and the predictions) in its directory; a sweep ends with a ranked
-table, ``plan_summary.csv`` and, with ``--plot``, ``plan_sweep.png``."""
+table, ``plan_summary.csv`` and, with ``--plot``, ``plan_sweep.png``. ``replay=RUN_DIR`` runs a
+finished run's own sessions instead (``toolkit/plan/replay.py``), its overrides under the new ones."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from toolkit.config import CONF_DIR, from_dictconfig, register_configs
 from toolkit.core.errors import ToolkitError
 from toolkit.launch.composition import precheck
 from toolkit.launch.validation import validate
+from toolkit.plan.replay import recorded
 from toolkit.plan.summary import FIELDS, summarize
 from toolkit.plan.sweep import OPTIONS
 from toolkit.plan.twin import Twin
@@ -45,9 +47,15 @@ def main(dcfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     logging.getLogger("toolkit").setLevel(logging.WARNING)  # a twin's replicas register by the thousand
     try:
-        cfg = from_dictconfig(dcfg)
-        validate(cfg)
-        run = Twin(cfg).run()
+        if OPTIONS["replay"]:
+            rec = recorded(OPTIONS["replay"])
+            cfg = rec.config([str(o) for o in HydraConfig.get().overrides.task])
+            validate(cfg)
+            run = Twin(cfg, plan=rec.plan, gaps=rec.gaps).run()
+        else:
+            cfg = from_dictconfig(dcfg)
+            validate(cfg)
+            run = Twin(cfg).run()
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         _fail(2)
@@ -58,7 +66,8 @@ def main(dcfg: DictConfig) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return
-    table = Table(title=f"twin: {cfg.steps} steps of {cfg.sessions_per_step} sessions", show_header=False)
+    what = f"replay of {OPTIONS['replay']}" if OPTIONS["replay"] else "twin"
+    table = Table(title=f"{what}: {cfg.steps} steps of {cfg.sessions_per_step} sessions", show_header=False)
     table.add_column()
     table.add_column(justify="right")
     for k in FIELDS:
@@ -70,10 +79,14 @@ def main(dcfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """The plan's own options first (``--plot``), then launch's checks of the overrides, then Hydra."""
+    """The plan's own options first (``--plot``, ``replay=RUN_DIR``), then launch's checks of the
+    overrides, then Hydra."""
     if "--plot" in sys.argv:
         sys.argv.remove("--plot")
         OPTIONS["plot"] = True
+    for arg in [a for a in sys.argv[1:] if a.startswith("replay=")]:
+        sys.argv.remove(arg)
+        OPTIONS["replay"] = arg.partition("=")[2]
     try:
         precheck(sys.argv[1:])
     except ToolkitError as exc:

@@ -18,6 +18,8 @@ from toolkit.core.protocol import Generate, ReplicaStats, Result
 from toolkit.engine.sim import PrefixCache, plan_output, step_seconds
 
 Answer = Callable[[Result], None]
+Plan = Callable[[SimEngineConfig, Generate], tuple[list[int], list[float], str]]
+"""A request's tokens, logprobs and finish reason: the sim's ``plan_output``, or a replay's."""
 
 
 class _Seq:
@@ -68,8 +70,10 @@ class _Stretch:
 
 
 class TwinEngine:
-    def __init__(self, cfg: SimEngineConfig, loop: asyncio.AbstractEventLoop, answer: Answer) -> None:
+    def __init__(self, cfg: SimEngineConfig, loop: asyncio.AbstractEventLoop, answer: Answer,
+                 plan: Plan = plan_output) -> None:
         self.cfg = cfg
+        self.plan = plan
         self.loop = loop
         self.answer = answer
         """Takes each request's one Result."""
@@ -100,7 +104,7 @@ class TwinEngine:
                                error="the twin's engines plan no structured outputs"))
             return
         try:
-            tokens, logprobs, finish = plan_output(c, req)
+            tokens, logprobs, finish = self.plan(c, req)
         except ToolkitError as exc:
             self._later(Result(request_id=req.request_id, status="client_error", error=str(exc)))
             return

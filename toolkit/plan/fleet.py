@@ -11,7 +11,8 @@ import msgspec
 
 from toolkit.config import Config, SimEngineConfig
 from toolkit.core import protocol as P
-from toolkit.plan.engine import TwinEngine
+from toolkit.engine.sim import plan_output
+from toolkit.plan.engine import Plan, TwinEngine
 from toolkit.router.links import Links
 from toolkit.router.server import Router
 from toolkit.router.tail.routing import TICK_S
@@ -98,14 +99,15 @@ class TwinReplica:
     """A replica of the twin: registers, beats every ``router.heartbeat_s`` and serves what the router
     sends, with its engine stepping in virtual time. :meth:`die` stops it dead (a lost node)."""
 
-    def __init__(self, cfg: Config, group: str, index: int, engine: SimEngineConfig, wire: Wire) -> None:
+    def __init__(self, cfg: Config, group: str, index: int, engine: SimEngineConfig, wire: Wire,
+                 plan: Plan = plan_output) -> None:
         self.cfg = cfg
         self.group = group
         self.replica_id = f"{group}-{index}@twin"
         self.ident = self.replica_id.encode()
         self.ecfg = engine
         self.wire = wire
-        self.engine = TwinEngine(engine, wire.loop, self._answer)
+        self.engine = TwinEngine(engine, wire.loop, self._answer, plan)
         self.alive = False
         self._beat: asyncio.TimerHandle | None = None
         wire.replicas[self.ident] = self

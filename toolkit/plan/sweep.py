@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "plan_summary.csv"
 PLOT_FILE = "plan_sweep.png"
-OPTIONS: dict[str, Any] = {"plot": False}
-"""The plan's command-line options beyond Hydra's (``--plot``)."""
+OPTIONS: dict[str, Any] = {"plot": False, "replay": ""}
+"""The plan's command-line options beyond Hydra's (``--plot``, ``replay=RUN_DIR``)."""
 
 
 def plan_rows(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -21,6 +21,8 @@ from toolkit.core import clock
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import quiet_gc
 from toolkit.core.rundir import RunDir
+from toolkit.engine.sim import plan_output
+from toolkit.plan.engine import Plan
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop
 from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
@@ -94,10 +96,12 @@ def _concat(parts: list[Columns]) -> Columns:
 
 class Twin:
     def __init__(self, cfg: Config, run_dir: Path | None = None, latency_s: float = 0.0,
-                 events: Callable[[Twin], None] | None = None) -> None:
+                 events: Callable[[Twin], None] | None = None, plan: Plan = plan_output,
+                 gaps: list[float] | None = None) -> None:
         """``run_dir``: where the router keeps its files (a temporary directory by default); ``latency_s``:
         each message's delay; ``events``: called once the fleet is up, to schedule what happens to it
-        (``loop.call_at``: a replica lost mid-step...)."""
+        (``loop.call_at``: a replica lost mid-step...); ``plan``: each request's tokens (the sim's, or a
+        replay's); ``gaps``: seconds between a step's end and the next one's start (a replayed run's)."""
         errors = twin_errors(cfg)
         if errors:
             raise ConfigError(errors)
@@ -105,6 +109,8 @@ class Twin:
         self.run_dir = run_dir
         self.latency_s = latency_s
         self.events = events
+        self.plan = plan
+        self.gaps = gaps or []
         self.loop = VirtualLoop()
         self.wire = Wire(self.loop, latency_s)
         self.replicas: list[TwinReplica] = []
@@ -133,7 +139,7 @@ class Twin:
         assert self.router is not None
         for g in sorted(cfg.groups):
             for i in range(cfg.groups[g].replicas):
-                self.replicas.append(TwinReplica(cfg, g, i, group_engine(cfg, g), self.wire))
+                self.replicas.append(TwinReplica(cfg, g, i, group_engine(cfg, g), self.wire, self.plan))
         for r in self.replicas:
             r.start()
         self.wire.start_timers(cfg.router.heartbeat_s)
@@ -144,6 +150,8 @@ class Twin:
         reports = []
         try:
             for step in range(cfg.steps):
+                if step and step - 1 < len(self.gaps):
+                    await asyncio.sleep(self.gaps[step - 1])
                 await ranks[0].client.step_begin(cfg.job, step, cfg.sessions_per_step)
                 t0, active0 = clock.wall(), self._active()
                 landed: list[Landed] = list(await asyncio.gather(*(r.closer.collect(step) for r in ranks)))
