@@ -3,8 +3,8 @@
 One seeded workload (128 three-turn sessions per step, lognormal turn lengths with a long tail) runs
 on the default fleet as a full ``launch`` per arm: ``off``, ``steer``, ``migrate``, ``age``,
 ``predict``, ``age+count``, ``age+kv``, ``age+trade+kv``. Then sensitivities: compressed time, a
-thinner tail, a faster tail group, correlated siblings, length hints. ``model_twin`` runs the fleet
-model (``tail_model.py``) on the same sessions. Workload, fleet and arms: docs/benchmarks.md#tail;
+thinner tail, a faster tail group, correlated siblings, length hints. ``model_twin`` runs each arm's
+fleet twin (``toolkit.plan``) on the same config: the same sessions, no process in the way. Workload, fleet and arms: docs/benchmarks.md#tail;
 results: docs/tail-routing.md.
 """
 
@@ -20,11 +20,11 @@ import numpy as np
 from rich.console import Console
 
 from toolkit.bench.tail_arms import ARMS, SESSIONS, THRESHOLD
-from toolkit.bench.tail_model import twin as model_twin
 from toolkit.config import Config, compose_config
 from toolkit.core.rundir import RunDir
 from toolkit.launch.app import run as launch_run
 from toolkit.launch.validation import validate
+from toolkit.plan.twin import Twin
 from toolkit.router.tail import flip_count
 
 TIME_SCALE = 1.0
@@ -151,9 +151,14 @@ def _measure(
         "step_times_s": {arm: [round(s["wall_s"], 3) for s in steps_] for arm, steps_ in results.items()},
     }
     if twin:
-        # The fleet model of the arms it can run, on the sessions these steps drew.
-        counted = range(WARMUP_STEPS, WARMUP_STEPS + steps)
-        out["model_twin"] = model_twin(_config([*base, *ARMS["age"]]), RunDir(root / _dir("off", tag)), counted, arms)
+        # The fleet twin of every arm: the same configs, sessions and tokens, no process in the way.
+        runs = {arm: Twin(_config([*base, *ARMS[arm]])).run().steps[WARMUP_STEPS:] for arm in arms}
+        twin_wall = {arm: statistics.fmean(s["wall_s"] for s in r) for arm, r in runs.items()}
+        out["model_twin"] = {
+            "steps": steps,
+            "speedup": {arm: round(twin_wall["off"] / twin_wall[arm], 3) for arm in policies},
+            "bound_ratio": {arm: round(statistics.fmean(s["bound_ratio"] for s in r), 3) for arm, r in runs.items()},
+        }
     return out
 
 

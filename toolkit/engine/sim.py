@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import time
+from array import array
 from collections import OrderedDict, deque
 from typing import Any
 
@@ -54,26 +55,31 @@ class PrefixCache:
         self.capacity = max(1, capacity_tokens // block_size)
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
-    def _hashes(self, tokens: list[int]) -> list[int]:
+    def hashes(self, tokens: list[int], known: list[int] | None = None) -> list[int]:
+        """The chained hash of each whole block of ``tokens``; ``known``: those of a prefix of its blocks,
+        already computed (the chain goes on from them)."""
         bs = self.block_size
-        out, h = [], 0
-        for i in range(0, len(tokens) - bs + 1, bs):
+        out = list(known or ())
+        h = out[-1] if out else 0
+        for i in range(len(out) * bs, len(tokens) - bs + 1, bs):
             h = hash((h, tuple(tokens[i : i + bs])))
             out.append(h)
         return out
 
-    def match(self, tokens: list[int]) -> int:
-        """Tokens at the start of ``tokens`` already cached (at least one token is always computed)."""
+    def match(self, tokens: list[int], hashes: list[int] | None = None) -> int:
+        """Tokens at the start of ``tokens`` already cached (at least one token is always computed);
+        ``hashes``: its blocks' (:meth:`hashes`), if known."""
         n = 0
-        for h in self._hashes(tokens[:-1]):
+        usable = (len(tokens) - 1) // self.block_size
+        for h in (hashes[:usable] if hashes is not None else self.hashes(tokens[:-1])):
             if h not in self.blocks:
                 break
             self.blocks.move_to_end(h)
             n += 1
         return n * self.block_size
 
-    def insert(self, tokens: list[int]) -> None:
-        for h in self._hashes(tokens):
+    def insert(self, tokens: list[int], hashes: list[int] | None = None) -> None:
+        for h in (hashes if hashes is not None else self.hashes(tokens)):
             self.blocks[h] = None
             self.blocks.move_to_end(h)
         while len(self.blocks) > self.capacity:
@@ -123,7 +129,7 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
         return tokens[k:], logprobs[k:], finish
     prompt = req.prompt_token_ids
     seed = str(req.sampling.seed).encode()
-    material = [np.asarray(prompt, dtype=np.int64).tobytes(), seed]
+    material = [array("q", prompt).tobytes(), seed]  # the prompt as int64s (array is quicker than numpy here)
     if req.sampling.seed is None and req.sampling.temperature > 0 and req.prompt_key:
         material.append(req.session_id.encode())  # siblings sample apart (the same prompt, other sessions)
     rng = _rng(*material)

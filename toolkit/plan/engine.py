@@ -9,7 +9,7 @@ steps in a few events."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from toolkit.config import SimEngineConfig
@@ -23,7 +23,7 @@ Plan = Callable[[SimEngineConfig, Generate], tuple[list[int], list[float], str]]
 
 
 class _Seq:
-    __slots__ = ("req", "tokens", "logprobs", "finish", "produced", "cached", "done")
+    __slots__ = ("req", "tokens", "logprobs", "finish", "produced", "cached", "done", "hashes")
 
     def __init__(self, req: Generate, tokens: list[int], logprobs: list[float], finish: str) -> None:
         self.req = req
@@ -33,6 +33,8 @@ class _Seq:
         self.produced = 0
         self.cached = 0
         self.done = False
+        self.hashes: list[int] = []
+        """Its prompt's block hashes (the prefix cache's), once looked up."""
 
 
 class _Stretch:
@@ -87,6 +89,10 @@ class TwinEngine:
         self._active_since: float | None = None
         self._stretch: _Stretch | None = None
         self._boundary_due = False
+        self._chains: OrderedDict[str, tuple[int, tuple[int, ...], list[int]]] = OrderedDict()
+        """Per session (the latest few): its last context's length, last whole block and block hashes. A
+        session's next prompt extends its last context, so its hashes go on from there: hashing every
+        prompt whole would cost the twin more than anything else it does per request."""
         scale = cfg.time_scale
         self._a = step_seconds(cfg, 0) * scale
         self._b = (step_seconds(cfg, 1) - step_seconds(cfg, 0)) * scale
@@ -208,7 +214,8 @@ class TwinEngine:
             if seq.done:
                 continue
             prompt = seq.req.prompt_token_ids
-            found = self.cache.match(prompt)
+            seq.hashes = self._hashes(seq.req.session_id, prompt)
+            found = self.cache.match(prompt, seq.hashes)
             prefill += len(prompt) - found
             came = max(0, found - seq.cached) if seq.req.kv_tokens > 0 else 0
             seq.cached = found - came
@@ -230,10 +237,35 @@ class TwinEngine:
         self._stretch = st
         st.timer = self.loop.call_at(now + st.elapsed(k), self._end)
 
+    def _hashes(self, session: str, tokens: list[int]) -> list[int]:
+        """``tokens``' block hashes, going on from the session's last context where it extends it."""
+        bs = self.cache.block_size
+        known = self._chains.get(session) if session else None
+        start: list[int] | None = None
+        if known is not None:
+            length, last, hashes = known
+            k = length // bs
+            if len(tokens) >= length and (k == 0 or tuple(tokens[(k - 1) * bs : k * bs]) == last):
+                start = hashes
+        return self.cache.hashes(tokens, start)
+
+    def _remember(self, session: str, tokens: list[int], hashes: list[int]) -> None:
+        if not session:
+            return
+        bs = self.cache.block_size
+        k = len(tokens) // bs
+        self._chains[session] = (len(tokens), tuple(tokens[(k - 1) * bs : k * bs]) if k else (), hashes)
+        self._chains.move_to_end(session)
+        while len(self._chains) > 4 * self.cfg.max_num_seqs:
+            self._chains.popitem(last=False)
+
     def _finish(self, seq: _Seq, status: str, finish: str, computed: bool) -> None:
         n = seq.produced
         if computed:
-            self.cache.insert(seq.req.prompt_token_ids + seq.tokens[:n])
+            context = seq.req.prompt_token_ids + seq.tokens[:n]
+            hashes = self.cache.hashes(context, seq.hashes or None)
+            self.cache.insert(context, hashes)
+            self._remember(seq.req.session_id, context, hashes)
         seq.done = True
         self.by_id.pop(seq.req.request_id, None)
         self.answer(Result(
