@@ -83,7 +83,8 @@ class TailPolicy(ABC):
         any turn does. At a step's start nothing tells a long turn yet, so a room kept free for long
         runners would idle until the first of them showed; the turns that fill it are as likely as
         any to be long, start faster there, and leave it as they end, without a move's recompute
-        (``tail_model``: +0.02x and -0.02 ``bound_ratio`` for ``age``, a quarter fewer moves)."""
+        (the old fleet model of ``tail_model``: +0.02x and -0.02 ``bound_ratio`` for ``age``, a quarter
+        fewer moves)."""
         if session in rec.on_tail:
             return True
         if hint <= 0:

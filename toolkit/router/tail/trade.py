@@ -9,10 +9,10 @@ ended (this step's so far are its short ones): a turn that has run ``a`` tokens 
 still runs ``E[T - k - 1 | T > k]`` more over the last step's sessions, each worth its mean turn.
 
 The turns still to come are what makes a trade pay: the step ends with the session that has most
-ahead of it, not the turn. Trades by the turn alone gain nothing over ``age`` in the fleet model
-(``python -m toolkit.bench tail_model``), and with moves that recompute their context, the two
-recomputes of a trade cost what it wins; with ``tail.move=kv`` they take the bench to 1.42x and 1.34
-of its bound.
+ahead of it, not the turn. Trades by the turn alone gained nothing over ``age`` in the old fleet
+model, and with moves that recompute their context the two recomputes of a trade cost what it wins;
+with ``tail.move=kv`` they take the tail bench to 1.44x and 1.29 of its bound in the fleet twin
+(``python -m toolkit.bench tail_model``).
 """
 
 from __future__ import annotations
