@@ -110,3 +110,15 @@ def test_partial_bench_reports_its_fields_and_loses_no_token(tmp_path: Path) -> 
     f = r["filter"]
     assert f["useful_groups"] > 0 and f["group_starts"] > 0 and f["filtered_groups"] >= 0
     assert f["tokens_lost"] == 0 and f["sessions_twice"] == 0
+
+
+def test_twin_bench_reports_its_fields(tmp_path: Path) -> None:
+    r = bench("twin", tmp_path)
+    arms = r["workloads"]["tail"]["arms"]
+    assert set(arms) == {"off", "age+trade+kv"}
+    for a in arms.values():
+        assert a["real_s"] > 0 and a["twin_s"] > 0 and a["error"] == pytest.approx(a["twin_s"] / a["real_s"] - 1, abs=1e-3)
+    assert set(r["workloads"]["tail"]["pairs"]) == {"off vs age+trade+kv"}
+    assert isinstance(r["workloads"]["tail"]["order_same"], bool)
+    assert r["twin_s_headline_12_steps"] > 0 and r["twin_s_65536_sessions_4096_replicas"] > 0
+    assert 0 < r["decision_us_p50_4096"] <= r["decision_us_p99_4096"]
