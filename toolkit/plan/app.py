@@ -66,7 +66,7 @@ def main(dcfg: DictConfig) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return
-    what = f"replay of {OPTIONS['replay']}" if OPTIONS["replay"] else "twin"
+    what = "replay" if OPTIONS["replay"] else "twin"
     table = Table(title=f"{what}: {cfg.steps} steps of {cfg.sessions_per_step} sessions", show_header=False)
     table.add_column()
     table.add_column(justify="right")
@@ -75,7 +75,9 @@ def main(dcfg: DictConfig) -> None:
         table.add_row(LABELS[k], "-" if v is None else f"{v:.3f}" if k != "samples_per_s" else f"{v:,.1f}")
     table.add_row("virtual time", f"{run.virtual_s:,.1f}s")
     console.print(table)
-    console.print(f"[dim]{out / 'report.json'}[/dim]")
+    if OPTIONS["replay"]:
+        console.print(f"replayed: the sessions of {OPTIONS['replay']}", highlight=False, soft_wrap=True)
+    console.print(f"[dim]{out / 'report.json'}[/dim]", soft_wrap=True)
 
 
 def cli() -> None:

@@ -1,0 +1,57 @@
+"""``python -m toolkit.plan`` as a user runs it (README's commands): one config, a sweep with its table,
+CSV and plot, a replay of a finished run, and a config it cannot run refused at once."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.procs import launch
+
+SMALL = ["sessions_per_step=16", "steps=2", "workload.max_tokens=256"]
+
+
+def plan(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "toolkit.plan", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_one_config_writes_its_predictions(tmp_path: Path) -> None:
+    proc = plan([f"hydra.run.dir={tmp_path / 'one'}", *SMALL], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "one" / "report.json").read_text())
+    assert len(report["steps"]) == 2 and report["summary"]["step_time_s"] > 0
+    assert "step time (mean)" in proc.stdout
+
+
+def test_a_sweep_ranks_its_points_and_names_the_setting_that_mattered(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = plan(["-m", "--plot", f"hydra.sweep.dir={sweep}", *SMALL, "groups.tail.replicas=1,2",
+                 "groups.throughput.replicas=1,2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader((sweep / "plan_summary.csv").open()))
+    assert len(rows) == 4 and [int(r["rank"]) for r in rows] == [1, 2, 3, 4]
+    times = [float(r["step_time_s"]) for r in rows]
+    assert times == sorted(times)
+    assert "made the most difference" in proc.stdout and (sweep / "plan_sweep.png").stat().st_size > 0
+
+
+def test_a_finished_run_replays_under_other_settings(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = launch([f"hydra.run.dir={run}", "engine.time_scale=0.05", "router.heartbeat_s=0.2", *SMALL])
+    assert done.returncode == 0, done.stderr[-2000:]
+    proc = plan([f"replay={run}", f"hydra.run.dir={tmp_path / 'replayed'}", "tail.policy=count"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    replayed = json.loads((tmp_path / "replayed" / "report.json").read_text())["steps"]
+    real = json.loads((run / "report.json").read_text())["steps"]
+    assert [s["generated_tokens"] for s in replayed] == [s["generated_tokens"] for s in real]
+    assert f"replayed: the sessions of {run}" in proc.stdout
+
+
+def test_a_config_the_twin_cannot_run_fails_at_once_naming_it(tmp_path: Path) -> None:
+    proc = plan([f"hydra.run.dir={tmp_path / 'bad'}", "rollout.weights_dir=/tmp/w", *SMALL], tmp_path)
+    assert proc.returncode == 2
+    assert "rollout.weights_dir" in proc.stdout and not (tmp_path / "bad" / "report.json").exists()
