@@ -31,9 +31,9 @@ def test_the_twin_and_a_launch_land_the_same_sessions_with_the_same_tokens(tmp_p
     assert len(twin.steps) == len(real) == 2
     for step, (t, r) in enumerate(zip(twin.steps, real, strict=True)):
         rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
-        landed = {row["index"]: (row["generated_tokens"], row["num_turns"]) for row in rows}
+        landed = {(row["started_step"], row["index"]): (row["generated_tokens"], row["num_turns"]) for row in rows}
         assert twin.sessions[step] == landed  # every session once, the same tokens and turns
-        assert sorted(landed) == list(range(24))
+        assert sorted(landed) == [(step, i) for i in range(24)]
         for key in ("sessions", "requests", "generated_tokens", "sessions_by_status", "requests_by_status"):
             assert t[key] == r[key], (step, key)
 
@@ -45,4 +45,5 @@ def test_the_twin_and_a_launch_land_the_same_sessions_with_the_same_tokens(tmp_p
         replayed = Twin(cfg, plan=rec.plan, gaps=rec.gaps).run()
         for step in range(2):
             rows = pq.read_table(run / "steps" / f"step_{step:05d}.parquet").to_pylist()
-            assert replayed.sessions[step] == {row["index"]: (row["generated_tokens"], row["num_turns"]) for row in rows}
+            assert replayed.sessions[step] == {(row["started_step"], row["index"]): (row["generated_tokens"],
+                                                                                   row["num_turns"]) for row in rows}

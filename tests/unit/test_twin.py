@@ -129,3 +129,14 @@ def test_plan_output_is_what_the_twin_counts() -> None:
     e = group_engine(config(), "throughput")
     msg = P.Generate(request_id="x", session_id="s", prompt_token_ids=[1, 2, 3], sampling=P.Sampling(seed=1))
     assert plan_output(e, msg)[0] == plan_output(e, msg)[0]
+
+
+def test_steps_that_close_on_a_count_carry_the_rest_in_the_twin_too() -> None:
+    cfg = config("sessions_per_step=16", "steps=3", "rollout.close=count", "rollout.over_sample=0.5")
+    run = Twin(cfg).run()
+    for s in run.steps:
+        assert s["close"] == "count" and s["sessions"] == 16
+    assert sum(s["carried_out"] for s in run.steps) > 0 and run.steps[1]["carried_in"] > 0
+    # Every session landed at most once, in one step: some of them in a later step than they started in.
+    landed = [key for step in run.sessions for key in step]
+    assert len(landed) == len(set(landed)) and any(s < k for k, step in enumerate(run.sessions) for s, _ in step)

@@ -60,8 +60,8 @@ class TwinRun:
     """What a twin run gave: the step reports, and the fleet's counters at its end."""
 
     steps: list[dict[str, Any]]
-    sessions: list[dict[int, tuple[int, int]]]
-    """Per step, each session that landed in it: ``index -> (generated tokens, turns)``."""
+    sessions: list[dict[tuple[int, int], tuple[int, int]]]
+    """Per step, each session that landed in it: ``(started step, index) -> (generated tokens, turns)``."""
     replicas: dict[str, dict[str, Any]]
     """Per replica: its group and its engine's counters (``ReplicaStats`` as a dict)."""
     router: dict[str, int]
@@ -115,7 +115,7 @@ class Twin:
         self.wire = Wire(self.loop, latency_s)
         self.replicas: list[TwinReplica] = []
         self.router: Router | None = None
-        self.sessions: list[dict[int, tuple[int, int]]] = []
+        self.sessions: list[dict[tuple[int, int], tuple[int, int]]] = []
 
     def run(self) -> TwinRun:
         t = time.perf_counter()
@@ -169,8 +169,9 @@ class Twin:
         groups = sorted(cfg.groups)
         wall = clock.wall() - t0
         cols = _concat([x.builder.columns() for x in landed])
-        self.sessions.append({int(i): (int(g), int(t)) for i, g, t in
-                              zip(cols["index"], cols["generated_tokens"], cols["num_turns"], strict=True)})
+        self.sessions.append({(int(s), int(i)): (int(g), int(t)) for s, i, g, t in
+                              zip(cols["started_step"], cols["index"], cols["generated_tokens"], cols["num_turns"],
+                                  strict=True)})
         requests = _concat([x.log.columns(groups) for x in landed])
         closing = {"counts": np.array([x.counts[k] for x in landed for k in STEP_COUNTERS], dtype=np.int64),
                    "in_flight": np.array([g for x in landed for g in x.in_flight], dtype=np.int64).reshape(-1)}
