@@ -9,6 +9,7 @@ steps in a few events."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ Plan = Callable[[SimEngineConfig, Generate], tuple[list[int], list[float], str]]
 
 
 class _Seq:
-    __slots__ = ("req", "tokens", "logprobs", "finish", "produced", "cached", "done", "hashes")
+    __slots__ = ("req", "tokens", "logprobs", "finish", "produced", "cached", "done", "hashes", "base", "end")
 
     def __init__(self, req: Generate, tokens: list[int], logprobs: list[float], finish: str) -> None:
         self.req = req
@@ -35,6 +36,10 @@ class _Seq:
         self.done = False
         self.hashes: list[int] = []
         """Its prompt's block hashes (the prefix cache's), once looked up."""
+        self.base = 0
+        """The engine's step count when it was admitted: while it runs it has made ``steps - base`` tokens."""
+        self.end = 0
+        """The engine's step count at which it finishes."""
 
 
 class _Stretch:
@@ -81,7 +86,16 @@ class TwinEngine:
         """Takes each request's one Result."""
         self.cache = PrefixCache(cfg.block_size, cfg.kv_cache_tokens)
         self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
+        self.running: dict[_Seq, None] = {}
+        """In admission order. A running sequence's tokens are counted from the engine's steps, not one by
+        one: every stretch costs the same whatever the batch."""
+        self._ends: list[tuple[int, int, _Seq]] = []
+        """A heap of the running sequences' ``(end, admission number)``: the next to finish."""
+        self._admitted = 0
+        self._prompts = 0
+        """The running sequences' prompt tokens, summed."""
+        self._bases = 0
+        """Their ``base`` s, summed: the running context is ``_prompts + len(running) * steps - _bases``."""
         self.by_id: dict[str, _Seq] = {}
         self.prefix_hits = self.prefix_queries = 0
         self.steps = self.generated_tokens = self.prefill_tokens = 0
@@ -148,7 +162,7 @@ class TwinEngine:
             self._cut()  # the tokens of the steps it finished are its own
             if seq.done:  # it finished just now
                 return
-            self.running.remove(seq)
+            self._leave(seq)
             self._finish(seq, "cancelled", "abort", computed=True)
         else:
             self._finish(seq, "cancelled", "abort", computed=False)
@@ -181,8 +195,6 @@ class TwinEngine:
         """Count ``j`` finished steps of ``st``: every running sequence gained ``j`` tokens."""
         if j <= 0:
             return
-        for seq in self.running:
-            seq.produced += j
         self.steps += j
         self.generated_tokens += j * st.n
         self.model_s += st.elapsed(j)
@@ -193,14 +205,20 @@ class TwinEngine:
         assert st is not None
         self._advance(st, st.k)
         self._stretch = None
-        still = []
-        for seq in self.running:
-            if seq.produced >= len(seq.tokens):
+        ends = self._ends
+        while ends and ends[0][0] <= self.steps:
+            seq = heapq.heappop(ends)[2]
+            if not seq.done:
+                self._leave(seq)
                 self._finish(seq, "ok", seq.finish, computed=True)
-            else:
-                still.append(seq)
-        self.running = still
         self._boundary()
+
+    def _leave(self, seq: _Seq) -> None:
+        """``seq`` stops running: its tokens are the steps it ran (all of them if it finished)."""
+        seq.produced = min(self.steps - seq.base, len(seq.tokens))
+        del self.running[seq]
+        self._prompts -= len(seq.req.prompt_token_ids)
+        self._bases -= seq.base
 
     def _boundary(self) -> None:
         self._boundary_due = False
@@ -221,7 +239,12 @@ class TwinEngine:
             seq.cached = found - came
             self.prefix_queries += len(prompt) - came
             self.prefix_hits += seq.cached
-            self.running.append(seq)
+            seq.base, seq.end = self.steps, self.steps + max(1, len(seq.tokens))
+            self._admitted += 1
+            heapq.heappush(self._ends, (seq.end, self._admitted, seq))
+            self.running[seq] = None
+            self._prompts += len(prompt)
+            self._bases += seq.base
         if not self.running:
             if self._active_since is not None:
                 self.active_s += now - self._active_since
@@ -230,8 +253,11 @@ class TwinEngine:
         if self._active_since is None:
             self._active_since = now
         n = len(self.running)
-        ctx0 = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
-        k = max(1, min(len(s.tokens) - s.produced for s in self.running))
+        ctx0 = self._prompts + n * self.steps - self._bases
+        ends = self._ends
+        while ends[0][2].done:  # aborted: it left the batch already
+            heapq.heappop(ends)
+        k = ends[0][0] - self.steps
         p = (step_seconds(c, 0, prefill) - step_seconds(c, 0)) * c.time_scale
         st = _Stretch(now, n, ctx0, self._a, self._b, p, prefill, k)
         self._stretch = st
@@ -279,7 +305,7 @@ class TwinEngine:
         st = self._stretch
         j = st.done_by(now) if st is not None else 0
         n = st.n if st is not None else 0
-        ctx = sum(len(s.req.prompt_token_ids) + s.produced + j for s in self.running)
+        ctx = self._prompts + len(self.running) * (self.steps + j) - self._bases
         active = self.active_s + (now - self._active_since if self._active_since is not None else 0.0)
         return ReplicaStats(
             running=len(self.running), waiting=sum(1 for s in self.waiting if not s.done),
@@ -295,4 +321,5 @@ class TwinEngine:
         self._stretch = None
         self.waiting.clear()
         self.running.clear()
+        self._ends.clear()
         self.answer = lambda res: None

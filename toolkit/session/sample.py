@@ -111,7 +111,7 @@ class Sample:
         self.extend_observation(extra)
         out = result.output_token_ids
         lps = list(result.logprobs) if len(result.logprobs) == len(out) else [math.nan] * len(out)
-        missing = sum(lp != lp for lp in lps)  # NaN: an engine (or a moved request's leg) sent none
+        missing = sum(map(math.isnan, lps))  # NaN: an engine (or a moved request's leg) sent none
         if missing:
             # Unknown, not a made-up probability (0.0 would be certainty): NaN, and the row says so.
             note = f"turn {self.num_turns}: {missing} of {len(out)} tokens have no logprob from the engine (NaN)"
