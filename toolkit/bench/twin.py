@@ -43,7 +43,8 @@ WORKLOADS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 """Each workload's overrides and the arms (``tail_arms.ARMS``) it runs."""
 SCALE = ("steps=1", "sessions_per_step=65536", "groups.throughput.replicas=4064", "groups.tail.replicas=32",
          "ranks=8", *HEADLINE[1:])
-"""One step of 65,536 sessions on 4,096 replicas (the default fleet's shape, scaled)."""
+"""One step of 65,536 sessions of the headline workload's kind on 4,096 replicas (the default fleet's
+shape, scaled)."""
 
 
 def _config(overrides: list[str]) -> Config:
