@@ -54,7 +54,7 @@ class Recorded:
         if not path.exists():
             raise ReplayError(f"replay={run_dir}: no .hydra/overrides.yaml there (a launch's run directory "
                               "has one)")
-        self.overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(path)) or []]  # type: ignore[union-attr]
+        self.overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(path)) or []]
         self.sessions: list[dict[int, tuple[list[int], list[Turn]]]] = []
         reports: list[dict[str, Any]] = []
         for step in itertools.count():

@@ -160,8 +160,8 @@ class Twin:
                 reports[-1]["fleet_busy_share"] = ((self._active() - active0) / (len(self.replicas) * wall)
                                                    if wall > 0 else None)
         finally:
-            for r in ranks:
-                await r.closer.aclose()
+            for rank in ranks:
+                await rank.closer.aclose()
         return reports
 
     def _report(self, cfg: Config, step: int, t0: float, landed: list[Landed]) -> dict[str, Any]:
