@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from tests.helpers.procs import wait_for
 from tests.helpers.router import FakeReplica, RouterThread, quiet, recv, status
 from toolkit.core import protocol as P
+
+M = TypeVar("M", bound=P.Message)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,9 +49,21 @@ def router(tmp_path: Path, *streams: str) -> Iterator[tuple[RouterThread, list[F
 
 def announce(client, version: int, base: int = -1, target: str = "") -> P.StreamPlan:  # type: ignore[no-untyped-def]
     client.send_multipart(P.encode(P.StreamWeights(version, b"m", "127.0.0.1", 5000 + version, base, 30.0, target)))
-    plan = recv(client)
-    assert isinstance(plan, P.StreamPlan) and plan.version == version, plan
+    plan = until(client, P.StreamPlan)
+    assert plan.version == version, plan
     return plan
+
+
+def until(client, kind: type[M], asks: list[P.StreamWanted] | None = None) -> M:  # type: ignore[no-untyped-def]
+    """The client's next ``kind`` message. The router's asks for a dense copy (``StreamWanted``) may come
+    before it, again every ``router.probe_timeout_s`` while a replica waits for one: kept in ``asks``."""
+    while True:
+        msg = recv(client)
+        if isinstance(msg, kind):
+            return msg
+        assert isinstance(msg, P.StreamWanted), msg
+        if asks is not None:
+            asks.append(msg)
 
 
 def part(replica: FakeReplica) -> P.StreamWeights:
@@ -101,8 +116,9 @@ def test_a_replica_whose_apply_failed_leaves_dispatch_until_the_trainers_dense_c
         b.send(P.WeightsUpdated(1, b.replica_id, error="RuntimeError: staging version 1 failed: LinkBroken"))
         # The answer names b; b holds version 0 while a serves version 1: b is out of dispatch, and the
         # trainer is asked for a dense copy for it (the answer waits for weights.json: either comes first).
-        got = {type(m): m for m in (recv(client), recv(client))}
-        done, wanted = got[P.WeightsUpdated], got[P.StreamWanted]
+        asks: list[P.StreamWanted] = []
+        done = until(client, P.WeightsUpdated, asks)
+        wanted = asks[0] if asks else until(client, P.StreamWanted)
         assert done.replicas == 1 and b.replica_id in done.error and "LinkBroken" in done.error
         assert (wanted.version, wanted.replica_id) == (1, b.replica_id)
         wait_for(lambda: ready(rt) == 1, what="b out of dispatch")
@@ -112,8 +128,10 @@ def test_a_replica_whose_apply_failed_leaves_dispatch_until_the_trainers_dense_c
         assert plan.replicas == [a.replica_id] and plan.world == 2
         assert part(a).rank == 1
         a.send(P.WeightsUpdated(2, a.replica_id))
-        done = recv(client)
-        assert isinstance(done, P.WeightsUpdated) and done.version == 2 and done.replicas == 1 and not done.error
+        asks = []
+        done = until(client, P.WeightsUpdated, asks)
+        assert done.version == 2 and done.replicas == 1 and not done.error
+        assert all(w.replica_id == b.replica_id for w in asks)  # asked again for b's copy, nobody else's
 
         # The trainer's dense copy of version 2 for b: a chain of two; b serves again once it applied it.
         plan = announce(client, 2, target=b.replica_id)
@@ -148,8 +166,8 @@ def test_a_replica_that_registers_after_an_update_serves_only_once_it_has_it(tmp
         try:
             wanted = recv(client)
             assert isinstance(wanted, P.StreamWanted) and (wanted.version, wanted.replica_id) == (1, late.replica_id)
-            late.become_ready()  # its probe passes, but it holds version 0
-            assert quiet(client, 0.3) and ready(rt) == 1
+            late.become_ready()  # its probe passes, but it holds version 0 (and is asked for again meanwhile)
+            assert ready(rt) == 1
             announce(client, 1, target=late.replica_id)
             assert part(late).target == late.replica_id
             late.send(P.WeightsUpdated(1, late.replica_id))
