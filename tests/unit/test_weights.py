@@ -325,3 +325,26 @@ def holding(rt, index: int, path: str, version: int, serial: int):  # type: igno
     replica.send(P.Register(replica.replica_id, "throughput", max_inflight=4,
                             weights=P.UpdateWeights(path, version, serial)))
     return replica
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_whose_engine_dies_loading_still_gives_the_update_its_failure(tmp_path: Path) -> None:
+    """A checkpoint vLLM cannot read kills the engine mid-load: the requests in it end ``engine_dead``
+    (the replica leaves service) before its failed acknowledgement arrives. The answer waits for that
+    acknowledgement and carries its failure, rather than counting the replicas serving now (none)."""
+    from tests.helpers.router import quiet, recv, status
+
+    with fake_router(tmp_path, ("router.heartbeat_s=0.2", "router.missed_heartbeats=100")) as (rt, replica, client):
+        client.send_multipart(P.encode(gen("r1")))
+        running = replica.recv()
+        assert isinstance(running, P.Generate)
+        client.send_multipart(P.encode(P.UpdateWeights(str(tmp_path), 1)))
+        assert isinstance(replica.recv(), P.UpdateWeights)
+        replica.send(P.Result(running.request_id, status="engine_dead", error="engine died loading",
+                              replica_id=replica.replica_id))
+        wait_for(lambda: status(rt).ready == 0, 10, "the replica out of service")
+        assert quiet(client, 0.5)  # sweeps pass (every 0.1 s): the asked replica has not answered yet
+        replica.send(P.WeightsUpdated(1, replica.replica_id, error="RuntimeError: bad checkpoint"))
+        answer = recv(client)
+        assert isinstance(answer, P.WeightsUpdated) and answer.version == 1 and answer.replicas == 0
+        assert replica.replica_id in answer.error and "bad checkpoint" in answer.error

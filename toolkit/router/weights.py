@@ -72,7 +72,9 @@ class WeightSync:
         self.waiting_clients: dict[tuple[str, int], set[bytes]] = {}
         """Clients waiting for a version, by (path, version)."""
         self.members: dict[int, list[Replica]] = {}
-        """A streamed version's plan: the replicas its answer waits for."""
+        """The replicas a version's answer waits for while they stay registered: a streamed version's plan,
+        or the replicas serving when a checkpoint was forwarded (one whose engine dies loading it leaves
+        service before its failed acknowledgement arrives: that failure is still the answer's)."""
         self.source: bytes | None = None
         """The client that streamed the run's weights: it sends a replica that lacks them a dense copy."""
         self.landed = self.latest.version if self.latest is not None else -1
@@ -99,6 +101,7 @@ class WeightSync:
                         len(self.pool.all()))
             self.latest = msg
             self._record(msg)
+            self.members[msg.version] = [r for r in self.pool.all() if r.serving]
         elif self.files.error(self.run_dir.router_weights) is not None:
             self._record(self.latest)  # a resend tries the failed write again
         self.waiting_clients.setdefault(key, set()).add(client)
@@ -198,7 +201,8 @@ class WeightSync:
         serving = [r for r in self.pool.all() if r.serving]
         for key in list(self.waiting_clients):
             version = key[1]
-            ready = serving if key[0] else [r for r in self.members.get(version, []) if r in self._replicas]
+            asked = [r for r in self.members.get(version, []) if r in self._replicas and not r.draining]
+            ready = [*serving, *(r for r in asked if r not in serving)] if key[0] else asked
             acks = [self._of(r).ack for r in ready]
             errors = [f"{r.replica_id}: {a.error}" for r, a in zip(ready, acks, strict=True)
                       if a is not None and a.version == version and a.error]
