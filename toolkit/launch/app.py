@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -189,7 +190,7 @@ def print_summary(console: Console, summary: dict, run_dir: RunDir) -> None:
     console.print(table)
 
 
-def _fail(code: int) -> None:
+def fail_point(code: int) -> None:
     """A run failed: a single run exits with ``code``; in a sweep the other points still run (Hydra
     would stop at a SystemExit, with no ``sweep_summary.csv``), and the sweep exits with it at the end."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
@@ -209,7 +210,7 @@ def main(dcfg: DictConfig) -> None:
         check_run_dir(cfg, run_dir)
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        _fail(2)
+        fail_point(2)
         return
     _raise_on_sigterm()
     try:
@@ -219,23 +220,29 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(EXIT_INTERRUPTED)  # a sweep stops too: its job is ending (a signal before the time limit)
     except ToolkitError as exc:
         console.print(f"[red]run failed:[/red] {exc}", highlight=False, soft_wrap=True)
-        _fail(1)
+        fail_point(1)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every component was stopped[/yellow]")
         sys.exit(130)
 
 
-def cli() -> None:
-    """``python -m toolkit.launch``: the overrides are checked first, so that a composition error comes
-    back as the toolkit's error list (``toolkit/launch/composition.py``), then Hydra runs :func:`main`."""
+def hydra_cli(app: Callable[[], None]) -> None:
+    """Run the Hydra ``app`` on ``sys.argv``: the overrides are checked first, so that a composition error
+    comes back as the toolkit's error list (``toolkit/launch/composition.py``); a sweep exits with its
+    worst point's code."""
     try:
         precheck(sys.argv[1:])
     except ToolkitError as exc:
         Console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    main()
+    app()
     if SWEEP_EXIT[0]:
         sys.exit(SWEEP_EXIT[0])
+
+
+def cli() -> None:
+    """``python -m toolkit.launch``: :func:`main` through :func:`hydra_cli`."""
+    hydra_cli(main)
 
 
 if __name__ == "__main__":

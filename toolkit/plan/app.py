@@ -20,25 +20,18 @@ from rich.table import Table
 
 from toolkit.config import CONF_DIR, from_dictconfig, register_configs
 from toolkit.core.errors import ToolkitError
-from toolkit.launch.composition import precheck
+from toolkit.launch.app import fail_point, hydra_cli
 from toolkit.launch.validation import validate
 from toolkit.plan.replay import recorded
 from toolkit.plan.summary import FIELDS, summarize
 from toolkit.plan.sweep import OPTIONS
 from toolkit.plan.twin import Twin
-from toolkit.report.sweep import SWEEP_EXIT
 
 register_configs()
 
 LABELS = {"step_time_s": "step time (mean)", "step_time_p90_s": "step time (p90)", "bound_ratio": "bound ratio",
           "samples_per_s": "samples/s", "fleet_busy_share": "fleet busy share", "prefix_hit": "prefix hit",
           "moves_per_step": "moves per step", "twin_s": "twin's own time"}
-
-
-def _fail(code: int) -> None:
-    if HydraConfig.get().mode != RunMode.MULTIRUN:
-        sys.exit(code)
-    SWEEP_EXIT[0] = max(SWEEP_EXIT[0], code)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="plan")
@@ -58,7 +51,7 @@ def main(dcfg: DictConfig) -> None:
             run = Twin(cfg).run()
     except ToolkitError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        _fail(2)
+        fail_point(2)
         return
     summary = summarize(run)
     report = {"status": "ok", "twin": True, "summary": summary, "virtual_s": run.virtual_s,
@@ -89,11 +82,4 @@ def cli() -> None:
     for arg in [a for a in sys.argv[1:] if a.startswith("replay=")]:
         sys.argv.remove(arg)
         OPTIONS["replay"] = arg.partition("=")[2]
-    try:
-        precheck(sys.argv[1:])
-    except ToolkitError as exc:
-        Console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    main()
-    if SWEEP_EXIT[0]:
-        sys.exit(SWEEP_EXIT[0])
+    hydra_cli(main)

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.plan.summary import FIELDS, difference
-from toolkit.report.run_report import pct, table_width
-from toolkit.report.sweep import _fmt, collect, short_names, swept_keys
+from toolkit.report.run_report import pct
+from toolkit.report.sweep import Column, _fmt, collect, fitted_table, short_names, swept_keys
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def write_csv(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
 def plan_table(rows: list[dict[str, Any]], width: int = 80) -> Table:
     keys = swept_keys(rows)
     names = short_names(keys)
-    columns: list[tuple[str, list[str], bool, int]] = [
+    columns: list[Column] = [
         ("#", [str(i) for i in range(1, len(rows) + 1)], True, 99),
         *((names[k], [r["swept"].get(k, "-") for r in rows], False, 99) for k in keys),
         ("step s", [_fmt(r["step_time_s"], 2) for r in rows], True, 98),
@@ -65,16 +65,7 @@ def plan_table(rows: list[dict[str, Any]], width: int = 80) -> Table:
         ("hit", [pct(r["prefix_hit"], 0) for r in rows], True, 2),
         ("moves", [_fmt(r["moves_per_step"], 1) for r in rows], True, 1),
     ]
-    for rank in sorted({c[3] for c in columns if c[3] < 97}):
-        if table_width([[h, *cells] for h, cells, _, _ in columns]) <= width:
-            break
-        columns = [c for c in columns if c[3] != rank]
-    table = Table(title=f"plan: {len(rows)} configs, fastest first")
-    for header, _, right, _ in columns:
-        table.add_column(header, justify="right" if right else "left", no_wrap=True)
-    for i in range(len(rows)):
-        table.add_row(*(cells[i] for _, cells, _, _ in columns))
-    return table
+    return fitted_table(columns, len(rows), f"plan: {len(rows)} configs, fastest first", width)
 
 
 def verdict(rows: list[dict[str, Any]]) -> str:

@@ -124,6 +124,11 @@ def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+Column = tuple[str, list[str], bool, int]
+"""A table column: header, cells, right-aligned, rank (lower is dropped first when short of room;
+97 and above always stay)."""
+
+
 def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Table:
     """One row per run; each swept key's value whole in its own column, headed by the key's last part,
     so the runs can be told apart in a ``width``-column terminal. Figures that do not fit are left
@@ -131,7 +136,7 @@ def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Ta
     keys = swept_keys(rows)
     names = short_names(keys)
     # (header, cells, right-aligned, dropped when short of room: lower goes first)
-    columns: list[tuple[str, list[str], bool, int]] = [
+    columns: list[Column] = [
         ("run", [r["run"] for r in rows], False, 99),
         *((names[k], [r.get("swept", {}).get(k, "-") for r in rows], False, 99) for k in keys),
         ("status", [_fmt(r["status"]) for r in rows], False, 99),
@@ -142,6 +147,11 @@ def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Ta
         ("flip s", [_fmt(r["flip_time_s"], 2) for r in rows], True, 2),
         ("spill", [pct(r["spillover"], 0) for r in rows], True, 1),
     ]
+    return fitted_table(columns, len(rows), title, width)
+
+
+def fitted_table(columns: list[Column], n_rows: int, title: str, width: int) -> Table:
+    """A table of ``columns`` in ``width`` terminal columns: the least telling columns left out first."""
     for rank in sorted({c[3] for c in columns if c[3] < 97}):
         if table_width([[h, *cells] for h, cells, _, _ in columns]) <= width:
             break
@@ -149,7 +159,7 @@ def summary_table(rows: list[dict[str, Any]], title: str, width: int = 80) -> Ta
     table = Table(title=title)
     for header, _, right, _ in columns:
         table.add_column(header, justify="right" if right else "left", no_wrap=True)
-    for i in range(len(rows)):
+    for i in range(n_rows):
         table.add_row(*(cells[i] for _, cells, _, _ in columns))
     return table
 
