@@ -14,7 +14,7 @@ from toolkit.core import clock
 from toolkit.core import protocol as P
 from toolkit.core.errors import ConfigError
 from toolkit.core.rundir import RunDir
-from toolkit.engine.sim import plan_output, step_seconds
+from toolkit.engine.sim import step_seconds
 from toolkit.launch.validation import validate
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop
@@ -122,13 +122,6 @@ def test_the_twin_repeats_itself() -> None:
     cfg = config("sessions_per_step=16", "steps=2", "seed=5")
     a, b = Twin(cfg).run(), Twin(cfg).run()
     assert [s["wall_s"] for s in a.steps] == [s["wall_s"] for s in b.steps]
-
-
-def test_plan_output_is_what_the_twin_counts() -> None:
-    """The twin's tokens are the sim's: a request's tokens are a pure function of it."""
-    e = group_engine(config(), "throughput")
-    msg = P.Generate(request_id="x", session_id="s", prompt_token_ids=[1, 2, 3], sampling=P.Sampling(seed=1))
-    assert plan_output(e, msg)[0] == plan_output(e, msg)[0]
 
 
 def test_steps_that_close_on_a_count_carry_the_rest_in_the_twin_too() -> None:
