@@ -89,7 +89,8 @@ class WeightSync:
 
     # ---- clients ---------------------------------------------------------------------------
     def update(self, client: bytes, msg: P.UpdateWeights) -> None:
-        """A client asks every replica to load a checkpoint; it is answered once every ready replica has.
+        """A client asks every replica to load a checkpoint; it is answered once every ready replica has,
+        and every one it was forwarded to that is still registered has answered (loaded or failed).
         Clients resend until answered: a resend re-forwards to the replicas that have not acknowledged
         and re-counts (a replica dropped meanwhile is no longer waited for)."""
         key = (msg.path, msg.version)
@@ -192,7 +193,8 @@ class WeightSync:
                 self.push(r)
 
     def answer_clients(self) -> None:
-        """Answer the clients whose update every ready replica has acknowledged (or one failed), once
+        """Answer the clients whose update every ready replica, and every replica it was forwarded to that is
+        still registered, has acknowledged (or one failed), once
         ``weights.json`` is written; the sweep calls it again while an answer waits for the file."""
         recorded = self.run_dir.router_weights
         if not self.waiting_clients or self.files.pending(recorded):
