@@ -50,7 +50,7 @@ def test_all_errors_reported_at_once() -> None:
             "rollout.max_concurrent_rollouts", "groups.throughput.engine.not_a_field"} <= fields
     assert "tail.threshold = 1.5: a fraction in (0, 1], or null for no flip" in text
     assert "groups.throughput.replicas = 0: an integer >= 1" in text
-    assert "router.policy = 'random': one of ['consistent_hash', 'least_loaded', 'power_of_two', 'round_robin']" in text
+    assert "router.policy = 'random': one of ['consistent_hash', 'least_loaded', 'power_of_two', 'round_robin', 'kv_aware']" in text
     # A config built in code is checked by validate alone, choices included.
     cfg = compose_config(["tail.threshold=1.5"])
     cfg.router = dataclasses.replace(cfg.router, policy="random")
@@ -65,7 +65,7 @@ def test_a_bad_choice_names_the_options_at_composition() -> None:
         check_overrides(["tail.policy=nope", "router.policy=nope", "engine=nope", "report.wandb_mode=maybe"])
     assert {e.field: e.allowed for e in info.value.errors} == {
         "tail.policy": "one of ['count', 'age', 'predict']",
-        "router.policy": "one of ['consistent_hash', 'least_loaded', 'power_of_two', 'round_robin']",
+        "router.policy": "one of ['consistent_hash', 'least_loaded', 'power_of_two', 'round_robin', 'kv_aware']",
         "engine": "one of ['sim', 'vllm']",
         "report.wandb_mode": "one of ['online', 'offline', 'disabled']",
     }

@@ -65,7 +65,8 @@ __all__ = [
     "ReportConfig", "RolloutConfig", "RouterConfig", "RouterPolicyName", "SimEngineConfig",
     "SlurmClusterConfig", "StaleAction", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",
     "WandbMode", "WeightsConfig", "WeightsTransport", "WorkloadConfig", "compose_config", "engine_variants", "field_errors", "flip_count",
-    "from_dictconfig", "group_engine", "load_run_config", "moves_carry_kv", "register_configs",
+    "from_dictconfig", "group_engine", "kv_budget", "kv_events_on", "load_run_config", "moves_carry_kv",
+    "register_configs",
     "replica_devices", "replica_nodes", "replica_resources", "replica_shape", "samples_per_prompt",
     "save_run_config",
     "typed_groups",
@@ -231,6 +232,18 @@ def moves_carry_kv(cfg: Config) -> bool:
     engine can receive it (its config's ``receives_kv``)."""
     return cfg.tail.move == "kv" or (cfg.tail.move == "auto"
                                      and all(group_engine(cfg, g).receives_kv for g in cfg.groups))
+
+
+def kv_events_on(cfg: Config) -> bool:
+    """Replicas report their engines' KV events to the router: its policy routes on them (``kv_aware``)."""
+    return cfg.router.policy == RouterPolicyName.kv_aware
+
+
+def kv_budget(cfg: Config) -> float | None:
+    """``router.kv_budget`` in force: its value, else 0.9 with ``kv_aware`` and none (None) otherwise."""
+    if cfg.router.kv_budget is not None:
+        return float(cfg.router.kv_budget)
+    return 0.9 if kv_events_on(cfg) else None
 
 
 def replica_devices(cfg: Config, group: str) -> int:

@@ -174,6 +174,8 @@ class SimEngineConfig:
     """Test hook: the replica process dies (exit 70) when it schedules a prompt holding this token id."""
     fault_hang_token: int | None = None
     """Test hook: the engine stops generating (heartbeats go on) once it schedules a prompt holding it."""
+    fault_kv_gap_batch: int | None = None
+    """Test hook: its replica's KV events batch of this number (``KvEvents.seq``) is lost on the way."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ class RouterPolicyName(Choice):
     least_loaded = "least_loaded"
     power_of_two = "power_of_two"
     round_robin = "round_robin"
+    kv_aware = "kv_aware"
 
 
 class Affinity(Choice):
@@ -41,9 +42,16 @@ class RouterConfig:
     """ZeroMQ CURVE: encrypted sockets, only the run's own replicas and ranks get in (keys in
     ``<run dir>/keys``, mode 0600); null = on for Slurm clusters, off for ``cluster=local``."""
     policy: RouterPolicyName = RouterPolicyName.consistent_hash
-    """Replica choice in a group: consistent_hash | least_loaded | power_of_two | round_robin."""
+    """Replica choice in a group: consistent_hash | least_loaded | power_of_two | round_robin | kv_aware
+    (a turn goes where the longest prefix of its tokens is cached, by the engines' own KV events, within
+    ``load_factor``; docs/router.md#kv-aware-routing)."""
     load_factor: float = bounded(1.25, ge=1.0)
     """Bounded-load consistent hashing: no replica above ceil(load_factor * average load)."""
+    kv_budget: float | None = bounded(None, gt=0, le=1, null="0.9 with kv_aware, none with the others")
+    """Admission by KV budget: a new session starts on a replica only while the KV its running sessions
+    take there, plus the new one's expected KV, stays under this fraction of the replica's KV cache (as
+    its engine reports it); new sessions beyond every replica's budget wait in the router's queue, fair
+    between jobs, instead of evicting each other's prefixes. 1.0 admits up to the whole cache."""
     affinity: Affinity = Affinity.spill
     """``consistent_hash``: a request whose session's replica has no free slot ``spill``s to the next
     one with room, computing its context there again, or ``wait``s in the queue for a slot on its own

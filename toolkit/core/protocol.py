@@ -64,6 +64,11 @@ class Register(Message):
     ``model``: it models the link's time (the sim); empty: it cannot."""
     stream_ranks: int = 1
     """Ranks it takes in an update's chain: one per engine worker (tensor x pipeline parallel)."""
+    kv_block_size: int = 0
+    """Tokens per block of its prefix cache, when its engine reports what it caches (``KvEvents``); 0: it
+    does not."""
+    kv_capacity_tokens: int = 0
+    """Tokens its engine's KV cache holds (0: unknown)."""
 
 
 class ReplicaStats(Message):
@@ -248,6 +253,32 @@ class StepProgress(Message):
     """Requests of the step moved to the tail group while running."""
 
 
+class KvStatus(Message):
+    """The router's KV index and budget (``router.policy=kv_aware``, ``router.kv_budget``)."""
+
+    index_blocks: int = 0
+    """Distinct blocks held by some replica, as the engines' events say."""
+    cached_blocks: dict[str, int] = {}
+    """Per replica id: blocks its prefix cache holds."""
+    events: int = 0
+    """Block events applied since the router started."""
+    events_per_s: float = 0.0
+    """Over the last seconds."""
+    resyncs: int = 0
+    """Snapshots asked for (registrations, gaps)."""
+    predicted_hit: float = 0.0
+    """Share of dispatched prompt tokens the index said were cached where they went."""
+    reported_hit: float = 0.0
+    """Share of prompt tokens the engines' own counters found cached (their heartbeats, since this router
+    started)."""
+    admitted_sessions: int = 0
+    """Sessions holding a KV reservation on a replica."""
+    reserved_tokens: dict[str, int] = {}
+    """Per replica id: tokens its admitted sessions reserve."""
+    waiting_sessions: int = 0
+    """New sessions waiting in the queue for a KV budget."""
+
+
 class Status(Message):
     groups: dict[str, GroupStatus] = {}
     queued: int = 0
@@ -259,6 +290,8 @@ class Status(Message):
     """Replicas (their ids) handed the latest weights that have not acknowledged them yet."""
     weights_version: int = -1
     """The latest weights version every replica it was sent to has answered (-1: none yet)."""
+    kv: KvStatus | None = None
+    """The KV index and budget, when either is on."""
 
 
 class Completion(Message):
@@ -358,6 +391,31 @@ class Drain(Message):
     stopped, keeping its tokens and logprobs; false: they finish where they run."""
 
 
+class KvEvents(Message):
+    """Replica to router: the blocks its engine's prefix cache stored and dropped since its last batch
+    (toolkit block hashes, ``toolkit.core.blocks``), net per block. ``seq`` counts the replica's batches
+    from 1; a gap makes the router ask for a ``KvSnapshot``."""
+
+    seq: int
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+    """Every block went before those stored here (a weight update, an engine restart)."""
+
+
+class KvResync(Message):
+    """Router to replica: send a ``KvSnapshot`` (a batch went missing, or the router does not know you)."""
+
+    reason: str = ""
+
+
+class KvSnapshot(Message):
+    """Replica to router: every block its engine's prefix cache holds, as of batch ``seq``."""
+
+    seq: int
+    blocks: list[int] = []
+
+
 class Shutdown(Message):
     """Router -> replica: you were drained and hold no request; close the engine and exit 0. Sent
     again on every heartbeat or registration of a replica that was told so."""
@@ -385,6 +443,9 @@ TYPE_OF: Final[dict[type[Message], bytes]] = {
     StreamWeights: b"\x10",
     StreamPlan: b"\x11",
     StreamWanted: b"\x12",
+    KvEvents: b"\x13",
+    KvResync: b"\x14",
+    KvSnapshot: b"\x15",
 }
 CLASS_OF: Final[dict[bytes, type[Message]]] = {v: k for k, v in TYPE_OF.items()}
 DECODERS: Final[dict[bytes, msgspec.msgpack.Decoder[Any]]] = {

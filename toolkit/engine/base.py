@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit.config.backends import ENGINES
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights
+from toolkit.engine.kv_events import KvEventLog
 
 if TYPE_CHECKING:
     from toolkit.engine.nodes import NodeRole
@@ -26,6 +27,10 @@ class EngineInfo:
     model: str
     max_model_len: int
     vocab_size: int
+    kv_block_size: int = 0
+    """Tokens per prefix-cache block, for an engine whose KV events it reports (0: none)."""
+    kv_capacity_tokens: int = 0
+    """Tokens its KV cache holds (0: unknown)."""
 
 
 class Engine(ABC):
@@ -98,6 +103,16 @@ class Engine(ABC):
     async def discard_stream(self) -> None:
         """Drop what :meth:`stage_stream` staged (the replica gave the update up)."""
         raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
+
+    # ---- KV events: what the prefix cache holds, for the router's index (router.policy=kv_aware) --
+    def kv_events(self) -> KvEventLog | None:
+        """Start recording the prefix cache's stored and dropped blocks (called before :meth:`start`);
+        the log they go to, or None for a backend that cannot report them."""
+        return None
+
+    def kv_held(self) -> list[int]:
+        """Every block the prefix cache holds now (a snapshot, when the router lost some events)."""
+        return []
 
     def dead(self) -> bool:
         """True once the engine can serve nothing more (its process is gone): time to ``restart``."""

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer
 
-from toolkit.config import Config, SimEngineConfig, VllmEngineConfig, WeightsTransport, group_engine
+from toolkit.config import Config, SimEngineConfig, VllmEngineConfig, WeightsTransport, group_engine, kv_events_on
 from toolkit.config.entry import enter_component
 from toolkit.core import protocol as P
 from toolkit.core.lifecycle import ProcessRef, stdout_file, write_pidfile
@@ -44,6 +44,7 @@ from toolkit.core.security import client_curve
 from toolkit.core.sockets import RouterLink, own_bind_host
 from toolkit.engine.base import Engine, EngineGone, EngineInfo, make_engine
 from toolkit.engine.gate import Gate
+from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.metrics import ReplicaMetrics
 from toolkit.engine.replica_weights import ReplicaWeights
 from toolkit.engine.vllm_transfer import STREAM_ARGS
@@ -72,6 +73,8 @@ class ReplicaServer:
         self._fatal: BaseException | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.metrics = ReplicaMetrics(lambda: len(self.tasks)) if cfg.report.metrics else None
+        self.kv: KvEventLog | None = None
+        """Its engine's KV events, when the router routes on them (``kv_events_on``)."""
         self.weights = ReplicaWeights(engine, self.gate, cfg.rollout.update_mode, self.replica_id,
                                       lambda m: self._send(m), self._spawn, self._check_engine, self.metrics)
 
@@ -88,10 +91,27 @@ class ReplicaServer:
             # A restarted router learns from it which weights are the run's newest (WeightSync.registered).
             weights=self.weights.held,
             streams=self.engine.stream_transport, stream_ranks=self.engine.stream_ranks,
+            kv_block_size=self.info.kv_block_size if self.kv is not None else 0,
+            kv_capacity_tokens=self.info.kv_capacity_tokens,
         ))
+
+    async def _send_kv(self) -> None:
+        """The KV events batch since the last one, if anything happened: before a Result leaves (so the
+        router knows where its context is cached before the session's next turn) and with heartbeats."""
+        if self.kv is not None:
+            batch = self.kv.take()
+            if batch is not None:
+                await self._send(batch)
+
+    async def _kv_snapshot(self) -> None:
+        if self.kv is not None:
+            self.kv.take()  # what was pending is in the snapshot
+            await self._send(P.KvSnapshot(seq=self.kv.seq, blocks=self.engine.kv_held()))
 
     async def run(self) -> None:
         addr = await asyncio.to_thread(self.run_dir.wait_router_address, self.cfg.cluster.ready_timeout_s)
+        if kv_events_on(self.cfg):
+            self.kv = self.engine.kv_events()
         self.info = await self.engine.start()
         self._record_engine_pids()
         endpoint = None
@@ -123,6 +143,7 @@ class ReplicaServer:
             s = self.engine.stats()
             if self.metrics is not None:
                 self.metrics.stats = s
+            await self._send_kv()
             await self._send(P.Heartbeat(self.replica_id, s))
 
     async def _follow_router(self) -> None:
@@ -168,6 +189,8 @@ class ReplicaServer:
                 self.weights.update(msg)
             elif isinstance(msg, P.StreamWeights):
                 self.weights.stream(msg)
+            elif isinstance(msg, P.KvResync):
+                await self._kv_snapshot()
             elif isinstance(msg, P.Reregister):
                 logger.info("router asked to re-register (%s)", msg.reason)
                 await self._register()
@@ -207,6 +230,7 @@ class ReplicaServer:
         res.weight_version = res.weight_versions[-1]
         if self.metrics is not None:
             self.metrics.result(msg.job, res.status, len(res.output_token_ids), time.monotonic() - t0)
+        await self._send_kv()
         await self._send(res)
 
     async def _abort(self, rid: str) -> None:

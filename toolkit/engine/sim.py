@@ -26,7 +26,9 @@ import numpy as np
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights, Structured
+from toolkit.core.blocks import block_hashes
 from toolkit.engine.base import Engine, EngineInfo
+from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.structured import instance_text
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer
 from toolkit.weights.wire import Manifest, WrongBase
@@ -54,17 +56,13 @@ class PrefixCache:
         self.block_size = block_size
         self.capacity = max(1, capacity_tokens // block_size)
         self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.log: KvEventLog | None = None
+        """Where the blocks it stores and drops are recorded (the replica's KV events), if anywhere."""
 
     def hashes(self, tokens: list[int], known: list[int] | None = None) -> list[int]:
-        """The chained hash of each whole block of ``tokens``; ``known``: those of a prefix of its blocks,
-        already computed (the chain goes on from them)."""
-        bs = self.block_size
-        out = list(known or ())
-        h = out[-1] if out else 0
-        for i in range(len(out) * bs, len(tokens) - bs + 1, bs):
-            h = hash((h, tuple(tokens[i : i + bs])))
-            out.append(h)
-        return out
+        """The chained hash of each whole block of ``tokens`` (``toolkit.core.blocks``); ``known``: those
+        of a prefix of its blocks, already computed."""
+        return block_hashes(tokens, self.block_size, known)
 
     def match(self, tokens: list[int], hashes: list[int] | None = None) -> int:
         """Tokens at the start of ``tokens`` already cached (at least one token is always computed);
@@ -79,11 +77,22 @@ class PrefixCache:
         return n * self.block_size
 
     def insert(self, tokens: list[int], hashes: list[int] | None = None) -> None:
-        for h in (hashes if hashes is not None else self.hashes(tokens)):
-            self.blocks[h] = None
-            self.blocks.move_to_end(h)
-        while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
+        blocks, log = self.blocks, self.log
+        hs = hashes if hashes is not None else self.hashes(tokens)
+        if log is not None:
+            log.stored([h for h in hs if h not in blocks])
+        for h in hs:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            h, _ = blocks.popitem(last=False)
+            if log is not None:
+                log.removed((h,))
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        if self.log is not None:
+            self.log.cleared()
 
 
 class _Seq:
@@ -221,7 +230,17 @@ class SimEngine(Engine):
     async def start(self) -> EngineInfo:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self._crash, "SIGUSR1")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
-        return EngineInfo(self.cfg.model, self.cfg.max_model_len, self.cfg.vocab_size)
+        return EngineInfo(self.cfg.model, self.cfg.max_model_len, self.cfg.vocab_size, self.cfg.block_size,
+                          self.cfg.kv_cache_tokens)
+
+    def kv_events(self) -> KvEventLog:
+        if self.cache.log is None:
+            self.cache.log = KvEventLog()
+            self.cache.log.lose_seq = self.cfg.fault_kv_gap_batch
+        return self.cache.log
+
+    def kv_held(self) -> list[int]:
+        return list(self.cache.blocks)
 
     async def generate(self, req: Generate) -> Result:
         prompt = req.prompt_token_ids
@@ -291,7 +310,7 @@ class SimEngine(Engine):
         self._reset_weights(version)
 
     def _reset_weights(self, version: int) -> None:
-        self.cache.blocks.clear()
+        self.cache.clear()
         self.weight_version = version
 
     async def update_weights_in_place(self, path: str, version: int) -> None:
@@ -340,7 +359,7 @@ class SimEngine(Engine):
             return
         version, done = self._pending_weights
         self._pending_weights = None
-        self.cache.blocks.clear()
+        self.cache.clear()
         self.weight_version = version
         self._recompute_tokens = sum(len(s.req.prompt_token_ids) + s.produced for s in self.running)
         if not done.done():

@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
-from toolkit.config import Config, SimEngineConfig
+from toolkit.config import Config, SimEngineConfig, kv_events_on
 from toolkit.core import protocol as P
+from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import plan_output
 from toolkit.plan.engine import Plan, TwinEngine
 from toolkit.router.links import Links
@@ -108,6 +109,9 @@ class TwinReplica:
         self.ecfg = engine
         self.wire = wire
         self.engine = TwinEngine(engine, wire.loop, self._answer, plan)
+        self.kv: KvEventLog | None = None
+        if kv_events_on(cfg):  # as a replica process: its cache's events go to the router
+            self.kv = self.engine.cache.log = KvEventLog()
         self.alive = False
         self._beat: asyncio.TimerHandle | None = None
         wire.replicas[self.ident] = self
@@ -126,16 +130,24 @@ class TwinReplica:
         self._send(P.Register(replica_id=self.replica_id, group=self.group, labels={"group": self.group, **g.labels},
                               model=self.ecfg.model, max_inflight=g.max_inflight,
                               max_model_len=self.ecfg.max_model_len, vocab_size=self.ecfg.vocab_size,
-                              streams="model"))
+                              streams="model", kv_block_size=self.ecfg.block_size if self.kv is not None else 0,
+                              kv_capacity_tokens=self.ecfg.kv_cache_tokens))
+
+    def _send_kv(self) -> None:
+        batch = self.kv.take() if self.kv is not None else None
+        if batch is not None:
+            self._send(batch)
 
     def _heartbeat(self) -> None:
         if not self.alive:
             return
+        self._send_kv()
         self._send(P.Heartbeat(self.replica_id, self.engine.stats()))
         self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
 
     def _answer(self, res: P.Result) -> None:
         if self.alive:
+            self._send_kv()
             self.wire.from_replica(self.ident, _T_RESULT, _enc.encode(res))
 
     def receive(self, frames: tuple[bytes, ...]) -> None:
@@ -150,6 +162,9 @@ class TwinReplica:
             self.engine.abort(msg.request_id)
         elif isinstance(msg, P.Reregister):
             self._register()
+        elif isinstance(msg, P.KvResync) and self.kv is not None:
+            self.kv.take()
+            self._send(P.KvSnapshot(self.kv.seq, list(self.engine.cache.blocks)))
         elif isinstance(msg, P.Shutdown):
             self.die()
         else:

@@ -68,7 +68,8 @@ class Membership:
         if same is not None:
             self.drop(same, "re-registered")
         r = Replica(msg.replica_id, ident, msg.group, msg.max_inflight, msg.max_model_len, msg.vocab_size,
-                    msg.model, dict(msg.labels), msg.streams, max(1, msg.stream_ranks), last_seen=clock.monotonic())
+                    msg.model, dict(msg.labels), msg.streams, max(1, msg.stream_ranks), msg.kv_block_size,
+                    msg.kv_capacity_tokens, last_seen=clock.monotonic())
         self.pool.add(r)
         if was_draining:
             # It stays on its way out: never probed into service; it holds nothing now, so it stops.

@@ -15,6 +15,8 @@ from collections.abc import Callable, Collection, Iterable
 
 from toolkit.config import Affinity, RouterPolicyName
 from toolkit.core.errors import ConfigError, FieldError
+from toolkit.router.kv_index import KvIndex
+from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
 
@@ -34,9 +36,11 @@ class Policy(ABC):
         """A step boundary: take in what was learned of the replicas' speeds (if the policy uses them)."""
 
     @abstractmethod
-    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
+               req: Request | None = None) -> Replica | None:
         """Pick a replica with room. ``group_load`` is the group's total in-flight count; ``with_room``
-        holds exactly the group's replicas that have a slot not taken (kept by the pool)."""
+        holds exactly the group's replicas that have a slot not taken (kept by the pool); ``req``: the
+        request (its prompt, for a policy that reads it)."""
 
 
 def least_loaded(with_room: Iterable[Replica], bound: int = 1 << 62) -> Replica | None:
@@ -50,7 +54,8 @@ def least_loaded(with_room: Iterable[Replica], bound: int = 1 << 62) -> Replica 
 
 
 class LeastLoaded(Policy):
-    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
+               req: Request | None = None) -> Replica | None:
         return least_loaded(with_room)
 
 
@@ -59,7 +64,8 @@ class RoundRobin(Policy):
         super().__init__(replicas)
         self._next = 0
 
-    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
+               req: Request | None = None) -> Replica | None:
         n = len(self.replicas)
         for i in range(n):
             r = self.replicas[(self._next + i) % n]
@@ -74,7 +80,8 @@ class PowerOfTwo(Policy):
         super().__init__(replicas)
         self._rng = random.Random(seed)
 
-    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
+               req: Request | None = None) -> Replica | None:
         picks = self.replicas if len(self.replicas) <= 2 else self._rng.sample(self.replicas, 2)
         cands = [r for r in picks if r.has_room]
         if not cands:
@@ -160,11 +167,13 @@ class ConsistentHash(Policy):
     def bound(self, r: Replica, group_load: int) -> int:
         return math.ceil(self.load_factor * (group_load + 1) * r.max_inflight / self._capacity)
 
-    def _fits(self, r: Replica, group_load: int) -> bool:
+    def fits(self, r: Replica, group_load: int) -> bool:
+        """``r`` has a slot and is under its load bound."""
         load = len(r.inflight)
         return load < r.max_inflight and load < self.bound(r, group_load)
 
-    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica]) -> Replica | None:
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
+               req: Request | None = None) -> Replica | None:
         if not self.replicas or not with_room:
             return None
         nearly_full = len(with_room) * 8 < len(self.replicas)
@@ -180,13 +189,13 @@ class ConsistentHash(Policy):
             home = self._owners[start % size]
             if len(home.inflight) >= home.max_inflight:
                 return None  # its prefix is cached there: wait for a slot rather than compute it again
-            if self._fits(home, group_load):
+            if self.fits(home, group_load):
                 return home
             if nearly_full:
                 return self._best_with_room(with_room, group_load)
         for k in range(min(size, self.WALK)):
             r = self._owners[(start + k) % size]
-            if self._fits(r, group_load):
+            if self.fits(r, group_load):
                 return r
         return self._best_with_room(with_room, group_load)
 
@@ -200,24 +209,66 @@ class ConsistentHash(Policy):
         return best
 
 
-POLICIES: dict[RouterPolicyName, Callable[[list[Replica], float, int, Affinity], Policy]] = {
-    RouterPolicyName.consistent_hash: lambda replicas, load_factor, seed, affinity: ConsistentHash(
+def _anywhere(r: Replica) -> bool:
+    return True
+
+
+class KvAware(Policy):
+    """A turn goes to the replica holding the longest cached prefix of its prompt, by the engines' own
+    KV events (:class:`~toolkit.router.kv_index.KvIndex`), among those within the consistent-hash load
+    bound (``load_factor``); least loaded among equals. A prompt whose first block is cached on no such
+    replica goes by consistent hashing on its session, which also places replicas without events."""
+
+    def __init__(self, replicas: list[Replica], load_factor: float, index: KvIndex, wait_for_home: bool) -> None:
+        self.index = index
+        self.wait_for_home = wait_for_home
+        """``router.affinity=wait``: a turn whose longest cached prefix is on a full replica waits for it."""
+        self.hashing = ConsistentHash(replicas, load_factor, wait_for_home)
+        self.among = 0
+        super().__init__(replicas)
+        self.update(replicas)
+
+    def update(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+        self.hashing.update(replicas)
+        self.among = self.index.mask(replicas)
+
+    def reweight(self) -> None:
+        self.hashing.reweight()
+
+    def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
+               req: Request | None = None) -> Replica | None:
+        if req is not None and self.among and with_room:
+            if self.wait_for_home:
+                home, _ = self.index.longest(req, self.among, _anywhere)
+                if home is not None and not home.has_room:
+                    return None  # its prefix is cached there: wait for a slot rather than compute it again
+            r, _ = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load))
+            if r is not None:
+                return r
+        return self.hashing.choose(session_id, group_load, with_room)
+
+
+POLICIES: dict[RouterPolicyName, Callable[[list[Replica], float, int, Affinity, KvIndex | None], Policy]] = {
+    RouterPolicyName.consistent_hash: lambda replicas, load_factor, seed, affinity, index: ConsistentHash(
         replicas, load_factor, affinity == Affinity.wait),
-    RouterPolicyName.least_loaded: lambda replicas, load_factor, seed, affinity: LeastLoaded(replicas),
-    RouterPolicyName.power_of_two: lambda replicas, load_factor, seed, affinity: PowerOfTwo(replicas, seed),
-    RouterPolicyName.round_robin: lambda replicas, load_factor, seed, affinity: RoundRobin(replicas),
+    RouterPolicyName.least_loaded: lambda replicas, load_factor, seed, affinity, index: LeastLoaded(replicas),
+    RouterPolicyName.power_of_two: lambda replicas, load_factor, seed, affinity, index: PowerOfTwo(replicas, seed),
+    RouterPolicyName.round_robin: lambda replicas, load_factor, seed, affinity, index: RoundRobin(replicas),
+    RouterPolicyName.kv_aware: lambda replicas, load_factor, seed, affinity, index: KvAware(
+        replicas, load_factor, index or KvIndex(lambda r, why: None), affinity == Affinity.wait),
 }
 """``router.policy``'s implementations, one per :class:`~toolkit.config.RouterPolicyName`, each making one
-for a group from its replicas, ``router.load_factor``, a seed and ``router.affinity`` (a new one: a class
-here, its name in the enum and its line)."""
+for a group from its replicas, ``router.load_factor``, a seed, ``router.affinity`` and the router's KV
+index (a new one: a class here, its name in the enum and its line)."""
 
 
 def make_policy(name: RouterPolicyName | str, replicas: list[Replica], load_factor: float = 1.25,
-                seed: int = 0, affinity: Affinity = Affinity.spill) -> Policy:
+                seed: int = 0, affinity: Affinity = Affinity.spill, index: KvIndex | None = None) -> Policy:
     """``router.policy`` ``name``'s policy over ``replicas`` (a name the enum lacks: a ConfigError naming
     the options, for a config built in code that ``validate`` did not see)."""
     try:
         make = POLICIES[RouterPolicyName(name)]
     except ValueError:
         raise ConfigError([FieldError("router.policy", name, f"one of {list(POLICIES)}")]) from None
-    return make(replicas, load_factor, seed, affinity)
+    return make(replicas, load_factor, seed, affinity, index)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Collection, Iterable
 
 from toolkit.config import RouterConfig
 from toolkit.core import protocol as P
+from toolkit.router.kv_admission import KvAdmission
+from toolkit.router.kv_index import KvIndex
 from toolkit.router.policy import Policy, make_policy
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
@@ -64,9 +66,14 @@ class GroupPool:
 
 
 class ReplicaPool:
-    def __init__(self, rcfg: RouterConfig, seed: int, reserved: str | None = None) -> None:
+    def __init__(self, rcfg: RouterConfig, seed: int, reserved: str | None = None, index: KvIndex | None = None,
+                 admission: KvAdmission | None = None) -> None:
+        """``index``: what the replicas cache, for ``kv_aware``; ``admission``: the KV budget new sessions
+        start under (``router.kv_budget``), if any."""
         self.rcfg = rcfg
         self.seed = seed
+        self.index = index
+        self.admission = admission
         self.reserved = reserved
         """A group that ``BULK`` leaves out (the tail group, kept for long runners), or None."""
         self._replicas: dict[bytes, Replica] = {}
@@ -87,11 +94,17 @@ class ReplicaPool:
         if self.reserved is not None and r.group != self.reserved:
             keys = (r.group, None, BULK)
         self._pools_of[r] = tuple(self._group(k) for k in keys)
+        if self.index is not None:
+            self.index.add(r)
 
     def remove(self, r: Replica) -> list[Request]:
         """Forget a replica (it left): out of dispatch and the maps. Returns the requests it held, which
         are the caller's now."""
         self._withdraw(r)
+        if self.index is not None:
+            self.index.drop(r)  # after its pools' policies let go of its slot
+        if self.admission is not None:
+            self.admission.drop_replica(r)
         self._pools_of.pop(r, None)
         self._replicas.pop(r.identity, None)
         if self._by_id.get(r.replica_id) == r.identity:
@@ -122,7 +135,7 @@ class ReplicaPool:
             gp.members.append(r)
             if gp.policy is None:
                 gp.policy = make_policy(self.rcfg.policy, gp.members, self.rcfg.load_factor, self.seed,
-                                        self.rcfg.affinity)
+                                        self.rcfg.affinity, self.index)
             else:
                 gp.policy.update(gp.members)
             gp.update_limits()
@@ -132,6 +145,8 @@ class ReplicaPool:
     def set_unready(self, r: Replica) -> None:
         """Its engine died: out of dispatch until :meth:`set_ready` again; its requests finish meanwhile."""
         self._withdraw(r)
+        if self.admission is not None:
+            self.admission.drop_replica(r)  # its cache went with its engine
         r.ready = False
 
     def set_draining(self, r: Replica) -> None:
@@ -213,12 +228,17 @@ class ReplicaPool:
         gp = self._groups.get(key)
         return gp.limits if gp is not None else None
 
-    def choose(self, key: PoolKey, session: str) -> Replica | None:
-        """The replica under ``key`` the policy gives ``session`` now, or None."""
+    def choose(self, key: PoolKey, session: str, req: Request | None = None) -> Replica | None:
+        """The replica under ``key`` the policy gives ``session`` (``req``) now, or None. A request that
+        starts a session goes only where the KV budget has room for it."""
         gp = self._groups.get(key)
         if gp is None or gp.spare_slots <= 0 or gp.policy is None:
             return None
-        return gp.policy.choose(session, gp.capacity - gp.spare_slots, gp.with_room)
+        r = gp.policy.choose(session, gp.capacity - gp.spare_slots, gp.with_room, req)
+        adm = self.admission
+        if r is None or adm is None or req is None or not req.new_session or adm.fits(r, req):
+            return r
+        return adm.best(gp.with_room, req)
 
     def choose_for_suspect(self, key: PoolKey) -> Replica | None:
         """A request that was in flight at a death goes where no other suspect runs (least loaded)."""

@@ -3,7 +3,8 @@
 Dispatch order: one request from each job in turn, starting with the job served longest ago; oldest
 first within a job. A request put back after its replica died goes to the front of its job's queue.
 Requests are bucketed by the group they name (None: none named, tail routing places them), so a full
-group never blocks a job's requests for another group.
+group never blocks a job's requests for another group, and apart when they start a session that waits
+for a KV budget, so those never block the turns of sessions already running.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Request:
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
-        "prompt_len", "est_mark", "moves", "group", "first_cached", "named_group",
+        "prompt_len", "est_mark", "moves", "group", "first_cached", "named_group", "kv_hashes", "new_session",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -57,6 +58,11 @@ class Request:
         # The group its client named (None: any). A move's continuation names the group the router
         # moved it to in ``msg.group``; this one never changes.
         self.named_group = msg.group
+        self.kv_hashes: dict[int, list[int]] = {}
+        """Its prompt's block hashes by block size (``kv_index.py``), once a decision needed them."""
+        self.new_session = False
+        """It starts a session not admitted to any replica (``router.kv_budget``): it waits apart from the
+        admitted sessions' turns, so those go while it waits for room."""
 
 
 class JobQueue:
@@ -64,13 +70,14 @@ class JobQueue:
 
     def __init__(self, name: str, scan: int = 1) -> None:
         self.name = name
-        self.buckets: dict[str | None, deque[Request]] = {}
+        self.buckets: dict[tuple[str | None, bool], deque[Request]] = {}
+        """By (the group a request names, whether it starts a session waiting for admission)."""
         self.size = 0
         self.scan = scan
         """How many requests of a bucket may be tried, from its head (see :class:`FairQueue`)."""
 
     def push(self, req: Request, front: bool = False) -> None:
-        bucket = self.buckets.setdefault(req.msg.group, deque())
+        bucket = self.buckets.setdefault((req.msg.group, req.new_session), deque())
         if front:
             bucket.appendleft(req)
         else:
@@ -167,6 +174,7 @@ class FairQueue:
         """Queued requests of the buckets of ``groups`` (the group a request names; None: unnamed)."""
         for q in list(self.jobs.values()):
             for g in groups:
-                bucket = q.buckets.get(g)
-                if bucket:
-                    yield from (r for r in bucket if not r.done)
+                for new in (False, True):
+                    bucket = q.buckets.get((g, new))
+                    if bucket:
+                        yield from (r for r in bucket if not r.done)

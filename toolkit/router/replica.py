@@ -33,6 +33,14 @@ class Replica:
     """How its engine takes streamed updates (``Register.streams``)."""
     stream_ranks: int = 1
     """Ranks its workers take in an update's chain."""
+    kv_block_size: int = 0
+    """Tokens per block of its engine's prefix cache, when it reports KV events (0: it does not)."""
+    kv_capacity_tokens: int = 0
+    """Tokens its engine's KV cache holds (0: unknown)."""
+
+    # ---- written by the KV index (``kv_index.py``) ---------------------------------------------------
+    kv_slot: int = -1
+    """Its bit in the index's masks (-1: not indexed)."""
 
     # ---- written by the pool (``pool.py``): whether it serves, and what it holds -----------------
     ready: bool = False

@@ -26,6 +26,7 @@ from toolkit.core.security import server_curve
 from toolkit.core.sockets import recv_frames
 from toolkit.router.answered import Answered
 from toolkit.router.elastic import Elastic, EmptyGroups
+from toolkit.router.kv import KvRouting
 from toolkit.router.links import Links, ZmqLinks
 from toolkit.router.membership import PROBE_PREFIX, Membership
 from toolkit.router.metrics import DecisionTimer, RouterMetrics
@@ -77,7 +78,8 @@ class Router:
         self.files = FileWriter("router-files")
         self.timeline = Timeline(run_dir, self.files)
         # The parts.
-        self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail))
+        self.kv = KvRouting(cfg, self._to_replica)
+        self.pool = ReplicaPool(cfg.router, cfg.seed, reserved_group(cfg.tail), self.kv.index, self.kv.admission)
         self.tail = TailRouting(cfg.tail, run_dir, self.files, self.pool)
         self.weights = WeightSync(run_dir, self.files, self.pool, self._to_replica, self._to_client)
         self.migrations = Migrations(moves_carry_kv(cfg), self._to_replica, self.queue, self.timeline)
@@ -193,6 +195,7 @@ class Router:
             self.pool.reweight()
             self.links.client_msg(client, msg)
         elif isinstance(msg, P.SessionDone):
+            self.kv.session_done(msg.session_id)
             flip = self.tail.session_done(msg.job, msg.step, msg.session_id)
             if flip is not None:
                 self.timeline.flipped(msg.job, msg.step, *flip)
@@ -232,6 +235,7 @@ class Router:
         if error:
             self._fail(req, "client_error", error)
             return
+        self.kv.submitted(req)
         self.live[rid] = req
         if msg.deadline:
             self._deadlines += 1
@@ -271,7 +275,8 @@ class Router:
                         completed=self.stats["completed"], steps=self.tail.progress(self.timeline),
                         loading=sorted(r.replica_id for r in replicas
                                        if not r.draining and self.weights.is_loading(r)),
-                        weights_version=self.weights.landed)
+                        weights_version=self.weights.landed,
+                        kv=self.kv.status(replicas, self.queue.waiting_for(self.groups | {None})))
 
     # ---- dispatch --------------------------------------------------------------------------
     def _decide(self, req: Request) -> Replica | None:
@@ -281,9 +286,9 @@ class Router:
             r = self.pool.choose_for_suspect(g)
             return r if r is not None or fallback is None else self.pool.choose_for_suspect(fallback)
         key = req.msg.session_id or req.request_id
-        r = self.pool.choose(g, key)
+        r = self.pool.choose(g, key, req)
         if r is None and fallback is not None:
-            r = self.pool.choose(fallback, key)
+            r = self.pool.choose(fallback, key, req)
         return r
 
     def move_long_runners(self) -> None:
@@ -319,6 +324,7 @@ class Router:
             r.restart_stall_clock(now)  # the stall clock runs only while work is in flight
         self.pool.take_slot(r, req)
         self.tail.dispatched(req, r, now)
+        self.kv.sent(req, r, now)
         req.replica = r.replica_id
         req.group = r.group
         req.t_dispatch = clock.wall()
@@ -347,6 +353,10 @@ class Router:
             self.membership.heartbeat(ident, msg)
         elif isinstance(msg, P.Register):
             self.membership.register(ident, msg)
+        elif isinstance(msg, P.KvEvents):
+            self.kv.events(self.pool.known(ident), msg)
+        elif isinstance(msg, P.KvSnapshot):
+            self.kv.snapshot(self.pool.known(ident), msg)
         elif isinstance(msg, P.WeightsUpdated):
             r = self.pool.known(ident)
             if r is not None:
@@ -381,6 +391,7 @@ class Router:
             payload = _enc.encode(res)
         if res.status == "ok":
             self.tail.finished(req, len(req.prefix_tokens) + len(res.output_token_ids))
+        self.kv.answered(req, len(req.prefix_tokens) + len(res.output_token_ids), clock.monotonic())
         if req.prefix_tokens:
             payload = self.migrations.merged(req, res)
         self._complete(req, payload, res.status)
@@ -431,6 +442,8 @@ class Router:
         self.weights.answer_clients()  # an answer may wait for weights.json
         if self._deadlines > 0:
             self._expire(wall)
+        if self.kv.on:
+            self.kv.sweep(clock.monotonic(), self.live.values())
         if self.metrics is not None:
             self.metrics.publish(self.pool.all(), self.queue.depths(), self.events())
         if self._timer is not None:

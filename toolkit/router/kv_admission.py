@@ -1,0 +1,132 @@
+"""Admission by KV budget (``router.kv_budget``): a new session starts on a replica only while the KV its
+admitted sessions take there, plus what the new one is expected to take, stays under the budget.
+
+A session is admitted where its first turn is sent and holds its reservation until its ``SessionDone``:
+the larger of its context so far and the mean final context of its job's finished sessions (before any
+finished: its prompt plus its turn's budget). Its turns move the reservation with them (a move to the
+tail group, a spill); a replica that leaves frees its sessions' (they are admitted again where their
+next turn goes, without waiting). A session with no request for :data:`IDLE_S` (a client that never
+says ``SessionDone``) gives its reservation back. Requests without a session are never held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
+
+IDLE_S = 60.0
+"""A session with no request for this long is no longer counted."""
+FINAL_WEIGHT = 0.05
+"""Weight of each finished session in its job's running mean of final contexts (an EMA)."""
+
+
+class _Held:
+    __slots__ = ("replica", "tokens", "job", "active_at")
+
+    def __init__(self, replica: Replica, tokens: int, job: str, now: float) -> None:
+        self.replica = replica
+        self.tokens = tokens
+        self.job = job
+        self.active_at = now
+
+
+class KvAdmission:
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        """Fraction of a replica's KV cache its admitted sessions may take."""
+        self.sessions: dict[str, _Held] = {}
+        self.used: dict[Replica, int] = {}
+        """Tokens reserved per replica."""
+        self.final: dict[str, float] = {}
+        """Per job: the running mean of its finished sessions' final contexts (tokens)."""
+        self.refused = 0
+        """Decisions that found no replica with budget for a new session (it waited)."""
+
+    def is_new(self, req: Request) -> bool:
+        """``req`` starts a session not admitted anywhere."""
+        sid = req.msg.session_id
+        return bool(sid) and sid not in self.sessions
+
+    def expected(self, req: Request) -> int:
+        mean = self.final.get(req.job)
+        first = req.prompt_len + req.msg.sampling.max_tokens
+        return max(req.prompt_len, int(mean)) if mean is not None else first
+
+    def fits(self, r: Replica, req: Request) -> bool:
+        """A new session ``req`` may start on ``r``: it has no session yet, or the budget has room."""
+        cap = r.kv_capacity_tokens
+        used = self.used.get(r, 0)
+        return cap <= 0 or used == 0 or used + self.expected(req) <= self.budget * cap
+
+    def best(self, candidates: Iterable[Replica], req: Request) -> Replica | None:
+        """Of ``candidates``, the one with the most budget left that fits ``req`` (None: it waits)."""
+        need = self.expected(req)
+        best, best_left = None, -1.0
+        for r in candidates:
+            cap = r.kv_capacity_tokens
+            used = self.used.get(r, 0)
+            left = float("inf") if cap <= 0 or used == 0 else self.budget * cap - used - need
+            if left >= 0 and left > best_left:
+                best, best_left = r, left
+        if best is None:
+            self.refused += 1
+        return best
+
+    # ---- what happens to sessions ----------------------------------------------------------------
+    def placed(self, req: Request, r: Replica, now: float) -> None:
+        """A turn of ``req``'s session was sent to ``r``: it is admitted there (moved, if elsewhere)."""
+        sid = req.msg.session_id
+        if not sid:
+            return
+        held = self.sessions.get(sid)
+        if held is None:
+            held = self.sessions[sid] = _Held(r, self.expected(req), req.job, now)
+            self.used[r] = self.used.get(r, 0) + held.tokens
+            return
+        held.active_at = now
+        held.tokens = self._grow(held, req.prompt_len)
+        if held.replica is not r:
+            self._release(held)
+            held.replica = r
+            self.used[r] = self.used.get(r, 0) + held.tokens
+
+    def answered(self, req: Request, output_tokens: int, now: float) -> None:
+        held = self.sessions.get(req.msg.session_id) if req.msg.session_id else None
+        if held is not None:
+            held.active_at = now
+            held.tokens = self._grow(held, req.prompt_len + output_tokens)
+
+    def _grow(self, held: _Held, context: int) -> int:
+        if context <= held.tokens:
+            return held.tokens
+        self.used[held.replica] = self.used.get(held.replica, 0) + context - held.tokens
+        return context
+
+    def done(self, session_id: str) -> None:
+        """The session ended: its reservation goes, its context counts toward its job's mean."""
+        held = self.sessions.pop(session_id, None)
+        if held is None:
+            return
+        self._release(held)
+        mean = self.final.get(held.job)
+        self.final[held.job] = held.tokens if mean is None else mean + FINAL_WEIGHT * (held.tokens - mean)
+
+    def _release(self, held: _Held) -> None:
+        left = self.used.get(held.replica, 0) - held.tokens
+        if left > 0:
+            self.used[held.replica] = left
+        else:
+            self.used.pop(held.replica, None)
+
+    def drop_replica(self, r: Replica) -> None:
+        """``r`` left or lost its cache: its sessions are admitted again where their next turn goes."""
+        for sid in [s for s, h in self.sessions.items() if h.replica is r]:
+            del self.sessions[sid]
+        self.used.pop(r, None)
+
+    def expire(self, now: float, live: set[str]) -> None:
+        """Sessions idle for :data:`IDLE_S` with no request in ``live`` (the sessions with one) go."""
+        for sid in [s for s, h in self.sessions.items() if now - h.active_at > IDLE_S and s not in live]:
+            self._release(self.sessions.pop(sid))

@@ -1,0 +1,245 @@
+"""The router's index of what every replica's prefix cache holds, built from the engines' own KV events.
+
+Each replica that reports events (``Register.kv_block_size``) gets a slot; a block hash maps to the
+bitmask of the slots that hold it, so the replicas sharing a request's longest cached prefix are a
+few integer ANDs down its block chain. Batches are numbered per replica: one that does not follow the
+last makes the index drop what it knew of that replica and ask for a ``KvSnapshot`` (its batches are
+ignored until the snapshot comes). A replica that leaves, or registers again, is cleared.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from toolkit.core import protocol as P
+from toolkit.core.blocks import block_hashes
+from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
+
+logger = logging.getLogger(__name__)
+
+CHAINS_KEPT = 65536
+"""Sessions whose last prompt's block hashes are kept, so a next turn hashes only its new tokens."""
+
+
+class KvIndex:
+    def __init__(self, resync: Callable[[Replica, str], None]) -> None:
+        """``resync``: asks a replica for a snapshot of its blocks (sends it ``KvResync``)."""
+        self._resync = resync
+        self.holders: dict[int, int] = {}
+        """Block hash -> bitmask of the slots whose replica holds it."""
+        self._blocks: list[set[int]] = []
+        """Per slot: the hashes its replica holds."""
+        self._owner: list[Replica | None] = []
+        self._free: list[int] = []
+        self._seq: dict[Replica, int | None] = {}
+        """Per replica: the last batch applied (None: waiting for a snapshot)."""
+        self.block_sizes: dict[int, int] = {}
+        """Block size -> replicas indexed with it."""
+        self._chains: OrderedDict[tuple[str, int], tuple[list[int], list[int]]] = OrderedDict()
+        """(session, block size) -> (its last prompt, that prompt's block hashes)."""
+        self.events = 0
+        """Block events applied (stored, removed, a clear)."""
+        self.resyncs = 0
+
+    # ---- replicas --------------------------------------------------------------------------------
+    def add(self, r: Replica) -> None:
+        """``r`` registered with KV events: a slot, empty, and a snapshot asked for."""
+        if r.kv_block_size <= 0:
+            return
+        if r.kv_slot < 0:
+            slot = self._free.pop() if self._free else len(self._blocks)
+            if slot == len(self._blocks):
+                self._blocks.append(set())
+                self._owner.append(None)
+            r.kv_slot = slot
+            self._owner[slot] = r
+            self.block_sizes[r.kv_block_size] = self.block_sizes.get(r.kv_block_size, 0) + 1
+        self._clear(r)
+        self._ask(r, "registered")
+
+    def drop(self, r: Replica) -> None:
+        """``r`` left: its blocks and slot go."""
+        if r.kv_slot < 0:
+            return
+        self._clear(r)
+        self._owner[r.kv_slot] = None
+        self._free.append(r.kv_slot)
+        n = self.block_sizes[r.kv_block_size] - 1
+        if n:
+            self.block_sizes[r.kv_block_size] = n
+        else:
+            del self.block_sizes[r.kv_block_size]
+        self._seq.pop(r, None)
+        r.kv_slot = -1
+
+    def _clear(self, r: Replica) -> None:
+        bit = 1 << r.kv_slot
+        holders = self.holders
+        blocks = self._blocks[r.kv_slot]
+        for h in blocks:
+            m = holders.get(h, 0) & ~bit
+            if m:
+                holders[h] = m
+            else:
+                holders.pop(h, None)
+        blocks.clear()
+
+    def _ask(self, r: Replica, why: str) -> None:
+        self._seq[r] = None
+        self.resyncs += 1
+        self._resync(r, why)
+
+    # ---- events in -------------------------------------------------------------------------------
+    def apply(self, r: Replica, msg: P.KvEvents) -> None:
+        if r.kv_slot < 0:
+            return
+        last = self._seq.get(r)
+        if last is None or msg.seq <= last:  # waiting for a snapshot, or a batch the snapshot holds
+            return
+        if msg.seq != last + 1:
+            logger.warning("replica %s: KV events batch %d after %d; asking for a snapshot", r.replica_id,
+                           msg.seq, last)
+            self._clear(r)
+            self._ask(r, f"batch {msg.seq} came after {last}")
+            return
+        self._seq[r] = msg.seq
+        if msg.cleared:
+            self._clear(r)
+            self.events += 1
+        self._store(r, msg.stored)
+        self._remove(r, msg.removed)
+
+    def snapshot(self, r: Replica, msg: P.KvSnapshot) -> None:
+        if r.kv_slot < 0:
+            return
+        self._clear(r)
+        self._store(r, msg.blocks)
+        self._seq[r] = msg.seq
+
+    def _store(self, r: Replica, hashes: Iterable[int]) -> None:
+        bit = 1 << r.kv_slot
+        holders = self.holders
+        blocks = self._blocks[r.kv_slot]
+        n = len(blocks)
+        for h in hashes:
+            if h not in blocks:
+                blocks.add(h)
+                holders[h] = holders.get(h, 0) | bit
+        self.events += len(blocks) - n
+
+    def _remove(self, r: Replica, hashes: Iterable[int]) -> None:
+        keep = ~(1 << r.kv_slot)
+        holders = self.holders
+        blocks = self._blocks[r.kv_slot]
+        for h in hashes:
+            if h in blocks:
+                blocks.discard(h)
+                m = holders[h] & keep
+                if m:
+                    holders[h] = m
+                else:
+                    del holders[h]
+                self.events += 1
+
+    # ---- what routing reads ----------------------------------------------------------------------
+    def mask(self, replicas: Iterable[Replica]) -> int:
+        """The bitmask of the slots of ``replicas`` that report events."""
+        m = 0
+        for r in replicas:
+            if r.kv_slot >= 0:
+                m |= 1 << r.kv_slot
+        return m
+
+    def cached_blocks(self, r: Replica) -> int:
+        return len(self._blocks[r.kv_slot]) if r.kv_slot >= 0 else 0
+
+    @property
+    def size(self) -> int:
+        """Distinct blocks held anywhere."""
+        return len(self.holders)
+
+    def hashes(self, req: Request, block_size: int) -> list[int]:
+        """``req``'s prompt's block hashes at ``block_size`` (kept on it), going on from its session's last
+        prompt when this one extends it."""
+        tokens = req.msg.prompt_token_ids
+        got = req.kv_hashes.get(block_size)
+        if got is not None:
+            if len(got) == len(tokens) // block_size:
+                return got
+            # A move's continuation: its prompt is the first leg's plus the tokens made so far.
+            got = req.kv_hashes[block_size] = block_hashes(tokens, block_size, got)
+            return got
+        key = (req.msg.session_id, block_size)
+        known = None
+        if req.msg.session_id:
+            last = self._chains.get(key)
+            if last is not None:
+                prev, prev_hashes = last
+                if len(prev) <= len(tokens) and tokens[: len(prev)] == prev:
+                    known = prev_hashes
+        hashes = block_hashes(tokens, block_size, known)
+        req.kv_hashes[block_size] = hashes
+        if req.msg.session_id:
+            self._chains[key] = (tokens, hashes)
+            self._chains.move_to_end(key)
+            if len(self._chains) > CHAINS_KEPT:
+                self._chains.popitem(last=False)
+        return hashes
+
+    def forget_session(self, session_id: str) -> None:
+        for bs in self.block_sizes:
+            self._chains.pop((session_id, bs), None)
+
+    def prefix_on(self, req: Request, r: Replica) -> int:
+        """Tokens of ``req``'s prompt (but its last) the index says ``r`` holds."""
+        bs = r.kv_block_size
+        if r.kv_slot < 0:
+            return 0
+        bit = 1 << r.kv_slot
+        holders = self.holders
+        n = 0
+        for h in self.hashes(req, bs)[: (len(req.msg.prompt_token_ids) - 1) // bs]:
+            if not holders.get(h, 0) & bit:
+                break
+            n += 1
+        return n * bs
+
+    def longest(self, req: Request, among: int, fits: Callable[[Replica], bool]) -> tuple[Replica | None, int]:
+        """Of the slots in ``among`` whose replica ``fits``, the one holding the longest prefix of ``req``'s
+        prompt (least loaded among equals), and that prefix in tokens; (None, 0) when none holds its
+        first block. The last token is always computed, so at most ``len - 1`` tokens count."""
+        best: Replica | None = None
+        best_tokens = 0
+        for bs in self.block_sizes:
+            hashes = self.hashes(req, bs)
+            usable = (len(req.msg.prompt_token_ids) - 1) // bs
+            levels = []
+            m = among
+            holders = self.holders
+            for h in hashes[:usable]:
+                m &= holders.get(h, 0)
+                if not m:
+                    break
+                levels.append(m)
+            for depth in range(len(levels), 0, -1):
+                if depth * bs <= best_tokens:
+                    break
+                r = self._best_of(levels[depth - 1], fits)
+                if r is not None:
+                    best, best_tokens = r, depth * bs
+                    break
+        return best, best_tokens
+
+    def _best_of(self, mask: int, fits: Callable[[Replica], bool]) -> Replica | None:
+        best = None
+        owner = self._owner
+        while mask:
+            low = mask & -mask
+            r = owner[low.bit_length() - 1]
+            mask ^= low
+            if r is not None and fits(r) and (best is None or len(r.inflight) < len(best.inflight)):
+                best = r
+        return best
