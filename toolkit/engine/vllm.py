@@ -58,7 +58,9 @@ from toolkit.core.protocol import (
 )
 from toolkit.engine import vllm_transfer
 from toolkit.engine.base import Engine, EngineGone, EngineInfo
+from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.nodes import NodeRole
+from toolkit.engine.vllm_kv import VllmKvEvents
 from toolkit.engine.vllm_lora import Adapters
 from toolkit.engine.vllm_setup import cpu_environment, engine_args, stat_logger_factory
 
@@ -70,6 +72,7 @@ WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 def _vllm() -> SimpleNamespace:
     """vLLM's names this backend uses, imported once (5-10 s: only in a replica that serves vLLM)."""
     from vllm import SamplingParams
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.exceptions import VLLMClientError
     from vllm.inputs import TokensPrompt
@@ -82,7 +85,8 @@ def _vllm() -> SimpleNamespace:
     return SimpleNamespace(SamplingParams=SamplingParams, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
                            TokensPrompt=TokensPrompt, LoRARequest=LoRARequest, FINAL=RequestOutputKind.FINAL_ONLY,
                            VLLMClientError=VLLMClientError, EngineDeadError=EngineDeadError,
-                           StructuredOutputsParams=StructuredOutputsParams, platform=current_platform)
+                           StructuredOutputsParams=StructuredOutputsParams, platform=current_platform,
+                           KVEventsConfig=KVEventsConfig)
 
 
 def structured_outputs(v: SimpleNamespace, st: Structured | None) -> Any:
@@ -144,6 +148,16 @@ class VllmEngine(Engine):
         self.adapters = Adapters(cfg, None)
         self.active: set[str] = set()
         """Request ids in ``llm.generate`` now (an in-place update that fails aborts them)."""
+        self.kv: VllmKvEvents | None = None
+        """vLLM's KV events, mapped into the replica's log (``kv_events``)."""
+
+    def kv_events(self) -> KvEventLog:
+        if self.kv is None:
+            self.kv = VllmKvEvents(KvEventLog())
+        return self.kv.log
+
+    def kv_held(self) -> list[int]:
+        return list(self.kv.held.values()) if self.kv is not None else []
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
@@ -165,7 +179,8 @@ class VllmEngine(Engine):
         t0 = time.monotonic()
         if v.platform.is_cpu():
             cpu_environment(self.cfg, NodeRole.from_env())
-        args = v.AsyncEngineArgs(**self.engine_args())
+        extra = {"kv_events_config": self.kv.config(v.KVEventsConfig)} if self.kv is not None else {}
+        args = v.AsyncEngineArgs(**self.engine_args(), **extra)
         # In a thread: the replica's loop keeps beating while a restarted engine comes up (~20 s).
         self.llm = await asyncio.to_thread(v.AsyncLLM.from_engine_args, args,
                                            stat_loggers=[stat_logger_factory(self.counters)])
@@ -180,14 +195,19 @@ class VllmEngine(Engine):
         await self._hold()
         if v.platform.is_cpu() and self.cfg.cpu_engine_nice:
             self._lower_priority(self.cfg.cpu_engine_nice)
-        mc = self.llm.model_config
-        self.info = EngineInfo(self.cfg.model, int(mc.max_model_len), int(mc.get_vocab_size()))
+        mc, cc = self.llm.model_config, self.llm.vllm_config.cache_config
+        self.info = EngineInfo(self.cfg.model, int(mc.max_model_len), int(mc.get_vocab_size()), int(cc.block_size),
+                               int(cc.block_size) * int(cc.num_gpu_blocks or 0))
+        if self.kv is not None:
+            self.kv.start()
         logger.info("vLLM engine up in %.1fs: %s (max_model_len %d, vocab %d, pids %s)", time.monotonic() - t0,
                     self.model_path, self.info.max_model_len, self.info.vocab_size, self.pids())
         return self.info
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None
+        if self.kv is not None:
+            self.kv.stop()
         if llm is not None:
             # Blocking (waits for the engine core process); AsyncLLM.__del__ would call it again at
             # interpreter exit, when half of vLLM is gone: drop the last reference here instead.
