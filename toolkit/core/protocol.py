@@ -266,8 +266,13 @@ class KvStatus(Message):
     """Over the last seconds."""
     resyncs: int = 0
     """Snapshots asked for (registrations, gaps)."""
+    predicted_tokens: int = 0
+    """Prompt tokens the index said were cached on the replica each request was sent to (the last token
+    of a prompt, always computed, not counted)."""
+    dispatched_tokens: int = 0
+    """Prompt tokens of the requests sent to replicas that report events."""
     predicted_hit: float = 0.0
-    """Share of dispatched prompt tokens the index said were cached where they went."""
+    """``predicted_tokens / dispatched_tokens``."""
     reported_hit: float = 0.0
     """Share of prompt tokens the engines' own counters found cached (their heartbeats, since this router
     started)."""
