@@ -155,12 +155,13 @@ def kv_moves(cfg: Config) -> list[FieldError]:
 
 
 def affinity(cfg: Config) -> list[FieldError]:
-    """``router.affinity=wait`` waits for a session's own replica: only ``consistent_hash`` gives it one."""
-    if cfg.router.affinity == "spill" or cfg.router.policy == "consistent_hash":
+    """``router.affinity=wait`` waits for a session's own replica: ``consistent_hash`` gives it one, and
+    ``kv_aware`` the one that holds its prefix."""
+    if cfg.router.affinity == "spill" or cfg.router.policy in ("consistent_hash", "kv_aware"):
         return []
     return [FieldError("router.affinity", cfg.router.affinity,
-                       f"'spill' with router.policy={cfg.router.policy} (only consistent_hash keeps a session's "
-                       f"replica to wait for)")]
+                       f"'spill' with router.policy={cfg.router.policy} (only consistent_hash and kv_aware keep a "
+                       f"session's replica to wait for)")]
 
 
 def concurrency_cap(cfg: Config) -> list[FieldError]:

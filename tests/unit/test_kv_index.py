@@ -1,0 +1,212 @@
+"""The router's KV index, the ``kv_aware`` policy and admission by KV budget, on constructed replicas and
+requests (no process): events applied in order, a gap resynchronised by a snapshot, the longest prefix
+found within the load bound, and new sessions held to the budget while admitted ones go on."""
+
+from __future__ import annotations
+
+from toolkit.core import protocol as P
+from toolkit.core.blocks import block_hashes, chain_from
+from toolkit.engine.kv_events import KvEventLog
+from toolkit.engine.sim import PrefixCache
+from toolkit.router.kv_admission import KvAdmission
+from toolkit.router.kv_index import KvIndex
+from toolkit.router.policy import KvAware
+from toolkit.router.queue import Request
+from toolkit.router.replica import Replica
+
+BS = 4
+
+
+def replica(name: str, max_inflight: int = 4, capacity: int = 1000) -> Replica:
+    return Replica(name, name.encode(), "g", max_inflight, 8192, 32000, kv_block_size=BS, kv_capacity_tokens=capacity)
+
+
+def request(rid: str, tokens: list[int], session: str = "", job: str = "j", max_tokens: int = 10) -> Request:
+    msg = P.Generate(rid, job=job, session_id=session or rid, prompt_token_ids=tokens,
+                     sampling=P.Sampling(max_tokens=max_tokens))
+    return Request(msg, b"", b"c", job, 0, 0.0)
+
+
+class Asked:
+    def __init__(self) -> None:
+        self.who: list[tuple[str, str]] = []
+
+    def __call__(self, r: Replica, why: str) -> None:
+        self.who.append((r.replica_id, why))
+
+
+def indexed(*names: str) -> tuple[KvIndex, Asked, list[Replica]]:
+    asked = Asked()
+    index = KvIndex(asked)
+    rs = [replica(n) for n in names]
+    for r in rs:
+        index.add(r)
+        index.snapshot(r, P.KvSnapshot(0, []))
+    return index, asked, rs
+
+
+def test_block_hashes_chain_and_go_on_from_known_ones() -> None:
+    tokens = list(range(3, 22))  # 4 whole blocks and 3 tokens
+    hs = block_hashes(tokens, BS)
+    assert len(hs) == 4 and len(set(hs)) == 4
+    assert block_hashes(tokens, BS, hs[:2]) == hs
+    assert chain_from(hs[1], tokens[2 * BS:], BS) == hs[2:]
+    assert block_hashes([9] + tokens[1:], BS)[1:] != hs[1:]  # a block's hash names its whole prefix
+
+
+def test_the_event_log_sends_the_net_change_in_numbered_batches() -> None:
+    log = KvEventLog()
+    assert log.take() is None
+    log.stored([1, 2, 3])
+    log.removed([2])
+    b1 = log.take()
+    assert b1 is not None and (b1.seq, sorted(b1.stored), b1.removed, b1.cleared) == (1, [1, 3], [2], False)
+    log.stored([4])
+    log.cleared()
+    log.stored([5])
+    b2 = log.take()
+    assert b2 is not None and (b2.seq, b2.stored, b2.cleared) == (2, [5], True)
+    log.lose_seq = 3
+    log.stored([6])
+    assert log.take() is None and log.seq == 3  # lost on the way: the next batch shows the gap
+
+
+def test_the_sim_cache_reports_what_it_stores_and_evicts() -> None:
+    cache = PrefixCache(BS, 3 * BS)
+    cache.log = KvEventLog()
+    a = list(range(1, 10))  # 2 whole blocks
+    cache.insert(a)
+    cache.insert(list(range(20, 30)))  # 2 more: the oldest goes
+    batch = cache.log.take()
+    assert batch is not None
+    assert set(batch.stored) - set(batch.removed) == set(cache.blocks)
+    cache.clear()
+    assert cache.log.take().cleared
+
+
+def test_events_a_gap_and_a_snapshot() -> None:
+    index, asked, (a, b) = indexed("a", "b")
+    assert [w for _, w in asked.who] == ["registered", "registered"]
+    hs = block_hashes(list(range(12)), BS)
+    index.apply(a, P.KvEvents(1, stored=hs))
+    index.apply(b, P.KvEvents(1, stored=hs[:1]))
+    assert index.holders[hs[0]] == 0b11 and index.holders[hs[2]] == 0b01 and index.size == 3
+    index.apply(a, P.KvEvents(2, removed=hs[2:]))
+    assert hs[2] not in index.holders and index.cached_blocks(a) == 2
+    # Batch 4 after 2: what a held is forgotten, a snapshot asked for, later batches wait for it.
+    index.apply(a, P.KvEvents(4, stored=hs[2:]))
+    assert asked.who[-1] == ("a", "batch 4 came after 2") and index.cached_blocks(a) == 0
+    index.apply(a, P.KvEvents(5, stored=hs))
+    assert index.cached_blocks(a) == 0
+    index.snapshot(a, P.KvSnapshot(5, hs[:2]))
+    index.apply(a, P.KvEvents(5, stored=hs))  # held by the snapshot already: ignored
+    index.apply(a, P.KvEvents(6, stored=hs[2:]))
+    assert index.cached_blocks(a) == 3 and index.holders[hs[0]] == 0b11
+    index.apply(a, P.KvEvents(7, cleared=True, stored=hs[:1]))
+    assert index.cached_blocks(a) == 1
+    # A replica that leaves takes its bits; its slot goes to the next one.
+    index.drop(b)
+    assert index.holders[hs[0]] == 0b01 and b.kv_slot == -1
+    c = replica("c")
+    index.add(c)
+    assert c.kv_slot == 1 and index.cached_blocks(c) == 0
+
+
+def test_the_longest_cached_prefix_within_the_bound_least_loaded_among_equals() -> None:
+    index, _, (a, b, c) = indexed("a", "b", "c")
+    ctx = list(range(3, 40))
+    hs = block_hashes(ctx, BS)
+    index.apply(a, P.KvEvents(1, stored=hs[:2]))
+    index.apply(b, P.KvEvents(1, stored=hs[:5]))
+    index.apply(c, P.KvEvents(1, stored=hs[:5]))
+    among = index.mask([a, b, c])
+    req = request("r", ctx + [1, 2])
+    c.inflight = {"x": req}
+    assert index.longest(req, among, lambda r: True) == (b, 5 * BS)  # b and c hold 5; b is less loaded
+    assert index.longest(req, among, lambda r: r is a) == (a, 2 * BS)
+    assert index.longest(req, index.mask([a]), lambda r: True) == (a, 2 * BS)
+    assert index.longest(request("r2", [99] * 20), among, lambda r: True) == (None, 0)
+    assert index.prefix_on(req, b) == 5 * BS and index.prefix_on(req, a) == 2 * BS
+    # The last token is always computed: a prompt of exactly 2 cached blocks counts 1 of them.
+    assert index.prefix_on(request("r3", ctx[: 2 * BS]), a) == BS
+
+
+def test_a_next_turn_hashes_only_its_new_tokens() -> None:
+    index, _, _ = indexed("a")
+    t1 = list(range(3, 30))
+    r1 = request("t1", t1, session="s")
+    h1 = index.hashes(r1, BS)
+    t2 = t1 + list(range(50, 70))
+    r2 = request("t2", t2, session="s")
+    assert index.hashes(r2, BS) == block_hashes(t2, BS)
+    assert r2.kv_hashes[BS][: len(h1)] == h1
+    # A next prompt that does not extend the last one is hashed whole.
+    t3 = [7] + t2[1:]
+    assert index.hashes(request("t3", t3, session="s"), BS) == block_hashes(t3, BS)
+
+
+def test_kv_aware_follows_the_prefix_and_falls_back_to_hashing() -> None:
+    index, _, rs = indexed("a", "b", "c")
+    policy = KvAware(rs, 1.25, index, wait_for_home=False)
+    ctx = list(range(3, 40))
+    index.apply(rs[2], P.KvEvents(1, stored=block_hashes(ctx, BS)))
+    req = request("r", ctx + [1], session="s")
+    assert policy.choose("s", 0, rs, req) is rs[2]
+    # Over its load bound (ceil(1.25 * 9 * 4 / 12) = 4 with 4 in flight): the hashing's choice instead.
+    rs[2].inflight = {str(i): req for i in range(4)}
+    assert policy.choose("s", 8, [rs[0], rs[1]], req) in rs[:2]
+    # affinity=wait: a full replica holding the prefix makes the turn wait for it.
+    waiting = KvAware(rs, 1.25, index, wait_for_home=True)
+    assert waiting.choose("s", 8, [rs[0], rs[1]], req) is None
+    cold = request("cold", [999] * 30, session="cold")
+    assert policy.choose("cold", 0, rs, cold) is policy.hashing.choose("cold", 0, rs)
+
+
+def test_new_sessions_wait_for_budget_while_admitted_ones_go_on() -> None:
+    adm = KvAdmission(0.5)
+    a = replica("a", capacity=1000)  # 500 tokens of budget
+    first = request("s1-t1", [1] * 200, session="s1", max_tokens=100)  # expects 300
+    assert adm.is_new(first) and adm.fits(a, first)
+    adm.placed(first, a, 0.0)
+    assert adm.used[a] == 300 and not adm.is_new(request("s1-t2", [1] * 260, session="s1"))
+    second = request("s2-t1", [2] * 200, session="s2", max_tokens=100)
+    assert not adm.fits(a, second) and adm.best([a], second) is None and adm.refused == 1
+    # Its context grows past what was expected: the reservation grows with it.
+    adm.answered(first, 150, 1.0)
+    assert adm.used[a] == 350
+    # It ends: the reservation goes, and its job now expects 350 tokens of a session.
+    adm.done("s1")
+    assert a not in adm.used and adm.expected(second) == 350
+    adm.placed(second, a, 2.0)
+    # A replica that leaves frees its sessions; an idle one without a request expires.
+    adm.drop_replica(a)
+    assert not adm.sessions and not adm.used
+    adm.placed(second, a, 3.0)
+    adm.expire(3.0 + 61, live={"s2"})
+    assert "s2" in adm.sessions
+    adm.expire(3.0 + 61, live=set())
+    assert not adm.sessions and not adm.used
+    # A session larger than the whole budget still runs where nothing else is admitted.
+    big = request("big", [3] * 900, session="big", max_tokens=100)
+    assert adm.fits(a, big)
+
+
+def test_a_twin_under_a_kv_budget_lands_every_session_and_keeps_more_of_the_cache() -> None:
+    """The router's own code in the twin: 384 sessions on replicas that cache 40 of them. Uncapped,
+    they evict each other; with kv_aware and its budget, the new ones wait and the hit rate rises."""
+    from toolkit.config import compose_config
+    from toolkit.launch.validation import validate
+    from toolkit.plan.twin import Twin
+
+    def run(*policy: str) -> tuple[float, dict[str, int]]:
+        cfg = compose_config(["sessions_per_step=384", "steps=1", "engine.kv_cache_tokens=40000",
+                              "router.affinity=wait", *policy])
+        validate(cfg)
+        r = Twin(cfg).run()
+        (step,) = r.steps
+        assert step["sessions"] == 384 and step["requests_by_status"] == {"ok": step["requests"]}
+        return step["prefix_hit_rate"], r.router
+
+    plain, _ = run("router.policy=consistent_hash")
+    aware, events = run("router.policy=kv_aware")
+    assert aware > plain + 0.1, (plain, aware)
