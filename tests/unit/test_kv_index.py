@@ -42,6 +42,7 @@ def indexed(*names: str) -> tuple[KvIndex, Asked, list[Replica]]:
     for r in rs:
         index.add(r)
         index.snapshot(r, P.KvSnapshot(0, []))
+        index.set_room(r, True)  # the pool's part: each has a slot free
     return index, asked, rs
 
 
@@ -123,6 +124,10 @@ def test_the_longest_cached_prefix_within_the_bound_least_loaded_among_equals() 
     req = request("r", ctx + [1, 2])
     c.inflight = {"x": req}
     assert index.longest(req, among, lambda r: True) == (b, 5 * BS)  # b and c hold 5; b is less loaded
+    index.set_room(b, False)
+    assert index.longest(req, among, lambda r: True) == (c, 5 * BS)  # only replicas with a slot free
+    assert index.longest(req, among, lambda r: True, with_room=False) == (b, 5 * BS)
+    index.set_room(b, True)
     assert index.longest(req, among, lambda r: r is a) == (a, 2 * BS)
     assert index.longest(req, index.mask([a]), lambda r: True) == (a, 2 * BS)
     assert index.longest(request("r2", [99] * 20), among, lambda r: True) == (None, 0)
@@ -164,7 +169,7 @@ def test_kv_aware_follows_the_prefix_and_falls_back_to_hashing() -> None:
 
 def test_new_sessions_wait_for_budget_while_admitted_ones_go_on() -> None:
     adm = KvAdmission(0.5)
-    a = replica("a", capacity=1000)  # 500 tokens of budget
+    a = replica("a", max_inflight=1, capacity=1000)  # 500 tokens of budget, one slot
     first = request("s1-t1", [1] * 200, session="s1", max_tokens=100)  # expects 300
     assert adm.is_new(first) and adm.fits(a, first)
     adm.placed(first, a, 0.0)

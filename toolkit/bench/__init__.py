@@ -19,4 +19,5 @@ BENCHMARKS = {
     "partial": "toolkit.bench.partial",
     "weights": "toolkit.bench.weights",
     "twin": "toolkit.bench.twin",
+    "kv": "toolkit.bench.kv",
 }

@@ -25,12 +25,22 @@ import zmq
 from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
 from toolkit.core import protocol as P
 from toolkit.core.rundir import RunDir
+from toolkit.core.blocks import block_hashes
 from toolkit.core.sockets import make_socket
+from toolkit.engine.kv_events import KvEventLog
+from toolkit.engine.sim import PrefixCache
 from toolkit.launch.stack import LocalStack
 from toolkit.router.server import Router
 
 PROMPT_LEN = 128
 OUTPUT_LEN = 16
+SESSIONS = 5000
+"""Sessions the decision bench's requests belong to."""
+KV_BLOCK = 16
+KV_CAPACITY = 200_000
+"""Tokens of each instant replica's prefix cache (``kv_aware``'s events)."""
+FILLER = 2000
+"""Blocks of other work each replica holds in the decision bench's index (``kv_aware``)."""
 _enc = msgspec.msgpack.Encoder()
 _dec_gen = msgspec.msgpack.Decoder(P.Generate)
 
@@ -42,9 +52,13 @@ def _answer(payload: bytes, replica_id: str, group: str) -> bytes:
     return _enc.encode(res)
 
 
-def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartbeat_s: float) -> None:
-    """``n`` replicas in one process that answer every Generate at once (a process target)."""
+def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartbeat_s: float,
+                     kv_block_size: int = 0) -> None:
+    """``n`` replicas in one process that answer every Generate at once (a process target); with
+    ``kv_block_size``, each keeps a sim prefix cache of what it served and sends its KV events before
+    each Result, as a replica process does."""
     ctx = zmq.Context()
+    caches: dict[str, PrefixCache] = {}
     socks = []
     poller = zmq.Poller()
     for i in range(n):
@@ -55,7 +69,19 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
         poller.register(s, zmq.POLLIN)
 
     def register(s: zmq.Socket, rid: str) -> None:
-        s.send_multipart(P.encode(P.Register(rid, group, {"group": group}, "instant", max_inflight, 100000, 1 << 20)))
+        s.send_multipart(P.encode(P.Register(rid, group, {"group": group}, "instant", max_inflight, 100000, 1 << 20,
+                                             kv_block_size=kv_block_size, kv_capacity_tokens=KV_CAPACITY)))
+        if kv_block_size:
+            caches[rid] = PrefixCache(kv_block_size, KV_CAPACITY)
+            caches[rid].log = KvEventLog()
+
+    def events(s: zmq.Socket, rid: str, payload: bytes) -> None:
+        cache = caches[rid]
+        req = _dec_gen.decode(payload)
+        cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
+        batch = cache.log.take() if cache.log is not None else None
+        if batch is not None:
+            s.send_multipart(P.encode(batch))
 
     for s, rid in socks:
         register(s, rid)
@@ -72,9 +98,16 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
                 except zmq.Again:
                     break
                 if mtype == t_gen:
+                    if kv_block_size:
+                        events(s, rid, payload)
                     s.send_multipart([t_res, _answer(payload, rid, group)])
                 elif mtype == P.TYPE_OF[P.Reregister]:
                     register(s, rid)
+                elif mtype == P.TYPE_OF[P.KvResync] and rid in caches:
+                    log = caches[rid].log
+                    assert log is not None
+                    log.take()
+                    s.send_multipart(P.encode(P.KvSnapshot(log.seq, list(caches[rid].blocks))))
         if time.monotonic() >= next_beat:
             for s, rid in socks:
                 s.send_multipart(P.encode(P.Heartbeat(rid, P.ReplicaStats(generated_tokens=int(time.monotonic() * 1000)))))
@@ -136,10 +169,27 @@ def raw_workers(backend: str, n: int) -> None:
                 s.send_multipart([client, t_res, _answer(payload, "raw", "raw")])
 
 
-def client(frontend: str, n: int, window: int, out_q: Any) -> None:
+def prompt_of(i: int, prompts: str) -> list[int]:
+    """Request ``i``'s prompt: ``same``: one prompt for all (``bench router``'s); ``distinct``: a prompt of
+    its own each (all new blocks for a prefix cache); ``turns``: 997 sessions of 8 turns, each turn's
+    prompt its session's last one, that turn's output (the instant replicas say ``1..OUTPUT_LEN``) and 8
+    observation tokens."""
+    if prompts == "distinct":
+        return [(i * 131 + k) % 30011 + 1 for k in range(PROMPT_LEN)]
+    if prompts == "turns":
+        s, turn = i % 997, (i // 997) % 8
+        ctx = [(s * 131 + k) % 30011 + 1 for k in range(PROMPT_LEN)]
+        for t in range(turn):
+            ctx += list(range(1, OUTPUT_LEN + 1)) + [(s * 7 + t * 13 + k) % 30011 + 1 for k in range(8)]
+        return ctx
+    return list(range(1, PROMPT_LEN + 1))
+
+
+def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same") -> None:
     """Keep ``window`` requests outstanding; report requests/s from first send to last result."""
-    payloads = [_enc.encode(P.Generate(f"{os.getpid()}-{i}", "bench", f"s{i % 997}", 0,
-                                       list(range(1, PROMPT_LEN + 1)), P.Sampling(OUTPUT_LEN)))
+    payloads = [_enc.encode(P.Generate(f"{os.getpid()}-{i}", "bench",
+                                       f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}", 0,
+                                       prompt_of(i, prompts), P.Sampling(OUTPUT_LEN)))
                 for i in range(n)]
     ctx = zmq.Context()
     s = make_socket(ctx, zmq.DEALER)
@@ -149,6 +199,10 @@ def client(frontend: str, n: int, window: int, out_q: Any) -> None:
     t0 = time.perf_counter()
     while done < n:
         while sent < n and sent - done < window:
+            if prompts == "turns" and sent >= 997 * 8 and sent % (997 * 8) < 997:
+                # A session's first turn: the one it follows (997 * 8 requests back) is done, as a rank says.
+                prev = sent - 997 * 8
+                s.send_multipart(P.encode(P.SessionDone("bench", 0, f"s{prev % 997}-{prev // (997 * 8)}")))
             s.send_multipart([t_gen, payloads[sent]])
             sent += 1
         s.recv_multipart()
@@ -164,15 +218,34 @@ def client(frontend: str, n: int, window: int, out_q: Any) -> None:
     ctx.term()
 
 
-def _run_client(frontend: str, n: int, window: int) -> float:
+def _run_client(frontend: str, n: int, window: int, prompts: str = "same") -> float:
     mpc = mp.get_context("spawn")
     q = mpc.Queue()
-    p = mpc.Process(target=client, args=(frontend, n, window, q), daemon=True)
+    p = mpc.Process(target=client, args=(frontend, n, window, q, prompts), daemon=True)
     p.start()
     try:
         return float(q.get(timeout=300))
     finally:
         p.join(10)
+
+
+def _indexed(router: Router, rng: random.Random) -> dict[int, list[int]]:
+    """``kv_aware``'s index as a busy fleet's: each session's context (512 tokens) cached on 1 to 3
+    replicas, and each replica holding :data:`FILLER` blocks of other work. Returns the contexts."""
+    index = router.kv.index
+    assert index is not None
+    reps = list(router.pool.all())
+    held: dict[int, list[int]] = {r.kv_slot: [rng.getrandbits(63) for _ in range(FILLER)] for r in reps}
+    contexts = {}
+    for sid in range(SESSIONS):
+        ctx = [rng.randrange(1, 30000) for _ in range(512)]
+        contexts[sid] = ctx + [7] * 16
+        hashes = block_hashes(ctx, KV_BLOCK)
+        for r in rng.sample(reps, rng.randint(1, 3)):
+            held[r.kv_slot].extend(hashes[: rng.randint(1, len(hashes))])
+    for r in reps:
+        index.snapshot(r, P.KvSnapshot(0, held[r.kv_slot]))
+    return contexts
 
 
 def bench_config(replicas: int, max_inflight: int, policy: str = "consistent_hash", metrics: bool = True) -> Config:
@@ -266,6 +339,7 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
     """p50 and p99 of one dispatch decision, in microseconds."""
     max_inflight = 4
     cfg = bench_config(replicas, max_inflight, policy)
+    kv = policy == "kv_aware"
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="bench-decide-") as tmp:
         rd = RunDir(Path(tmp))
@@ -276,14 +350,17 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
             router.bind("127.0.0.1")
             for i in range(replicas):
                 ident = f"r{i}".encode()
-                router.membership.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20))
+                router.membership.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20,
+                                                             kv_block_size=KV_BLOCK if kv else 0))
                 replica = router.pool.known(ident)
                 assert replica is not None
                 router.pool.set_ready(replica)
+            prompts = _indexed(router, rng) if kv else {}
             prompt = list(range(1, PROMPT_LEN + 1))
             total = queued + replicas * max_inflight
             for k in range(total + samples):
-                msg = P.Generate(f"q{k}", f"job{k % jobs}", f"s{rng.randrange(5000)}", 0, prompt,
+                sid = rng.randrange(SESSIONS)
+                msg = P.Generate(f"q{k}", f"job{k % jobs}", f"s{sid}", 0, prompts.get(sid, prompt),
                                  P.Sampling(OUTPUT_LEN))
                 router.submit(b"client", msg, _enc.encode(msg))
             router.dispatch()  # fills every slot; the rest stays queued

@@ -19,8 +19,10 @@ def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int] | 
     already computed (the chain goes on from them)."""
     out = list(known or ())
     h = out[-1] if out else ROOT
-    for i in range(len(out) * block_size, len(tokens) - block_size + 1, block_size):
-        h = hash((h, tuple(tokens[i : i + block_size])))
+    start = len(out) * block_size
+    t = tuple(tokens[start:])  # slices of a tuple are the blocks' tuples: one copy each, not two
+    for i in range(0, len(t) - block_size + 1, block_size):
+        h = hash((h, t[i : i + block_size]))
         out.append(h)
     return out
 
@@ -29,7 +31,8 @@ def chain_from(parent: int, tokens: Sequence[int], block_size: int) -> list[int]
     """The hashes of the whole blocks of ``tokens`` following a block whose hash is ``parent``."""
     out = []
     h = parent
-    for i in range(0, len(tokens) - block_size + 1, block_size):
-        h = hash((h, tuple(tokens[i : i + block_size])))
+    t = tuple(tokens)
+    for i in range(0, len(t) - block_size + 1, block_size):
+        h = hash((h, t[i : i + block_size]))
         out.append(h)
     return out

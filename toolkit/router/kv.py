@@ -50,15 +50,22 @@ class KvRouting:
 
     # ---- a request's and a session's life ---------------------------------------------------------
     def submitted(self, req: Request) -> None:
+        """On arrival: whether it starts a session (the budget), and its prompt's block hashes, so that a
+        decision while it waits only reads the index."""
         if self.admission is not None:
             req.new_session = self.admission.is_new(req)
+        if self.index is not None:
+            for bs in self.index.block_sizes:
+                self.index.hashes(req, bs)
 
     def sent(self, req: Request, r: Replica, now: float) -> None:
         if self.admission is not None:
             self.admission.placed(req, r, now)
         if self.index is not None and r.kv_slot >= 0:
-            self.predicted_tokens += self.index.prefix_on(req, r)
-            self.dispatched_tokens += req.prompt_len
+            found = req.kv_found
+            self.predicted_tokens += found[1] if found is not None and found[0] is r else self.index.prefix_on(req, r)
+            self.dispatched_tokens += len(req.msg.prompt_token_ids)
+            req.kv_found = None
 
     def answered(self, req: Request, output_tokens: int, now: float) -> None:
         if self.admission is not None:

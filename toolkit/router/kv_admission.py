@@ -39,6 +39,8 @@ class KvAdmission:
         self.sessions: dict[str, _Held] = {}
         self.used: dict[Replica, int] = {}
         """Tokens reserved per replica."""
+        self.count: dict[Replica, int] = {}
+        """Sessions admitted per replica."""
         self.final: dict[str, float] = {}
         """Per job: the running mean of its finished sessions' final contexts (tokens)."""
         self.refused = 0
@@ -55,10 +57,11 @@ class KvAdmission:
         return max(req.prompt_len, int(mean)) if mean is not None else first
 
     def fits(self, r: Replica, req: Request) -> bool:
-        """A new session ``req`` may start on ``r``: it has no session yet, or the budget has room."""
+        """A new session ``req`` may start on ``r``: the budget has room for it, or ``r`` has fewer sessions
+        than slots (a slot no session can fill is lost work: more KV in use is the better trade)."""
         cap = r.kv_capacity_tokens
-        used = self.used.get(r, 0)
-        return cap <= 0 or used == 0 or used + self.expected(req) <= self.budget * cap
+        return (cap <= 0 or self.count.get(r, 0) < r.max_inflight
+                or self.used.get(r, 0) + self.expected(req) <= self.budget * cap)
 
     def best(self, candidates: Iterable[Replica], req: Request) -> Replica | None:
         """Of ``candidates``, the one with the most budget left that fits ``req`` (None: it waits)."""
@@ -66,8 +69,10 @@ class KvAdmission:
         best, best_left = None, -1.0
         for r in candidates:
             cap = r.kv_capacity_tokens
-            used = self.used.get(r, 0)
-            left = float("inf") if cap <= 0 or used == 0 else self.budget * cap - used - need
+            if cap <= 0 or self.count.get(r, 0) < r.max_inflight:
+                left = float("inf")
+            else:
+                left = self.budget * cap - self.used.get(r, 0) - need
             if left >= 0 and left > best_left:
                 best, best_left = r, left
         if best is None:
@@ -83,14 +88,14 @@ class KvAdmission:
         held = self.sessions.get(sid)
         if held is None:
             held = self.sessions[sid] = _Held(r, self.expected(req), req.job, now)
-            self.used[r] = self.used.get(r, 0) + held.tokens
+            self._hold(held)
             return
         held.active_at = now
         held.tokens = self._grow(held, req.prompt_len)
         if held.replica is not r:
             self._release(held)
             held.replica = r
-            self.used[r] = self.used.get(r, 0) + held.tokens
+            self._hold(held)
 
     def answered(self, req: Request, output_tokens: int, now: float) -> None:
         held = self.sessions.get(req.msg.session_id) if req.msg.session_id else None
@@ -113,18 +118,27 @@ class KvAdmission:
         mean = self.final.get(held.job)
         self.final[held.job] = held.tokens if mean is None else mean + FINAL_WEIGHT * (held.tokens - mean)
 
+    def _hold(self, held: _Held) -> None:
+        r = held.replica
+        self.used[r] = self.used.get(r, 0) + held.tokens
+        self.count[r] = self.count.get(r, 0) + 1
+
     def _release(self, held: _Held) -> None:
-        left = self.used.get(held.replica, 0) - held.tokens
+        r = held.replica
+        left = self.count.get(r, 0) - 1
         if left > 0:
-            self.used[held.replica] = left
+            self.count[r] = left
+            self.used[r] -= held.tokens
         else:
-            self.used.pop(held.replica, None)
+            self.count.pop(r, None)
+            self.used.pop(r, None)
 
     def drop_replica(self, r: Replica) -> None:
         """``r`` left or lost its cache: its sessions are admitted again where their next turn goes."""
         for sid in [s for s, h in self.sessions.items() if h.replica is r]:
             del self.sessions[sid]
         self.used.pop(r, None)
+        self.count.pop(r, None)
 
     def expire(self, now: float, live: set[str]) -> None:
         """Sessions idle for :data:`IDLE_S` with no request in ``live`` (the sessions with one) go."""

@@ -40,6 +40,8 @@ class KvIndex:
         """Block size -> replicas indexed with it."""
         self._chains: OrderedDict[tuple[str, int], tuple[list[int], list[int]]] = OrderedDict()
         """(session, block size) -> (its last prompt, that prompt's block hashes)."""
+        self.room = 0
+        """Bitmask of the slots whose replica serves and has a slot free (kept by the pool)."""
         self.events = 0
         """Block events applied (stored, removed, a clear)."""
         self.resyncs = 0
@@ -60,10 +62,15 @@ class KvIndex:
         self._clear(r)
         self._ask(r, "registered")
 
+    def set_room(self, r: Replica, room: bool) -> None:
+        if r.kv_slot >= 0:
+            self.room = self.room | (1 << r.kv_slot) if room else self.room & ~(1 << r.kv_slot)
+
     def drop(self, r: Replica) -> None:
         """``r`` left: its blocks and slot go."""
         if r.kv_slot < 0:
             return
+        self.set_room(r, False)
         self._clear(r)
         self._owner[r.kv_slot] = None
         self._free.append(r.kv_slot)
@@ -120,29 +127,34 @@ class KvIndex:
         self._seq[r] = msg.seq
 
     def _store(self, r: Replica, hashes: Iterable[int]) -> None:
+        blocks = self._blocks[r.kv_slot]
+        new = set(hashes)
+        new -= blocks
+        if not new:
+            return
+        blocks |= new
         bit = 1 << r.kv_slot
         holders = self.holders
-        blocks = self._blocks[r.kv_slot]
-        n = len(blocks)
-        for h in hashes:
-            if h not in blocks:
-                blocks.add(h)
-                holders[h] = holders.get(h, 0) | bit
-        self.events += len(blocks) - n
+        get = holders.get
+        for h in new:
+            holders[h] = get(h, 0) | bit
+        self.events += len(new)
 
     def _remove(self, r: Replica, hashes: Iterable[int]) -> None:
+        blocks = self._blocks[r.kv_slot]
+        gone = blocks.intersection(hashes)
+        if not gone:
+            return
+        blocks -= gone
         keep = ~(1 << r.kv_slot)
         holders = self.holders
-        blocks = self._blocks[r.kv_slot]
-        for h in hashes:
-            if h in blocks:
-                blocks.discard(h)
-                m = holders[h] & keep
-                if m:
-                    holders[h] = m
-                else:
-                    del holders[h]
-                self.events += 1
+        for h in gone:
+            m = holders[h] & keep
+            if m:
+                holders[h] = m
+            else:
+                del holders[h]
+        self.events += len(gone)
 
     # ---- what routing reads ----------------------------------------------------------------------
     def mask(self, replicas: Iterable[Replica]) -> int:
@@ -207,27 +219,34 @@ class KvIndex:
             n += 1
         return n * bs
 
-    def longest(self, req: Request, among: int, fits: Callable[[Replica], bool]) -> tuple[Replica | None, int]:
-        """Of the slots in ``among`` whose replica ``fits``, the one holding the longest prefix of ``req``'s
-        prompt (least loaded among equals), and that prefix in tokens; (None, 0) when none holds its
-        first block. The last token is always computed, so at most ``len - 1`` tokens count."""
+    def longest(self, req: Request, among: int, fits: Callable[[Replica], bool],
+                with_room: bool = True) -> tuple[Replica | None, int]:
+        """Of the slots in ``among`` (``with_room``: that have a slot free) whose replica ``fits``, the one
+        holding the longest prefix of ``req``'s prompt (least loaded among equals), and that prefix in
+        tokens; (None, 0) when none holds its first block. The last token is always computed, so at
+        most ``len - 1`` tokens count."""
         best: Replica | None = None
         best_tokens = 0
+        if with_room:
+            among &= self.room
+        holders = self.holders
         for bs in self.block_sizes:
             hashes = self.hashes(req, bs)
             usable = (len(req.msg.prompt_token_ids) - 1) // bs
             levels = []
             m = among
-            holders = self.holders
             for h in hashes[:usable]:
                 m &= holders.get(h, 0)
                 if not m:
                     break
                 levels.append(m)
+            tried = 0
             for depth in range(len(levels), 0, -1):
                 if depth * bs <= best_tokens:
                     break
-                r = self._best_of(levels[depth - 1], fits)
+                fresh = levels[depth - 1] & ~tried  # deeper levels' replicas were tried already
+                tried |= fresh
+                r = self._best_of(fresh, fits) if fresh else None
                 if r is not None:
                     best, best_tokens = r, depth * bs
                     break

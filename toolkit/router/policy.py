@@ -240,11 +240,12 @@ class KvAware(Policy):
                req: Request | None = None) -> Replica | None:
         if req is not None and self.among and with_room:
             if self.wait_for_home:
-                home, _ = self.index.longest(req, self.among, _anywhere)
+                home, _ = self.index.longest(req, self.among, _anywhere, with_room=False)
                 if home is not None and not home.has_room:
                     return None  # its prefix is cached there: wait for a slot rather than compute it again
-            r, _ = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load))
+            r, tokens = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load))
             if r is not None:
+                req.kv_found = (r, tokens)
                 return r
         return self.hashing.choose(session_id, group_load, with_room)
 

@@ -158,6 +158,8 @@ class ReplicaPool:
         """Out of dispatch: its spare slots, its place in its pools' policies, capacity and limits. Its
         in-flight requests are the caller's business."""
         pools = self._pools_of.get(r, ())
+        if self.index is not None:
+            self.index.set_room(r, False)
         for gp in pools:
             gp.with_room.pop(r, None)
         if not r.serving:  # never counted (not ready), or withdrawn already (draining)
@@ -197,6 +199,8 @@ class ReplicaPool:
         if pools is None:  # gone
             return
         has_room = len(r.inflight) < r.max_inflight
+        if self.index is not None:
+            self.index.set_room(r, has_room)
         for gp in pools:
             gp.spare_slots += delta
             if has_room:

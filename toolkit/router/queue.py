@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from toolkit.core.protocol import Generate
 
@@ -23,7 +23,7 @@ class Request:
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
         "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
-        "prompt_len", "est_mark", "moves", "group", "first_cached", "named_group", "kv_hashes", "new_session",
+        "prompt_len", "est_mark", "moves", "group", "first_cached", "named_group", "kv_hashes", "kv_found", "new_session",
     )
 
     def __init__(self, msg: Generate, payload: bytes, client: bytes, job: str, seq: int, now: float) -> None:
@@ -60,6 +60,9 @@ class Request:
         self.named_group = msg.group
         self.kv_hashes: dict[int, list[int]] = {}
         """Its prompt's block hashes by block size (``kv_index.py``), once a decision needed them."""
+        self.kv_found: tuple[Any, int] | None = None
+        """The replica ``kv_aware`` found its longest cached prefix on (a ``Replica``: replica.py imports this
+        module), and that prefix in tokens."""
         self.new_session = False
         """It starts a session not admitted to any replica (``router.kv_budget``): it waits apart from the
         admitted sessions' turns, so those go while it waits for room."""
