@@ -122,3 +122,21 @@ def test_twin_bench_reports_its_fields(tmp_path: Path) -> None:
     assert isinstance(r["workloads"]["tail"]["order_same"], bool)
     assert r["twin_s_headline_12_steps"] > 0 and r["twin_s_65536_sessions_4096_replicas"] > 0
     assert 0 < r["decision_us_p50_4096"] <= r["decision_us_p99_4096"]
+
+
+def test_kv_bench_reports_its_fields(tmp_path: Path) -> None:
+    r = bench("kv", tmp_path)
+    assert set(r["arms"]) >= {"consistent_hash", "best_cap", "kv_aware", "churn_consistent_hash", "churn_kv_aware",
+                              "churn_oracle"}
+    for a in r["arms"].values():
+        assert a["step_s"] > 0 and 0 <= a["prefix_hit"] <= 1 and len(a["steps_s"]) == r["steps_per_arm"] - r["warmup_steps"]
+    assert r["arms"]["best_cap"]["setting"] in r["cap_sweep"]
+    assert r["arms"]["best_cap"]["step_s"] == min(a["step_s"] for a in r["cap_sweep"].values())
+    assert r["ratio_step_vs_best_cap"] == pytest.approx(r["arms"]["kv_aware"]["step_s"] / r["arms"]["best_cap"]["step_s"],
+                                                        abs=1e-3)
+    assert r["hit_gap_vs_oracle"] == pytest.approx(
+        r["arms"]["churn_oracle"]["prefix_hit"] - r["arms"]["churn_kv_aware"]["prefix_hit"], abs=1e-3)
+    assert 0 < r["decision_us_p50"] <= r["decision_us_p99"]
+    turns = r["router_throughput"]["turns"]
+    assert r["router_throughput_ratio_events_on"] == turns["ratio_events_on"] > 0
+    assert all(v > 0 for v in turns["rps"].values()) and all(v > 0 for v in turns["router_cpu_us_per_request"].values())

@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

@@ -24,8 +24,8 @@ import zmq
 
 from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
 from toolkit.core import protocol as P
-from toolkit.core.rundir import RunDir
 from toolkit.core.blocks import block_hashes
+from toolkit.core.rundir import RunDir
 from toolkit.core.sockets import make_socket
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import PrefixCache

@@ -34,7 +34,14 @@ import zmq
 import zmq.asyncio
 from tokenizers import Tokenizer
 
-from toolkit.config import Config, SimEngineConfig, VllmEngineConfig, WeightsTransport, group_engine, kv_events_on
+from toolkit.config import (
+    Config,
+    SimEngineConfig,
+    VllmEngineConfig,
+    WeightsTransport,
+    group_engine,
+    kv_events_on,
+)
 from toolkit.config.entry import enter_component
 from toolkit.core import protocol as P
 from toolkit.core.lifecycle import ProcessRef, stdout_file, write_pidfile
@@ -96,8 +103,8 @@ class ReplicaServer:
         ))
 
     async def _send_kv(self) -> None:
-        """The KV events batch since the last one, if anything happened: before a Result leaves (so the
-        router knows where its context is cached before the session's next turn) and with heartbeats."""
+        """The KV events batch since the last one, if anything happened: with heartbeats (and in each
+        Result's message, so the router knows where its context is cached before the session's next turn)."""
         if self.kv is not None:
             batch = self.kv.take()
             if batch is not None:
@@ -230,8 +237,11 @@ class ReplicaServer:
         res.weight_version = res.weight_versions[-1]
         if self.metrics is not None:
             self.metrics.result(msg.job, res.status, len(res.output_token_ids), time.monotonic() - t0)
-        await self._send_kv()
-        await self._send(res)
+        batch = self.kv.take() if self.kv is not None else None
+        if batch is None:
+            await self._send(res)
+        else:  # the KV events since the last batch ride with it: one message, in order
+            await self.link.send([*P.encode(res), P.encode(batch)[1]])
 
     async def _abort(self, rid: str) -> None:
         task = self.tasks.get(rid)

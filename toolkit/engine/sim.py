@@ -24,9 +24,9 @@ import msgspec
 import numpy as np
 
 from toolkit.config import SimEngineConfig
+from toolkit.core.blocks import block_hashes
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights, Structured
-from toolkit.core.blocks import block_hashes
 from toolkit.engine.base import Engine, EngineInfo
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.structured import instance_text

@@ -20,6 +20,8 @@ from toolkit.router.replica import Replica
 
 logger = logging.getLogger(__name__)
 
+EDGE = 32
+"""Tokens compared at each end of a session's last prompt to take its block hashes as the next one's start."""
 CHAINS_KEPT = 65536
 """Sessions whose last prompt's block hashes are kept, so a next turn hashes only its new tokens."""
 
@@ -190,7 +192,10 @@ class KvIndex:
             last = self._chains.get(key)
             if last is not None:
                 prev, prev_hashes = last
-                if len(prev) <= len(tokens) and tokens[: len(prev)] == prev:
+                n = len(prev)
+                # It extends the last prompt: checked at both ends (a whole compare would cost more than
+                # hashing the new blocks; a prompt rewritten in the middle costs a misprediction, no more).
+                if n <= len(tokens) and tokens[:EDGE] == prev[:EDGE] and tokens[max(0, n - EDGE) : n] == prev[-EDGE:]:
                     known = prev_hashes
         hashes = block_hashes(tokens, block_size, known)
         req.kv_hashes[block_size] = hashes

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from toolkit.core.protocol import KvStatus
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
@@ -97,6 +98,8 @@ class Snapshot:
     replicas: tuple[ReplicaRow, ...] = ()
     events: tuple[tuple[str, int], ...] = ()
     histograms: tuple[HistogramState, ...] = ()
+    kv: KvStatus | None = None
+    """The KV index and budget (``router.policy=kv_aware``, ``router.kv_budget``), when on."""
 
 
 class RouterMetrics(Collector):
@@ -124,7 +127,7 @@ class RouterMetrics(Collector):
                            req.t_dispatch - req.t_submit if req.t_dispatch else -1.0))
 
     def publish(self, replicas: Iterable[Replica], queue_depth: list[tuple[str, int]],
-                events: Mapping[str, int]) -> None:
+                events: Mapping[str, int], kv: KvStatus | None = None) -> None:
         """At the sweep: fold the completions since the last one, then publish what a scrape shows."""
         self._fold()
         # Only replicas heard from: one that registers again (a router restart, a drop) would show its
@@ -133,7 +136,7 @@ class RouterMetrics(Collector):
                                 r.stats.generated_tokens, r.stats.weight_version, r.speed.tokens_per_s)
                      for r in replicas if r.heartbeats)
         self.snapshot = Snapshot(tuple(self.requests.items()), tuple(queue_depth), rows, tuple(events.items()),
-                                 (self.latency.state(), self.queue_wait.state(), self.decision.state()))
+                                 (self.latency.state(), self.queue_wait.state(), self.decision.state()), kv)
 
     def _fold(self) -> None:
         if not self._done:
@@ -188,6 +191,35 @@ class RouterMetrics(Collector):
         yield events
         for histogram in snap.histograms:
             yield histogram.family()
+        if snap.kv is not None:
+            yield from _kv_families(snap.kv)
+
+
+KV_GAUGES = (
+    ("toolkit_router_kv_index_blocks", "Distinct blocks some replica's prefix cache holds, by the engines' events",
+     "index_blocks"),
+    ("toolkit_router_kv_events_per_second", "KV block events the router applied per second", "events_per_s"),
+    ("toolkit_router_kv_predicted_hit", "Share of dispatched prompt tokens the index said were cached there",
+     "predicted_hit"),
+    ("toolkit_router_kv_reported_hit", "Share of prompt tokens the engines found cached (their counters)",
+     "reported_hit"),
+    ("toolkit_router_kv_admitted_sessions", "Sessions holding a KV reservation (router.kv_budget)", "admitted_sessions"),
+)
+
+
+def _kv_families(kv: KvStatus) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    for name, help_text, field in KV_GAUGES:
+        yield GaugeMetricFamily(name, help_text, value=getattr(kv, field))
+    yield CounterMetricFamily("toolkit_router_kv_events", "KV block events the router applied", value=kv.events)
+    yield CounterMetricFamily("toolkit_router_kv_resyncs", "KV snapshots the router asked replicas for",
+                              value=kv.resyncs)
+    per = (("toolkit_router_kv_replica_cached_blocks", "Blocks the replica's prefix cache holds", kv.cached_blocks),
+           ("toolkit_router_kv_replica_reserved_tokens", "KV tokens its admitted sessions reserve", kv.reserved_tokens))
+    for name, help_text, values in per:
+        fam = GaugeMetricFamily(name, help_text, labels=["replica"])
+        for rid, n in values.items():
+            fam.add_metric([rid], n)
+        yield fam
 
 
 class DecisionTimer:

@@ -49,6 +49,7 @@ _T_GENERATE = P.TYPE_OF[P.Generate]
 _T_RESULT = P.TYPE_OF[P.Result]
 _dec_generate = P.DECODERS[_T_GENERATE]
 _dec_result = P.DECODERS[_T_RESULT]
+_dec_kv = P.DECODERS[P.TYPE_OF[P.KvEvents]]
 _enc = P._encoder
 
 
@@ -155,7 +156,7 @@ class Router:
             if changed:  # else the dispatch after the backend drain has already seen this state
                 self.dispatch()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, bytes, bytes], None]) -> bool:
+    def _drain(self, sock: zmq.Socket, handle: Callable[..., None]) -> bool:
         """Handle up to _DRAIN messages; True if the socket may hold more."""
         for _ in range(_DRAIN):
             try:
@@ -167,14 +168,14 @@ class Router:
                 self.stats["malformed"] += 1
                 continue
             try:
-                handle(frames[0], frames[1], frames[2])
+                handle(*frames)
             except P.ProtocolError as exc:
                 logger.warning("dropped a malformed message: %s", exc)
                 self.stats["malformed"] += 1
         return True
 
     # ---- frontend --------------------------------------------------------------------------
-    def on_frontend(self, client: bytes, mtype: bytes, payload: bytes) -> None:
+    def on_frontend(self, client: bytes, mtype: bytes, payload: bytes, *_: bytes) -> None:
         if mtype == _T_GENERATE:
             try:
                 msg = _dec_generate.decode(payload)
@@ -340,8 +341,15 @@ class Router:
                 self.elastic.shutdown_if_idle(r)
 
     # ---- backend ---------------------------------------------------------------------------
-    def on_backend(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
+    def on_backend(self, ident: bytes, mtype: bytes, payload: bytes, kv: bytes = b"", *_: bytes) -> None:
+        """``kv``: a Result's replica's ``KvEvents`` since its last, in the same message (applied first)."""
         if mtype == _T_RESULT:
+            if kv:
+                try:
+                    self.kv.events(self.pool.known(ident), _dec_kv.decode(kv))
+                except Exception as exc:  # the batch is lost (the next one shows the gap), not the Result
+                    logger.warning("dropped a malformed KV events batch: %s", exc)
+                    self.stats["malformed"] += 1
             try:
                 res = _dec_result.decode(payload)
             except Exception as exc:
@@ -445,7 +453,7 @@ class Router:
         if self.kv.on:
             self.kv.sweep(clock.monotonic(), self.live.values())
         if self.metrics is not None:
-            self.metrics.publish(self.pool.all(), self.queue.depths(), self.events())
+            self.metrics.publish(self.pool.all(), self.queue.depths(), self.events(), self.kv.status(self.pool.all(), ()))
         if self._timer is not None:
             self._timer.arm()
 
