@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit.bench import router as rb
 from toolkit.bench.router import KV_BLOCK, _run_client, bench_config, decision_cost, instant_replicas
 from toolkit.bench.tail_arms import SESSIONS
 from toolkit.config import Config, compose_config, group_engine
+from toolkit.core import protocol as P
+from toolkit.core.blocks import block_hashes
 from toolkit.launch.stack import LocalStack
 from toolkit.launch.validation import validate
 from toolkit.plan.fleet import TwinReplica
 from toolkit.plan.twin import Twin
+from toolkit.router.server import Router
 
 STEPS, WARMUP = 3, 1
 """Steps per arm, of which the first warms up (a job's first sessions teach the budget their size)."""
@@ -40,6 +45,8 @@ CHURN = (f"sessions_per_step={SESSIONS}", "workload.max_tokens=2048", "seed=7")
 """(b): the tail bench's headline workload on the default fleet (``tail.policy=age`` moves sessions)."""
 ORACLE = ("router.policy=kv_aware", "router.affinity=wait", "router.load_factor=1000", "router.kv_budget=1.0")
 """Every turn to wherever its longest prefix is cached, waiting for it there, whatever the load."""
+FILLER = 2000
+"""Blocks of other work each replica holds in the decision bench's index."""
 RESTART_AT, ADD_AT = 0.3, 0.5
 """When, as a share of the warm-up step's time after the measured steps begin, a throughput replica is
 restarted (lost, and back empty at once) and one is added."""
@@ -155,6 +162,25 @@ def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) 
             "rounds": rounds, "prompts": prompts}
 
 
+def _indexed(router: Router, rng: random.Random) -> dict[int, list[int]]:
+    """``kv_aware``'s index as a busy fleet's: each session's context (512 tokens) cached on 1 to 3
+    replicas, and each replica holding :data:`FILLER` blocks of other work. Returns the contexts."""
+    index = router.kv.index
+    assert index is not None
+    reps = list(router.pool.all())
+    held: dict[int, list[int]] = {r.kv_slot: [rng.getrandbits(63) for _ in range(FILLER)] for r in reps}
+    contexts = {}
+    for sid in range(rb.SESSIONS):
+        ctx = [rng.randrange(1, 30000) for _ in range(512)]
+        contexts[sid] = ctx + [7] * 16
+        hashes = block_hashes(ctx, KV_BLOCK)
+        for r in rng.sample(reps, rng.randint(1, 3)):
+            held[r.kv_slot].extend(hashes[: rng.randint(1, len(hashes))])
+    for r in reps:
+        index.snapshot(r, P.KvSnapshot(0, held[r.kv_slot]))
+    return contexts
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     crowd = CROWD if not quick else ("sessions_per_step=512", "engine.kv_cache_tokens=25000")
     caps = CAPS if not quick else (64, 128)
@@ -175,7 +201,7 @@ def run(quick: bool = False) -> dict[str, Any]:
          "churn_kv_aware": arm((*churn, *KV_AWARE), steps, events),
          "churn_oracle": arm((*churn, *ORACLE), steps, events)}
     p50, p99 = decision_cost(replicas=512, samples=2000 if quick else 20000, queued=5000 if quick else 50000,
-                             policy="kv_aware")
+                             policy="kv_aware", setup=_indexed)
     thr = {prompts: events_ratio(n=3000 if quick else 20000, window=1024, replicas=4, rounds=1 if quick else 7,
                                  prompts=prompts) for prompts in (("turns",) if quick else ("turns", "distinct", "same"))}
     arms = {**a, **b}

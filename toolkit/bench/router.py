@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,6 @@ import zmq
 
 from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
 from toolkit.core import protocol as P
-from toolkit.core.blocks import block_hashes
 from toolkit.core.rundir import RunDir
 from toolkit.core.sockets import make_socket
 from toolkit.engine.kv_events import KvEventLog
@@ -39,8 +39,7 @@ SESSIONS = 5000
 KV_BLOCK = 16
 KV_CAPACITY = 200_000
 """Tokens of each instant replica's prefix cache (``kv_aware``'s events)."""
-FILLER = 2000
-"""Blocks of other work each replica holds in the decision bench's index (``kv_aware``)."""
+
 _enc = msgspec.msgpack.Encoder()
 _dec_gen = msgspec.msgpack.Decoder(P.Generate)
 
@@ -229,25 +228,6 @@ def _run_client(frontend: str, n: int, window: int, prompts: str = "same") -> fl
         p.join(10)
 
 
-def _indexed(router: Router, rng: random.Random) -> dict[int, list[int]]:
-    """``kv_aware``'s index as a busy fleet's: each session's context (512 tokens) cached on 1 to 3
-    replicas, and each replica holding :data:`FILLER` blocks of other work. Returns the contexts."""
-    index = router.kv.index
-    assert index is not None
-    reps = list(router.pool.all())
-    held: dict[int, list[int]] = {r.kv_slot: [rng.getrandbits(63) for _ in range(FILLER)] for r in reps}
-    contexts = {}
-    for sid in range(SESSIONS):
-        ctx = [rng.randrange(1, 30000) for _ in range(512)]
-        contexts[sid] = ctx + [7] * 16
-        hashes = block_hashes(ctx, KV_BLOCK)
-        for r in rng.sample(reps, rng.randint(1, 3)):
-            held[r.kv_slot].extend(hashes[: rng.randint(1, len(hashes))])
-    for r in reps:
-        index.snapshot(r, P.KvSnapshot(0, held[r.kv_slot]))
-    return contexts
-
-
 def bench_config(replicas: int, max_inflight: int, policy: str = "consistent_hash", metrics: bool = True) -> Config:
     return Config(engine=SimEngineConfig(), groups={"bench": GroupConfig(replicas=replicas, max_inflight=max_inflight)},
                   router=RouterConfig(policy=policy), report=ReportConfig(metrics=metrics))
@@ -335,8 +315,10 @@ def throughput(n: int, window: int, replicas: int, rounds: int) -> tuple[float, 
 
 
 def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000, jobs: int = 8,
-                  policy: str = "consistent_hash") -> tuple[float, float]:
-    """p50 and p99 of one dispatch decision, in microseconds."""
+                  policy: str = "consistent_hash",
+                  setup: Callable[[Router, random.Random], dict[int, list[int]]] | None = None) -> tuple[float, float]:
+    """p50 and p99 of one dispatch decision, in microseconds. ``setup``: fills the router's state once its
+    replicas are ready, and gives sessions' prompts (``bench kv``: its index)."""
     max_inflight = 4
     cfg = bench_config(replicas, max_inflight, policy)
     kv = policy == "kv_aware"
@@ -355,7 +337,7 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
                 replica = router.pool.known(ident)
                 assert replica is not None
                 router.pool.set_ready(replica)
-            prompts = _indexed(router, rng) if kv else {}
+            prompts = setup(router, rng) if setup is not None else {}
             prompt = list(range(1, PROMPT_LEN + 1))
             total = queued + replicas * max_inflight
             for k in range(total + samples):
