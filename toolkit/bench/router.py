@@ -74,13 +74,13 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
             caches[rid] = PrefixCache(kv_block_size, KV_CAPACITY)
             caches[rid].log = KvEventLog()
 
-    def events(s: zmq.Socket, rid: str, payload: bytes) -> None:
+    def events(rid: str, payload: bytes) -> list[bytes]:
+        """The KV events frame a Result carries (empty when nothing changed), as a replica sends it."""
         cache = caches[rid]
         req = _dec_gen.decode(payload)
         cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
         batch = cache.log.take() if cache.log is not None else None
-        if batch is not None:
-            s.send_multipart(P.encode(batch))
+        return [] if batch is None else [P.encode(batch)[1]]
 
     for s, rid in socks:
         register(s, rid)
@@ -97,9 +97,8 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
                 except zmq.Again:
                     break
                 if mtype == t_gen:
-                    if kv_block_size:
-                        events(s, rid, payload)
-                    s.send_multipart([t_res, _answer(payload, rid, group)])
+                    kv = events(rid, payload) if kv_block_size else []
+                    s.send_multipart([t_res, _answer(payload, rid, group), *kv])
                 elif mtype == P.TYPE_OF[P.Reregister]:
                     register(s, rid)
                 elif mtype == P.TYPE_OF[P.KvResync] and rid in caches:
