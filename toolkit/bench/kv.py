@@ -14,7 +14,6 @@ cost with the index at 512 replicas, and its throughput with events flowing agai
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ from toolkit.bench.tail_arms import SESSIONS
 from toolkit.config import Config, compose_config, group_engine
 from toolkit.core import protocol as P
 from toolkit.core.blocks import block_hashes
+from toolkit.core.lifecycle import cpu_seconds
 from toolkit.launch.stack import LocalStack
 from toolkit.launch.validation import validate
 from toolkit.plan.fleet import TwinReplica
@@ -104,12 +104,6 @@ EVENT_ARMS = {"events": ("kv_aware", KV_BLOCK), "no_events": ("kv_aware", 0), "c
 it routes by consistent hashing), and consistent hashing (the feature off)."""
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) -> dict[str, Any]:
     """``bench router``'s throughput (instant replicas, a client keeping ``window`` requests out) of each
     router of :data:`EVENT_ARMS`, its replicas sending their prefix caches' events before each Result where
@@ -138,9 +132,10 @@ def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) 
                 _run_client(stacks[name].frontend, min(n, 2000), window, prompts)  # warm each
             for k in range(rounds):
                 for name in names[k % 3:] + names[: k % 3]:
-                    before = _cpu_s(stacks[name].procs[0].pid)
+                    router = stacks[name].procs[0].pid
+                    before = cpu_seconds(router) or 0.0
                     rates[name].append(_run_client(stacks[name].frontend, n, window, prompts))
-                    cpu[name].append((_cpu_s(stacks[name].procs[0].pid) - before) / n * 1e6)
+                    cpu[name].append(((cpu_seconds(router) or 0.0) - before) / n * 1e6)
         finally:
             for p in procs:
                 p.terminate()

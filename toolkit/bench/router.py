@@ -104,8 +104,7 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
                 elif mtype == P.TYPE_OF[P.KvResync] and rid in caches:
                     log = caches[rid].log
                     assert log is not None
-                    log.take()
-                    s.send_multipart(P.encode(P.KvSnapshot(log.seq, list(caches[rid].blocks))))
+                    s.send_multipart(P.encode(log.snapshot(list(caches[rid].blocks))))
         if time.monotonic() >= next_beat:
             for s, rid in socks:
                 s.send_multipart(P.encode(P.Heartbeat(rid, P.ReplicaStats(generated_tokens=int(time.monotonic() * 1000)))))

@@ -25,17 +25,30 @@ from toolkit.core.errors import Terminated
 logger = logging.getLogger(__name__)
 
 
-def start_time(pid: int) -> int | None:
-    """The kernel start time of a process (clock ticks since boot), None if it is gone."""
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields from the third (state) on, None if the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # Field 22, counted after the parenthesised command name, which may itself contain spaces.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if fields[0] == "Z":
+    # Counted after the parenthesised command name, which may itself contain spaces.
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel start time of a process (clock ticks since boot), None if it is gone."""
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":
         return None
-    return int(fields[19])
+    return int(fields[19])  # field 22
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, None if it is gone."""
+    fields = _stat(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
 
 
 @dataclass(frozen=True)

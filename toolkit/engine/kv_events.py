@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from toolkit.core.protocol import KvEvents
+from toolkit.core.protocol import KvEvents, KvSnapshot
 
 
 class KvEventLog:
@@ -51,3 +51,9 @@ class KvEventLog:
                        removed=[h for h, held in pending.items() if not held], cleared=self._cleared)
         self._cleared = False
         return None if self.seq == self.lose_seq else msg
+
+    def snapshot(self, blocks: list[int]) -> KvSnapshot:
+        """``blocks`` (every block the cache holds now) as of the next batch number: what was pending is
+        in it, so it is dropped."""
+        self.take()
+        return KvSnapshot(seq=self.seq, blocks=blocks)

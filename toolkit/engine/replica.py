@@ -112,8 +112,7 @@ class ReplicaServer:
 
     async def _kv_snapshot(self) -> None:
         if self.kv is not None:
-            self.kv.take()  # what was pending is in the snapshot
-            await self._send(P.KvSnapshot(seq=self.kv.seq, blocks=self.engine.kv_held()))
+            await self._send(self.kv.snapshot(self.engine.kv_held()))
 
     async def run(self) -> None:
         addr = await asyncio.to_thread(self.run_dir.wait_router_address, self.cfg.cluster.ready_timeout_s)

@@ -78,12 +78,15 @@ class PrefixCache:
 
     def insert(self, tokens: list[int], hashes: list[int] | None = None) -> None:
         blocks, log = self.blocks, self.log
-        hs = hashes if hashes is not None else self.hashes(tokens)
+        new = []
+        for h in (hashes if hashes is not None else self.hashes(tokens)):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None  # a new key goes to the end: the most recent
+                new.append(h)
         if log is not None:
-            log.stored([h for h in hs if h not in blocks])
-        for h in hs:
-            blocks[h] = None
-            blocks.move_to_end(h)
+            log.stored(new)
         while len(blocks) > self.capacity:
             h, _ = blocks.popitem(last=False)
             if log is not None:

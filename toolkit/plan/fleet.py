@@ -57,15 +57,15 @@ class Wire(Links):
             self._deliver(c.receive, frames)
 
     # the way in
-    def from_replica(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
-        self._deliver(self._in, True, ident, mtype, payload)
+    def from_replica(self, ident: bytes, mtype: bytes, payload: bytes, *more: bytes) -> None:
+        self._deliver(self._in, True, ident, mtype, payload, *more)
 
     def from_client(self, ident: bytes, mtype: bytes, payload: bytes) -> None:
         self._deliver(self._in, False, ident, mtype, payload)
 
-    def _in(self, backend: bool, ident: bytes, mtype: bytes, payload: bytes) -> None:
+    def _in(self, backend: bool, ident: bytes, mtype: bytes, payload: bytes, *more: bytes) -> None:
         assert self.router is not None
-        (self.router.on_backend if backend else self.router.on_frontend)(ident, mtype, payload)
+        (self.router.on_backend if backend else self.router.on_frontend)(ident, mtype, payload, *more)
         if not self._dispatch_due:
             self._dispatch_due = True
             self.loop.call_soon(self._dispatch)
@@ -146,9 +146,10 @@ class TwinReplica:
         self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
 
     def _answer(self, res: P.Result) -> None:
-        if self.alive:
-            self._send_kv()
-            self.wire.from_replica(self.ident, _T_RESULT, _enc.encode(res))
+        if self.alive:  # the KV events since the last batch ride in the Result's message, as a replica's do
+            batch = self.kv.take() if self.kv is not None else None
+            kv = () if batch is None else (_enc.encode(batch),)
+            self.wire.from_replica(self.ident, _T_RESULT, _enc.encode(res), *kv)
 
     def receive(self, frames: tuple[bytes, ...]) -> None:
         if not self.alive:
@@ -163,8 +164,7 @@ class TwinReplica:
         elif isinstance(msg, P.Reregister):
             self._register()
         elif isinstance(msg, P.KvResync) and self.kv is not None:
-            self.kv.take()
-            self._send(P.KvSnapshot(self.kv.seq, list(self.engine.cache.blocks)))
+            self._send(self.kv.snapshot(list(self.engine.cache.blocks)))
         elif isinstance(msg, P.Shutdown):
             self.die()
         else:

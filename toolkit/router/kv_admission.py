@@ -56,23 +56,25 @@ class KvAdmission:
         first = req.prompt_len + req.msg.sampling.max_tokens
         return max(req.prompt_len, int(mean)) if mean is not None else first
 
-    def fits(self, r: Replica, req: Request) -> bool:
-        """A new session ``req`` may start on ``r``: the budget has room for it, or ``r`` has fewer sessions
-        than slots (a slot no session can fill is lost work: more KV in use is the better trade)."""
+    def _left(self, r: Replica, need: int) -> float:
+        """Budget ``r`` has left once a new session of ``need`` tokens starts there (below 0: it does not
+        fit); unbounded while ``r`` has fewer sessions than slots (a slot no session can fill is lost work:
+        more KV in use is the better trade) or reports no capacity."""
         cap = r.kv_capacity_tokens
-        return (cap <= 0 or self.count.get(r, 0) < r.max_inflight
-                or self.used.get(r, 0) + self.expected(req) <= self.budget * cap)
+        if cap <= 0 or self.count.get(r, 0) < r.max_inflight:
+            return float("inf")
+        return self.budget * cap - self.used.get(r, 0) - need
+
+    def fits(self, r: Replica, req: Request) -> bool:
+        """A new session ``req`` may start on ``r``."""
+        return self._left(r, self.expected(req)) >= 0
 
     def best(self, candidates: Iterable[Replica], req: Request) -> Replica | None:
         """Of ``candidates``, the one with the most budget left that fits ``req`` (None: it waits)."""
         need = self.expected(req)
         best, best_left = None, -1.0
         for r in candidates:
-            cap = r.kv_capacity_tokens
-            if cap <= 0 or self.count.get(r, 0) < r.max_inflight:
-                left = float("inf")
-            else:
-                left = self.budget * cap - self.used.get(r, 0) - need
+            left = self._left(r, need)
             if left >= 0 and left > best_left:
                 best, best_left = r, left
         if best is None:

@@ -51,17 +51,15 @@ class KvIndex:
     # ---- replicas --------------------------------------------------------------------------------
     def add(self, r: Replica) -> None:
         """``r`` registered with KV events: a slot, empty, and a snapshot asked for."""
-        if r.kv_block_size <= 0:
+        if r.kv_block_size <= 0 or r.kv_slot >= 0:
             return
-        if r.kv_slot < 0:
-            slot = self._free.pop() if self._free else len(self._blocks)
-            if slot == len(self._blocks):
-                self._blocks.append(set())
-                self._owner.append(None)
-            r.kv_slot = slot
-            self._owner[slot] = r
-            self.block_sizes[r.kv_block_size] = self.block_sizes.get(r.kv_block_size, 0) + 1
-        self._clear(r)
+        slot = self._free.pop() if self._free else len(self._blocks)
+        if slot == len(self._blocks):
+            self._blocks.append(set())
+            self._owner.append(None)
+        r.kv_slot = slot  # a freed slot's blocks went with its last owner (drop)
+        self._owner[slot] = r
+        self.block_sizes[r.kv_block_size] = self.block_sizes.get(r.kv_block_size, 0) + 1
         self._ask(r, "registered")
 
     def set_room(self, r: Replica, room: bool) -> None:
