@@ -5,9 +5,11 @@ next group works."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -100,3 +102,32 @@ def test_a_receiver_dying_mid_update_breaks_the_link_and_the_next_group_works(tm
     finally:
         procs[0].kill()
     assert json.loads(out.splitlines()[-1])["crc"] == crcs(m), err[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_gone_before_the_receiver_posts_its_receives_is_a_broken_link(tmp_path: Path) -> None:
+    """gloo refuses to post a receive on a pair whose peer has closed (not only to wait on one): the
+    receiver gets ``LinkBroken`` either way, never gloo's bare RuntimeError."""
+    u = Encoder(bucket_bytes=64 << 10).encode(1, [("w", np.arange(1 << 20, dtype=np.uint16), "bfloat16")], delta=False)
+    store, port = Link.rendezvous("127.0.0.1", 2, 30)
+    gone = threading.Event()
+    raised: list[BaseException] = []
+
+    def receiver() -> None:
+        link = Link("127.0.0.1", port, 1, 2, timeout_s=30)
+        gone.wait(30)
+        try:
+            link.receive(u.manifest, np.empty(u.manifest.total, np.uint8))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+            raised.append(exc)
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    trainer = Link("127.0.0.1", port, 0, 2, timeout_s=30, store=store)  # returns once both have joined
+    trainer.close()
+    del trainer
+    gc.collect()
+    gone.set()
+    t.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], LinkBroken), raised
+    assert "rank 1 of 2: receiving bucket 0" in str(raised[0])

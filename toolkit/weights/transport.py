@@ -13,9 +13,10 @@ checkpoint path never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -66,8 +67,15 @@ class Link:
         return store, store.port
 
     def _wait(self, work: Any, what: str) -> None:
-        try:
+        with self._broken(what):
             work.wait()
+
+    @contextlib.contextmanager
+    def _broken(self, what: str) -> Iterator[None]:
+        """gloo's errors as ``LinkBroken``: a peer's death shows in ``wait`` or already when the next
+        send or receive is posted (gloo: "Connection closed by peer")."""
+        try:
+            yield
         except RuntimeError as exc:
             raise LinkBroken(f"rank {self.rank} of {self.world}: {what}: {exc}") from exc
 
@@ -93,7 +101,8 @@ class Link:
                     chunk[at:at + take.size] = take
                     at += take.size
                     j += 1
-            works.append(self.pg.send([torch.from_numpy(chunk)], 1, k))
+            with self._broken(f"sending bucket {k}"):
+                works.append(self.pg.send([torch.from_numpy(chunk)], 1, k))
         for w in works:
             self._wait(w, "sending the last buckets")
 
@@ -111,13 +120,15 @@ class Link:
         for k, (s, e) in enumerate(ranges):
             while posted < len(ranges) and posted < k + WINDOW:
                 ps, pe = ranges[posted]
-                recvs.append(self.pg.recv([view[ps:pe]], self.rank - 1, posted))
+                with self._broken(f"receiving bucket {posted} from rank {self.rank - 1}"):
+                    recvs.append(self.pg.recv([view[ps:pe]], self.rank - 1, posted))
                 posted += 1
             self._wait(recvs[k], f"receiving bucket {k} from rank {self.rank - 1}")
             if not last:
                 if len(sends) == WINDOW:  # a gloo Work is waited once: a second wait waits for another
                     self._wait(sends.pop(0), f"forwarding bucket {k - WINDOW} to rank {self.rank + 1}")
-                sends.append(self.pg.send([view[s:e]], self.rank + 1, k))
+                with self._broken(f"forwarding bucket {k} to rank {self.rank + 1}"):
+                    sends.append(self.pg.send([view[s:e]], self.rank + 1, k))
             if progress is not None:
                 progress(e)
         for w in sends:
@@ -132,11 +143,15 @@ class Link:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         t0 = time.perf_counter()
-        self._wait(self.pg.broadcast([t], opts), "a raw broadcast")
+        with self._broken("a raw broadcast"):
+            work = self.pg.broadcast([t], opts)
+        self._wait(work, "a raw broadcast")
         return time.perf_counter() - t0
 
     def barrier(self) -> None:
-        self._wait(self.pg.barrier(), "a barrier")
+        with self._broken("a barrier"):
+            work = self.pg.barrier()
+        self._wait(work, "a barrier")
 
     def close(self) -> None:
         self.pg = None
