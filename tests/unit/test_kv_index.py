@@ -144,10 +144,15 @@ def test_a_next_turn_hashes_only_its_new_tokens() -> None:
     t2 = t1 + list(range(50, 70))
     r2 = request("t2", t2, session="s")
     assert index.hashes(r2, BS) == block_hashes(t2, BS)
-    assert r2.kv_hashes[BS][: len(h1)] == h1
-    # A next prompt that does not extend the last one is hashed whole.
+    assert all(a is b for a, b in zip(r2.kv_hashes[BS], h1, strict=False))  # the same hashes: not hashed again
+    # A next prompt that does not extend the last one (its first block, or its last known block changed)
+    # is hashed whole.
     t3 = [7] + t2[1:]
-    assert index.hashes(request("t3", t3, session="s"), BS) == block_hashes(t3, BS)
+    h3 = index.hashes(request("t3", t3, session="s"), BS)
+    assert h3 == block_hashes(t3, BS) and h3[0] != block_hashes(t2, BS)[0]
+    k = len(h3)
+    t4 = t3[: k * BS - 1] + [1] + t3[k * BS :] + [9] * BS
+    assert index.hashes(request("t4", t4, session="s"), BS) == block_hashes(t4, BS)
 
 
 def test_kv_aware_follows_the_prefix_and_falls_back_to_hashing() -> None:

@@ -123,7 +123,7 @@ def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) 
                 backend = stack.run_dir.wait_router_address(10)["backend"]
                 procs.append(mpc.Process(target=instant_replicas, daemon=True,
                                          args=(backend, replicas, "bench", cfg.groups["bench"].max_inflight, 0.5,
-                                               block)))
+                                               block, KV_BLOCK)))
                 procs[-1].start()
                 stack.wait_ready(30)
                 stacks[name] = stack

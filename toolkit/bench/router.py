@@ -52,10 +52,11 @@ def _answer(payload: bytes, replica_id: str, group: str) -> bytes:
 
 
 def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartbeat_s: float,
-                     kv_block_size: int = 0) -> None:
-    """``n`` replicas in one process that answer every Generate at once (a process target); with
-    ``kv_block_size``, each keeps a sim prefix cache of what it served and sends its KV events before
-    each Result, as a replica process does."""
+                     kv_block_size: int = 0, cache_block: int = 0) -> None:
+    """``n`` replicas in one process that answer every Generate at once (a process target). With
+    ``cache_block``, each keeps a sim prefix cache of what it served, as an engine does whether it reports
+    it or not; with ``kv_block_size`` (its block size), each also sends that cache's KV events with each
+    Result, as a replica process does."""
     ctx = zmq.Context()
     caches: dict[str, PrefixCache] = {}
     socks = []
@@ -67,15 +68,19 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
         socks.append((s, rid))
         poller.register(s, zmq.POLLIN)
 
+    block = kv_block_size or cache_block
+
     def register(s: zmq.Socket, rid: str) -> None:
         s.send_multipart(P.encode(P.Register(rid, group, {"group": group}, "instant", max_inflight, 100000, 1 << 20,
                                              kv_block_size=kv_block_size, kv_capacity_tokens=KV_CAPACITY)))
-        if kv_block_size:
-            caches[rid] = PrefixCache(kv_block_size, KV_CAPACITY)
-            caches[rid].log = KvEventLog()
+        if block:
+            caches[rid] = PrefixCache(block, KV_CAPACITY)
+            if kv_block_size:
+                caches[rid].log = KvEventLog()
 
     def events(rid: str, payload: bytes) -> list[bytes]:
-        """The KV events frame a Result carries (empty when nothing changed), as a replica sends it."""
+        """The KV events frame a Result carries (empty when nothing changed or the replica does not report
+        them), as a replica sends it."""
         cache = caches[rid]
         req = _dec_gen.decode(payload)
         cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
@@ -97,7 +102,7 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
                 except zmq.Again:
                     break
                 if mtype == t_gen:
-                    kv = events(rid, payload) if kv_block_size else []
+                    kv = events(rid, payload) if block else []
                     s.send_multipart([t_res, _answer(payload, rid, group), *kv])
                 elif mtype == P.TYPE_OF[P.Reregister]:
                     register(s, rid)

@@ -10,18 +10,15 @@ ignored until the snapshot comes). A replica that leaves, or registers again, is
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from toolkit.core import protocol as P
-from toolkit.core.blocks import block_hashes
+from toolkit.core.blocks import ROOT, block_hashes
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
 logger = logging.getLogger(__name__)
 
-EDGE = 32
-"""Tokens compared at each end of a session's last prompt to take its block hashes as the next one's start."""
 CHAINS_KEPT = 65536
 """Sessions whose last prompt's block hashes are kept, so a next turn hashes only its new tokens."""
 
@@ -40,8 +37,8 @@ class KvIndex:
         """Per replica: the last batch applied (None: waiting for a snapshot)."""
         self.block_sizes: dict[int, int] = {}
         """Block size -> replicas indexed with it."""
-        self._chains: OrderedDict[tuple[str, int], tuple[list[int], list[int]]] = OrderedDict()
-        """(session, block size) -> (its last prompt, that prompt's block hashes)."""
+        self._chains: dict[tuple[str, int], list[int]] = {}
+        """(session, block size) -> its last prompt's block hashes; oldest first."""
         self.room = 0
         """Bitmask of the slots whose replica serves and has a slot free (kept by the pool)."""
         self.events = 0
@@ -184,24 +181,24 @@ class KvIndex:
             # A move's continuation: its prompt is the first leg's plus the tokens made so far.
             got = req.kv_hashes[block_size] = block_hashes(tokens, block_size, got)
             return got
-        key = (req.msg.session_id, block_size)
-        known = None
-        if req.msg.session_id:
-            last = self._chains.get(key)
-            if last is not None:
-                prev, prev_hashes = last
-                n = len(prev)
-                # It extends the last prompt: checked at both ends (a whole compare would cost more than
-                # hashing the new blocks; a prompt rewritten in the middle costs a misprediction, no more).
-                if n <= len(tokens) and tokens[:EDGE] == prev[:EDGE] and tokens[max(0, n - EDGE) : n] == prev[-EDGE:]:
-                    known = prev_hashes
-        hashes = block_hashes(tokens, block_size, known)
-        req.kv_hashes[block_size] = hashes
-        if req.msg.session_id:
-            self._chains[key] = (tokens, hashes)
-            self._chains.move_to_end(key)
-            if len(self._chains) > CHAINS_KEPT:
-                self._chains.popitem(last=False)
+        session = req.msg.session_id
+        if not session:
+            hashes = req.kv_hashes[block_size] = block_hashes(tokens, block_size)
+            return hashes
+        key = (session, block_size)
+        known = self._chains.pop(key, None) or None
+        # It extends the session's last prompt if its first and last whole blocks are the same: each
+        # checked exactly (its hash from the tokens here and its parent's), not the blocks between them
+        # (hashing them is what this saves; a prompt rewritten in the middle costs a misprediction).
+        if known is not None:
+            k = len(known)
+            if not (k * block_size <= len(tokens) and hash((ROOT, tuple(tokens[:block_size]))) == known[0]
+                    and (k == 1 or hash((known[-2], tuple(tokens[(k - 1) * block_size : k * block_size]))) == known[-1])):
+                known = None
+        hashes = req.kv_hashes[block_size] = block_hashes(tokens, block_size, known)
+        self._chains[key] = hashes  # last: the newest
+        if len(self._chains) > CHAINS_KEPT:
+            del self._chains[next(iter(self._chains))]
         return hashes
 
     def forget_session(self, session_id: str) -> None:
