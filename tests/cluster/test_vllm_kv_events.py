@@ -88,6 +88,8 @@ def test_vllm_kv_events_name_the_blocks_the_router_hashes(models: dict[str, Path
             cleared = log.take()
             assert cleared is not None and cleared.cleared and want4 <= set(cleared.stored)
         finally:
+            where = Path(engine.kv.endpoint.removeprefix("ipc://")).parent if engine.kv is not None else None
             await engine.close()
+        assert where is not None and not where.exists()  # the events' ipc directory went with the engine
 
     asyncio.run(main())

@@ -205,6 +205,12 @@ class VllmEngine(Engine):
         return self.info
 
     async def close(self) -> None:
+        await self._shutdown()
+        if self.kv is not None:  # its ipc directory goes with the replica (a restart keeps it)
+            self.kv.close()
+            self.kv = None
+
+    async def _shutdown(self) -> None:
         llm, self.llm = self.llm, None
         if self.kv is not None:
             self.kv.stop()
@@ -227,7 +233,7 @@ class VllmEngine(Engine):
         if self.restarts > self.cfg.max_restarts:
             raise EngineGone(f"the engine died {self.restarts} times (engine.max_restarts = {self.cfg.max_restarts})")
         logger.warning("restarting the vLLM engine (%d of at most %d restarts)", self.restarts, self.cfg.max_restarts)
-        await self.close()
+        await self._shutdown()
         self.weight_version = self.path_version
         self.broken = ""
         self.adapters = Adapters(self.cfg, self.adapters.request_cls)  # the new engine has none

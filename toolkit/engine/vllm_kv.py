@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -70,9 +70,7 @@ class VllmKvEvents:
     def close(self) -> None:
         self.stop()
         self._ctx.destroy(linger=0)
-        for name in ("pub", "replay"):
-            Path(self._dir, name).unlink(missing_ok=True)
-        Path(self._dir).rmdir()
+        shutil.rmtree(self._dir, ignore_errors=True)  # the engine's sockets' files
 
     async def _follow(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
