@@ -9,7 +9,7 @@ from toolkit.core.blocks import block_hashes, chain_from
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import PrefixCache
 from toolkit.router.kv_admission import KvAdmission
-from toolkit.router.kv_index import KvIndex
+from toolkit.router.kv_index import WAIT, KvIndex
 from toolkit.router.policy import KvAware
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
@@ -128,6 +128,17 @@ def test_the_longest_cached_prefix_within_the_bound_least_loaded_among_equals() 
     assert index.longest(req, among, lambda r: True) == (c, 5 * BS)  # only replicas with a slot free
     assert index.longest(req, among, lambda r: True, with_room=False) == (b, 5 * BS)
     index.set_room(b, True)
+    # wait: the replicas holding the longest prefix are full: the turn waits (spill: the next best).
+    assert index.longest(req, among, lambda r: True, wait=True) == (b, 5 * BS)
+    for r in (b, c):
+        r.inflight = {f"y{k}": req for k in range(r.max_inflight)}
+        index.set_room(r, False)
+    assert index.longest(req, among, lambda r: True, wait=True) == (None, WAIT)
+    assert index.longest(req, among, lambda r: True) == (a, 2 * BS)
+    for r in (b, c):
+        r.inflight = {}
+        index.set_room(r, True)
+    c.inflight = {"x": req}
     assert index.longest(req, among, lambda r: r is a) == (a, 2 * BS)
     assert index.longest(req, index.mask([a]), lambda r: True) == (a, 2 * BS)
     assert index.longest(request("r2", [99] * 20), among, lambda r: True) == (None, 0)

@@ -19,6 +19,8 @@ from toolkit.router.replica import Replica
 
 logger = logging.getLogger(__name__)
 
+WAIT = -1
+"""``longest``'s prefix when the turn waits for the replica holding its longest prefix."""
 CHAINS_KEPT = 65536
 """Sessions whose last prompt's block hashes are kept, so a next turn hashes only its new tokens."""
 
@@ -219,17 +221,21 @@ class KvIndex:
             n += 1
         return n * bs
 
-    def longest(self, req: Request, among: int, fits: Callable[[Replica], bool],
-                with_room: bool = True) -> tuple[Replica | None, int]:
+    def longest(self, req: Request, among: int, fits: Callable[[Replica], bool], with_room: bool = True,
+                wait: bool = False) -> tuple[Replica | None, int]:
         """Of the slots in ``among`` (``with_room``: that have a slot free) whose replica ``fits``, the one
         holding the longest prefix of ``req``'s prompt (least loaded among equals), and that prefix in
         tokens; (None, 0) when none holds its first block. The last token is always computed, so at
-        most ``len - 1`` tokens count."""
+        most ``len - 1`` tokens count. ``wait``: (None, WAIT) when the replica holding the longest prefix
+        of all ``among`` (room or not) has no slot free: the turn waits for it (the same walk)."""
         best: Replica | None = None
         best_tokens = 0
-        if with_room:
-            among &= self.room
+        room = self.room if with_room else -1
+        if not wait:
+            among &= room
         holders = self.holders
+        home: Replica | None = None
+        home_tokens = 0
         for bs in self.block_sizes:
             hashes = self.hashes(req, bs)
             usable = (len(req.msg.prompt_token_ids) - 1) // bs
@@ -240,16 +246,20 @@ class KvIndex:
                 if not m:
                     break
                 levels.append(m)
+            if wait and len(levels) * bs > home_tokens:
+                home, home_tokens = self._best_of(levels[-1], _anywhere), len(levels) * bs
             tried = 0
             for depth in range(len(levels), 0, -1):
                 if depth * bs <= best_tokens:
                     break
-                fresh = levels[depth - 1] & ~tried  # deeper levels' replicas were tried already
+                fresh = levels[depth - 1] & room & ~tried  # deeper levels' replicas were tried already
                 tried |= fresh
                 r = self._best_of(fresh, fits) if fresh else None
                 if r is not None:
                     best, best_tokens = r, depth * bs
                     break
+        if home is not None and not home.has_room:
+            return None, WAIT
         return best, best_tokens
 
     def _best_of(self, mask: int, fits: Callable[[Replica], bool]) -> Replica | None:
@@ -262,3 +272,7 @@ class KvIndex:
             if r is not None and fits(r) and (best is None or len(r.inflight) < len(best.inflight)):
                 best = r
         return best
+
+
+def _anywhere(r: Replica) -> bool:
+    return True

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from toolkit.config import Affinity, RouterPolicyName
 from toolkit.core.errors import ConfigError, FieldError
-from toolkit.router.kv_index import KvIndex
+from toolkit.router.kv_index import WAIT, KvIndex
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
@@ -209,10 +209,6 @@ class ConsistentHash(Policy):
         return best
 
 
-def _anywhere(r: Replica) -> bool:
-    return True
-
-
 class KvAware(Policy):
     """A turn goes to the replica holding the longest cached prefix of its prompt, by the engines' own
     KV events (:class:`~toolkit.router.kv_index.KvIndex`), among those within the consistent-hash load
@@ -239,11 +235,10 @@ class KvAware(Policy):
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
                req: Request | None = None) -> Replica | None:
         if req is not None and self.among and with_room:
-            if self.wait_for_home:
-                home, _ = self.index.longest(req, self.among, _anywhere, with_room=False)
-                if home is not None and not home.has_room:
-                    return None  # its prefix is cached there: wait for a slot rather than compute it again
-            r, tokens = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load))
+            r, tokens = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load),
+                                           wait=self.wait_for_home)
+            if tokens == WAIT:
+                return None  # its prefix is cached on a full replica: wait for a slot rather than compute it again
             if r is not None:
                 req.kv_found = (r, tokens)
                 return r
