@@ -105,6 +105,17 @@ def test_events_a_gap_and_a_snapshot() -> None:
     assert index.cached_blocks(a) == 3 and index.holders[hs[0]] == 0b11
     index.apply(a, P.KvEvents(7, cleared=True, stored=hs[:1]))
     assert index.cached_blocks(a) == 1
+    # A heartbeat names the last batch sent: the one applied is no news; a later one was lost on the way
+    # (found out now, not by a next batch an idle replica may never send).
+    n = len(asked.who)
+    index.heard(a, 7)
+    assert len(asked.who) == n and index.cached_blocks(a) == 1
+    index.heard(a, 8)
+    assert asked.who[-1] == ("a", "batch 8 was sent, 7 is the last that came") and index.cached_blocks(a) == 0
+    index.heard(a, 9)  # waiting for the snapshot: asked once
+    assert len(asked.who) == n + 1
+    index.snapshot(a, P.KvSnapshot(9, hs[:1]))
+    assert index.cached_blocks(a) == 1
     # A replica that leaves takes its bits; its slot goes to the next one.
     index.drop(b)
     assert index.holders[hs[0]] == 0b01 and b.kv_slot == -1

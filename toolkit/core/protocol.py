@@ -100,6 +100,9 @@ class ReplicaStats(Message):
 class Heartbeat(Message):
     replica_id: str
     stats: ReplicaStats = msgspec.field(default_factory=ReplicaStats)
+    kv_seq: int = 0
+    """The replica's last KV events batch number (0: none yet, or no events): a router that applied an
+    earlier one has lost a batch, and asks for a snapshot without waiting for the next batch."""
 
 
 MAX_EXPECTED_TOKENS = (1 << 31) - 1

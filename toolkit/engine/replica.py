@@ -150,7 +150,8 @@ class ReplicaServer:
             if self.metrics is not None:
                 self.metrics.stats = s
             await self._send_kv()
-            await self._send(P.Heartbeat(self.replica_id, s))
+            # Every batch up to kv.seq went out before this (each is sent as it is taken).
+            await self._send(P.Heartbeat(self.replica_id, s, self.kv.seq if self.kv is not None else 0))
 
     async def _follow_router(self) -> None:
         if not await self.link.follow():

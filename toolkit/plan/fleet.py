@@ -142,7 +142,7 @@ class TwinReplica:
         if not self.alive:
             return
         self._send_kv()
-        self._send(P.Heartbeat(self.replica_id, self.engine.stats()))
+        self._send(P.Heartbeat(self.replica_id, self.engine.stats(), self.kv.seq if self.kv is not None else 0))
         self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
 
     def _answer(self, res: P.Result) -> None:

@@ -44,6 +44,11 @@ class KvRouting:
         if r is not None and self.index is not None:
             self.index.apply(r, msg)
 
+    def heard(self, r: Replica | None, seq: int) -> None:
+        """``r``'s heartbeat: its last events batch is ``seq``."""
+        if r is not None and self.index is not None and seq:
+            self.index.heard(r, seq)
+
     def snapshot(self, r: Replica | None, msg: P.KvSnapshot) -> None:
         if r is not None and self.index is not None:
             self.index.snapshot(r, msg)

@@ -118,6 +118,16 @@ class KvIndex:
         self._store(r, msg.stored)
         self._remove(r, msg.removed)
 
+    def heard(self, r: Replica, seq: int) -> None:
+        """``r`` says its last batch is ``seq`` (a heartbeat, sent after it): one not applied by now was
+        lost, found out here rather than by the next batch (which an idle replica may never send)."""
+        last = self._seq.get(r)
+        if r.kv_slot >= 0 and last is not None and seq > last:
+            logger.warning("replica %s: KV events batch %d missing (last applied %d); asking for a snapshot",
+                           r.replica_id, seq, last)
+            self._clear(r)
+            self._ask(r, f"batch {seq} was sent, {last} is the last that came")
+
     def snapshot(self, r: Replica, msg: P.KvSnapshot) -> None:
         if r.kv_slot < 0:
             return

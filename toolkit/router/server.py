@@ -359,6 +359,7 @@ class Router:
         msg = P.decode(mtype, payload)
         if isinstance(msg, P.Heartbeat):
             self.membership.heartbeat(ident, msg)
+            self.kv.heard(self.pool.known(ident), msg.kv_seq)
         elif isinstance(msg, P.Register):
             self.membership.register(ident, msg)
         elif isinstance(msg, P.KvEvents):
