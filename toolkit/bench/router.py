@@ -84,8 +84,7 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
         cache = caches[rid]
         req = _dec_gen.decode(payload)
         cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
-        batch = cache.log.take() if cache.log is not None else None
-        return [] if batch is None else [P.encode(batch)[1]]
+        return cache.log.frames() if cache.log is not None else []
 
     for s, rid in socks:
         register(s, rid)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from toolkit.core.protocol import KvEvents, KvSnapshot
+from toolkit.core.protocol import KvEvents, KvSnapshot, encode
 
 
 class KvEventLog:
@@ -51,6 +51,12 @@ class KvEventLog:
                        removed=[h for h, held in pending.items() if not held], cleared=self._cleared)
         self._cleared = False
         return None if self.seq == self.lose_seq else msg
+
+    def frames(self) -> list[bytes]:
+        """The batch since the last one as the frame a Result's message carries after its own two (none
+        when nothing happened): the router applies it before the Result, in the same message."""
+        batch = self.take()
+        return [] if batch is None else [encode(batch)[1]]
 
     def snapshot(self, blocks: list[int]) -> KvSnapshot:
         """``blocks`` (every block the cache holds now) as of the next batch number: what was pending is

@@ -85,8 +85,9 @@ class ReplicaServer:
         self.weights = ReplicaWeights(engine, self.gate, cfg.rollout.update_mode, self.replica_id,
                                       lambda m: self._send(m), self._spawn, self._check_engine, self.metrics)
 
-    async def _send(self, msg: P.Message) -> None:
-        await self.link.send(P.encode(msg))
+    async def _send(self, msg: P.Message, *more: bytes) -> None:
+        """``more``: frames after the message's own (a Result's KV events batch)."""
+        await self.link.send([*P.encode(msg), *more])
 
     async def _register(self) -> None:
         assert self.info is not None
@@ -237,11 +238,8 @@ class ReplicaServer:
         res.weight_version = res.weight_versions[-1]
         if self.metrics is not None:
             self.metrics.result(msg.job, res.status, len(res.output_token_ids), time.monotonic() - t0)
-        batch = self.kv.take() if self.kv is not None else None
-        if batch is None:
-            await self._send(res)
-        else:  # the KV events since the last batch ride with it: one message, in order
-            await self.link.send([*P.encode(res), P.encode(batch)[1]])
+        # The KV events since the last batch ride with it: one message, in order.
+        await self._send(res, *(self.kv.frames() if self.kv is not None else ()))
 
     async def _abort(self, rid: str) -> None:
         task = self.tasks.get(rid)

@@ -147,8 +147,7 @@ class TwinReplica:
 
     def _answer(self, res: P.Result) -> None:
         if self.alive:  # the KV events since the last batch ride in the Result's message, as a replica's do
-            batch = self.kv.take() if self.kv is not None else None
-            kv = () if batch is None else (_enc.encode(batch),)
+            kv = self.kv.frames() if self.kv is not None else ()
             self.wire.from_replica(self.ident, _T_RESULT, _enc.encode(res), *kv)
 
     def receive(self, frames: tuple[bytes, ...]) -> None:

@@ -219,17 +219,22 @@ class KvIndex:
 
     def prefix_on(self, req: Request, r: Replica) -> int:
         """Tokens of ``req``'s prompt (but its last) the index says ``r`` holds."""
-        bs = r.kv_block_size
         if r.kv_slot < 0:
             return 0
-        bit = 1 << r.kv_slot
+        return len(self._walk(req, r.kv_block_size, 1 << r.kv_slot)) * r.kv_block_size
+
+    def _walk(self, req: Request, bs: int, among: int) -> list[int]:
+        """Down ``req``'s usable blocks at ``bs`` (all but the last token's): entry ``d`` is the slots of
+        ``among`` holding blocks ``0..d``, until none does."""
         holders = self.holders
-        n = 0
+        levels = []
+        m = among
         for h in self.hashes(req, bs)[: (len(req.msg.prompt_token_ids) - 1) // bs]:
-            if not holders.get(h, 0) & bit:
+            m &= holders.get(h, 0)
+            if not m:
                 break
-            n += 1
-        return n * bs
+            levels.append(m)
+        return levels
 
     def longest(self, req: Request, among: int, fits: Callable[[Replica], bool], with_room: bool = True,
                 wait: bool = False) -> tuple[Replica | None, int]:
@@ -243,19 +248,10 @@ class KvIndex:
         room = self.room if with_room else -1
         if not wait:
             among &= room
-        holders = self.holders
         home: Replica | None = None
         home_tokens = 0
         for bs in self.block_sizes:
-            hashes = self.hashes(req, bs)
-            usable = (len(req.msg.prompt_token_ids) - 1) // bs
-            levels = []
-            m = among
-            for h in hashes[:usable]:
-                m &= holders.get(h, 0)
-                if not m:
-                    break
-                levels.append(m)
+            levels = self._walk(req, bs, among)
             if wait and len(levels) * bs > home_tokens:
                 home, home_tokens = self._best_of(levels[-1], _anywhere), len(levels) * bs
             tried = 0
