@@ -2,7 +2,8 @@
 backend (``toolkit/engine/vllm_transfer.py``, registered in vLLM's factory by the toolkit's plugin): this
 test is the trainer (``toolkit.weights`` wire and gloo link), the engine runs in this process.
 
-A dense and then a delta update land while requests run (none aborted, their tokens labelled with both
+The engine has two tensor-parallel workers, each keeping only its shard. A dense and then a delta update
+land while requests run (none aborted, their tokens labelled with both
 versions); greedy outputs after each equal those of the same weights loaded from a checkpoint; a delta
 against another base is refused and a trainer that dies mid-update leave the engine serving the
 previous version, and the next update lands."""
@@ -23,6 +24,9 @@ from toolkit.config import compose_config
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PROMPTS = [[(7 * i + k) % 500 + 3 for i in range(40)] for k in range(4)]
+TP = 2
+"""Two workers: each keeps only its own shard of every update (a single worker's path, everything received
+straight into one staging buffer, runs in ``test_vllm_stream_routed.py``)."""
 
 
 def trainer_send(update: Any, world: int = 2, die_after_buckets: int = -1) -> tuple[int, threading.Thread, list]:
@@ -59,11 +63,12 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
 
     from toolkit.core.protocol import StreamWeights
     from toolkit.engine.vllm import VllmEngine
-    from toolkit.engine.vllm_transfer import STREAM_ARGS, read_checkpoint, to_torch
+    from toolkit.engine.vllm_receiver import read_checkpoint, to_torch
+    from toolkit.engine.vllm_transfer import STREAM_ARGS
     from toolkit.weights import publish
     from toolkit.weights.wire import Encoder, Encoding
 
-    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single", f"engine.tensor_parallel_size={TP}",
                           f"++engine.args.weight_transfer_config={{backend: {STREAM_ARGS['weight_transfer_config']['backend']}}}",
                           f"++engine.args.worker_extension_cls={STREAM_ARGS['worker_extension_cls']}"])
     ckpt = read_checkpoint(str(models["ckpt"]))
@@ -86,9 +91,9 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
         return [o.output_token_ids for o in outs]
 
     async def stream(engine: VllmEngine, update: Any, version: int, **kw: Any) -> None:
-        port, t, errors = trainer_send(update, **kw)
+        port, t, errors = trainer_send(update, world=1 + TP, **kw)
         msg = StreamWeights(version, msgspec.msgpack.encode(update.manifest), "127.0.0.1", port,
-                            update.manifest.base, 60.0, rank=1, world=2)
+                            update.manifest.base, 60.0, rank=1, world=1 + TP)
         try:
             await engine.stage_stream(msg)
             await engine.apply_stream(version)
@@ -101,6 +106,10 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
         await engine.start()
         try:
             base = await greedy(engine)
+            # Each worker holds its own shard of the checkpoint (the norms whole): about half of it.
+            total = sum(b.nbytes for b, _ in ckpt.values())
+            held = [st["held_bytes"] for st in await engine.llm.collective_rpc("toolkit_stream_status")]
+            assert len(held) == TP and all(0.4 * total < h < 0.6 * total for h in held), (held, total)
             enc = Encoder(bucket_bytes=64 << 10)
             named = [(n, b, d) for n, (b, d) in ckpt.items()]
             dense = enc.encode(1, named, delta=True)
@@ -153,6 +162,8 @@ def test_streamed_dense_and_delta_updates_match_checkpoints_and_failures_keep_th
             # ... and the trainer's next send lands.
             await stream(engine, again, 6)
             assert engine.weight_version == 6 and await greedy(engine) == s2
+            held = [st["held_bytes"] for st in await engine.llm.collective_rpc("toolkit_stream_status")]
+            assert all(0.4 * total < h < 0.6 * total for h in held), (held, total)  # after reloads too
         finally:
             await engine.close()
 

@@ -63,7 +63,7 @@ def ready(stack: LocalStack) -> int:
 @pytest.mark.timeout(900)
 def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_restarted_replica(
         models: dict[str, Path], tmp_path: Path) -> None:
-    from toolkit.engine.vllm_transfer import read_checkpoint, to_torch
+    from toolkit.engine.vllm_receiver import read_checkpoint, to_torch
     from toolkit.weights import Streamer, publish
 
     cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",
@@ -162,9 +162,9 @@ def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_rest
 @pytest.mark.timeout(900)
 def test_a_tensor_parallel_replica_takes_dense_and_delta_streams_on_every_worker(
         models: dict[str, Path], tmp_path: Path) -> None:
-    """Both workers of a replica of tensor_parallel_size 2 are ranks of the chain: each gets the update and
-    vLLM's loaders take its shard. Greedy tokens equal those of the same weights from a checkpoint."""
-    from toolkit.engine.vllm_transfer import read_checkpoint, to_torch
+    """Both workers of a replica of tensor_parallel_size 2 are ranks of the chain, each keeping its own shard
+    of the update. Greedy tokens equal those of the same weights from a checkpoint."""
+    from toolkit.engine.vllm_receiver import read_checkpoint, to_torch
     from toolkit.weights import Streamer, publish
 
     cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single",

@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--die-after-buckets", type=int, default=-1)
     a = p.parse_args()
 
-    from toolkit.engine.vllm_transfer import read_checkpoint, to_torch
+    from toolkit.engine.vllm_receiver import read_checkpoint, to_torch
     from toolkit.weights import Streamer, transport
 
     if a.die_after_buckets >= 0:

@@ -107,28 +107,44 @@ class Link:
             self._wait(w, "sending the last buckets")
 
     # ---- ranks 1..n ---------------------------------------------------------------------------
-    def receive(self, manifest: Manifest, staging: np.ndarray, progress: Callable[[int], None] | None = None) -> None:
+    def receive(self, manifest: Manifest, staging: np.ndarray | None, progress: Callable[[int], None] | None = None,
+                keep: Callable[[np.ndarray, int], None] | None = None) -> None:
         """Receive the payload into ``staging`` (uint8, ``manifest.total`` bytes) from the rank before,
-        forwarding each bucket to the rank after (if any) as soon as it is in."""
+        forwarding each bucket to the rank after (if any) as soon as it is in. With ``keep`` (a worker
+        that keeps only its shard) buckets land in a ring of a few instead, each handed to ``keep(bucket,
+        start)`` once it is in."""
         torch = _torch()
-        view = torch.from_numpy(staging)
         ranges = bucket_ranges(manifest.total, manifest.bucket_bytes)
+        if keep is None:
+            assert staging is not None
+            view = torch.from_numpy(staging)
+
+            def place(k: int) -> Any:
+                return view[ranges[k][0]:ranges[k][1]]
+        else:
+            # a bucket's slot is posted WINDOW buckets ahead and read until its forward (WINDOW more) is done
+            ring = [torch.empty(min(manifest.bucket_bytes, manifest.total), dtype=torch.uint8)
+                    for _ in range(min(len(ranges), 2 * WINDOW + 1))]
+
+            def place(k: int) -> Any:
+                return ring[k % len(ring)][:ranges[k][1] - ranges[k][0]]
         last = self.rank == self.world - 1
         recvs: list[Any] = []
         sends: list[Any] = []
         posted = 0
         for k, (s, e) in enumerate(ranges):
             while posted < len(ranges) and posted < k + WINDOW:
-                ps, pe = ranges[posted]
                 with self._broken(f"receiving bucket {posted} from rank {self.rank - 1}"):
-                    recvs.append(self.pg.recv([view[ps:pe]], self.rank - 1, posted))
+                    recvs.append(self.pg.recv([place(posted)], self.rank - 1, posted))
                 posted += 1
             self._wait(recvs[k], f"receiving bucket {k} from rank {self.rank - 1}")
             if not last:
                 if len(sends) == WINDOW:  # a gloo Work is waited once: a second wait waits for another
                     self._wait(sends.pop(0), f"forwarding bucket {k - WINDOW} to rank {self.rank + 1}")
                 with self._broken(f"forwarding bucket {k} to rank {self.rank + 1}"):
-                    sends.append(self.pg.send([view[s:e]], self.rank + 1, k))
+                    sends.append(self.pg.send([place(k)], self.rank + 1, k))
+            if keep is not None:
+                keep(place(k).numpy(), s)
             if progress is not None:
                 progress(e)
         for w in sends:

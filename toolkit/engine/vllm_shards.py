@@ -1,0 +1,92 @@
+"""Which elements of each checkpoint tensor one vLLM worker's own weight loaders read (its tensor-parallel
+shard; nothing of a layer another pipeline stage holds), found by running them on nothing.
+
+``model.load_weights`` runs over meta tensors of the checkpoint's shapes with the layers' parameters put
+back on meta as vLLM's layerwise reload does (from the metadata vLLM records when it loads a model), under a
+dispatch mode that records the view each loader copies from and lets no copy happen. A tensor read any
+other way (a cast, a sum, an op a region cannot describe) is kept whole. The live weights are put back
+untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from toolkit.weights.shards import Region
+
+logger = logging.getLogger(__name__)
+
+
+def probe(model: Any, specs: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, Region]:
+    """name -> the region of it this worker's loaders read, for each tensor of ``specs`` (name -> shape,
+    torch dtype name) read as one region (none: read whole, or in a way no region names)."""
+    import torch  # the vllm extra's
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+    probes = {n: torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for n, (shape, dtype) in specs.items()}
+    owner = {t.untyped_storage()._cdata: n for n, t in probes.items()}
+    views: dict[str, set[tuple[tuple[int, ...], tuple[int, ...], int]]] = {n: set() for n in probes}
+    whole: set[str] = set()
+
+    def names(args: Any) -> set[str]:
+        found = set()
+        for a in torch.utils._pytree.tree_leaves(args):
+            if isinstance(a, torch.Tensor) and a.is_meta and (n := owner.get(a.untyped_storage()._cdata)):
+                found.add(n)
+        return found
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.copy_.default and (src := names(args[1:])):
+                s = args[1]
+                views[next(iter(src))].add((tuple(s.shape), tuple(s.stride()), s.storage_offset()))
+                return args[0]  # nothing is copied: the destination is a live weight or a meta one
+            if not func.is_view:
+                whole.update(names((args, kwargs)))
+            return func(*args, **kwargs)
+
+    layers = list(model.modules())
+    saved = [(layer, get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)) for layer in layers]
+    wrapped: list[tuple[Any, Any]] = []
+    try:
+        for layer in layers:
+            restore_layer_on_meta(layer, get_layerwise_info(layer))
+            for t in get_layer_tensors(layer).values():
+                # a reload before left its deferring wrapper on the recorded tensors: call what it wraps
+                loader = getattr(t, "weight_loader", None)
+                if loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+                    wrapped.append((t, loader))
+                    while getattr(loader, "__name__", "") == "online_process_loader":
+                        loader = loader.__wrapped__
+                    t.weight_loader = loader
+        with torch.no_grad(), Record():
+            model.load_weights(iter(probes.items()))
+    finally:
+        for t, loader in wrapped:
+            t.weight_loader = loader
+        for layer, (params, buffers), non_persistent in saved:
+            for name in get_layer_tensors(layer):
+                delattr(layer, name)
+            for name, p in params.items():
+                layer.register_parameter(name, p)
+            for name, b in buffers.items():
+                layer.register_buffer(name, b, persistent=name not in non_persistent)
+    if not any(views.values()):
+        raise RuntimeError("the model's loaders copied nothing from the checkpoint's tensors")
+    out: dict[str, Region] = {}
+    for name, seen in views.items():
+        if name in whole or len(seen) > 1:
+            continue
+        if not seen:
+            out[name] = Region(0, 0, 0, 1)  # never read here (another stage's layer, a tied weight)
+            continue
+        shape, strides, offset = next(iter(seen))
+        region = Region.of_view(shape, strides, offset, specs[name][0])
+        if region is not None and region.numel < int(probes[name].numel()):
+            out[name] = region
+    return out
