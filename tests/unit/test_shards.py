@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from toolkit.weights.shards import Keep, Region, Slot
-from toolkit.weights.wire import Encoder, Manifest, TensorSpec, WrongBase, bits, bucket_ranges
+from toolkit.weights.shards import Keep, Region, Share, Slot
+from toolkit.weights.wire import Encoder, Encoding, Manifest, TensorSpec, WrongBase, bits, bucket_ranges
 
 pytestmark = pytest.mark.unit
 
@@ -113,3 +113,34 @@ def test_a_worker_keeps_its_regions_of_dense_tensors_and_every_delta_whole() -> 
 def test_an_empty_manifest_keeps_nothing() -> None:
     keep = Keep(Manifest(1, -1, (TensorSpec("x", "bfloat16", (0,)),), 16), {}, {})
     assert keep.kept_bytes == 0 and keep.parts(-1, {}).dense["x"].size == 0
+
+
+def test_a_workers_bytes_cut_out_by_another_and_placed_equal_what_it_keeps_itself() -> None:
+    """The head of a replica cuts each bucket's bytes of a sibling (``Share.extract``), the sibling places
+    them (``Keep.place``): the sibling ends with what it would have kept from the whole buckets."""
+    rng = np.random.default_rng(4)
+    tensors = [("col", rng.standard_normal((12, 10)).astype(np.float32)),
+               ("row", rng.standard_normal((10, 12)).astype(np.float32)),
+               ("norm", rng.standard_normal(10).astype(np.float32))]
+    enc = Encoder(bucket_bytes=1)
+    enc.encode(1, [(n, a, "float32") for n, a in tensors], delta=False)
+    enc.commit()
+    changed = [(n, a + (np.arange(a.size).reshape(a.shape) % 7 == 0), "float32") for n, a in tensors]
+    regions = {"col": Region(60, 6, 10, 10), "row": Region(6, 10, 6, 12)}
+    for delta in (False, True):
+        for bucket in (5, 64, 333, 4096):
+            u = enc.encode(2, changed, delta=delta)
+            manifest = Manifest(u.manifest.version, u.manifest.base, u.manifest.tensors, bucket)
+            payload = np.concatenate(u.pieces)
+            whole, cut = Keep(manifest, regions, {}), Keep(manifest, regions, {})
+            share = Share(manifest, regions)
+            for s, e in manifest.buckets():
+                whole.take(payload[s:e], s)
+                out = np.full(e - s, 255, np.uint8)
+                n = share.extract(payload[s:e], s, out)
+                assert n == share.size(s, e)
+                cut.place(out[:n], s, e)
+            assert sum(share.size(s, e) for s, e in manifest.buckets()) == whole.kept_bytes
+            for a, b in zip(whole.targets, cut.targets, strict=True):
+                assert np.array_equal(a, b), (delta, bucket)
+            assert any(t.encoding == Encoding.DELTA for t in manifest.tensors) == delta

@@ -213,9 +213,10 @@ def test_the_workers_of_a_tensor_parallel_replica_take_consecutive_ranks(tmp_pat
         b.become_ready()
         plan = announce(client, 1)
         assert plan.world == 5 and sorted(plan.replicas) == [a.replica_id, b.replica_id]
-        got = {r.replica_id: (p.rank, p.world) for r in (a, b) for p in [part(r)]}
-        # In the plan's order, two ranks each: 1-2 and 3-4 (the trainer is 0).
-        assert [got[rid] for rid in plan.replicas] == [(1, 5), (3, 5)]
+        got = {r.replica_id: (p.rank, p.world, p.prev) for r in (a, b) for p in [part(r)]}
+        # In the plan's order, two ranks each: 1-2 and 3-4 (the trainer is 0); each replica's first worker
+        # receives from the one before it (rank 0, then rank 1), and passes its workers their shares.
+        assert [got[rid] for rid in plan.replicas] == [(1, 5, 0), (3, 5, 1)]
     finally:
         client.close(0)
         a.close()

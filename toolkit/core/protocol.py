@@ -360,6 +360,9 @@ class StreamWeights(Message):
     """Set by the router: the chain's ranks, the trainer's included."""
     serial: int = 0
     """Set by the router, as ``UpdateWeights.serial``."""
+    prev: int = 0
+    """Set by the router for a replica on the chain: the rank its first worker receives from (the
+    previous replica's first; 0: the trainer). Its other workers get their shares from its first."""
 
 
 class StreamPlan(Message):

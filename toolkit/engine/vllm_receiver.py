@@ -13,16 +13,22 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from toolkit.weights.shards import Keep, Region, Slot
+from toolkit.weights.shards import Keep, Region, Share, Slot
 from toolkit.weights.transport import Link
 from toolkit.weights.wire import Manifest, Parts, bits, split
 
 logger = logging.getLogger(__name__)
+
+_REGIONS_OUT = msgspec.msgpack.Encoder()
+_REGIONS_IN = msgspec.msgpack.Decoder(list[tuple[str, int, int, int, int]])
+"""A worker's regions as it sends them to its replica's first worker: (name, offset, rows, cols, stride)."""
 
 
 def _torch_dtype(name: str) -> Any:
@@ -83,6 +89,29 @@ def _unniced() -> None:
         pass  # not allowed (no CAP_SYS_NICE): it receives at the process's priority
 
 
+@dataclass(frozen=True)
+class Place:
+    """A worker's place on an update's chain."""
+
+    first: int
+    """The rank of its replica's first worker (which receives the whole update from ``prev`` and
+    forwards it to the next replica's first worker)."""
+    index: int
+    """Its place among its replica's workers (0: the first)."""
+    workers: int
+    """Its replica's workers: ranks ``first .. first + workers - 1``."""
+    prev: int
+    world: int
+
+    @property
+    def rank(self) -> int:
+        return self.first + self.index
+
+    @property
+    def next(self) -> int | None:
+        return self.first + self.workers if self.first + self.workers < self.world else None
+
+
 class Receiver:
     """One worker's held weights (a :class:`Slot` per tensor, changed in place) and its staging, reused
     from update to update (fresh buffers would fault every page in again)."""
@@ -137,10 +166,11 @@ class Receiver:
     def held_bytes(self) -> int:
         return sum(s.bits.nbytes for s in self.held.values())
 
-    def stage(self, manifest: Manifest, master: str, port: int, rank: int, world: int, host: str,
-              timeout_s: float) -> None:
-        """Receive ``manifest``'s payload as rank ``rank`` of the chain, in a thread (``status`` says how
-        it went); ``host``: this worker's address for the chain."""
+    def stage(self, manifest: Manifest, master: str, port: int, place: Place, host: str, timeout_s: float) -> None:
+        """Receive ``manifest``'s payload at ``place`` on the chain, in a thread (``status`` says how it
+        went); ``host``: this worker's address for the chain. A replica's first worker receives the whole
+        payload and sends every other worker its share (:class:`~toolkit.weights.shards.Share`, from the
+        regions each sends it first)."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("an update is already being staged")
         self._settled()
@@ -149,29 +179,41 @@ class Receiver:
         sizes = {k: int(np.prod(v.shape, dtype=np.int64)) for k, v in self.held.items()}
 
         def run() -> None:
+            link: Link | None = None
             try:
                 _unniced()
-                link = Link(master, port, rank, world, timeout_s, host=host)
+                link = Link(master, port, place.rank, place.world, timeout_s, host=host)
                 progress = lambda done: self.status.__setitem__("received", done)  # noqa: E731
-                if self.regions:
+                if place.index:
+                    link.send_bytes(place.first, _REGIONS_OUT.encode(
+                        [(n, r.offset, r.rows, r.cols, r.stride) for n, r in self.regions.items()]))
                     keep = Keep(manifest, self.regions, self._slots)
-                    link.receive(manifest, None, progress, keep=keep.take)
-                    parts = keep.parts(self.version, sizes)
-                    self.status["kept"] = keep.kept_bytes
+                    link.receive_share(manifest, place.first, keep, progress)
+                    parts, kept = keep.parts(self.version, sizes), keep.kept_bytes
                 else:
-                    if self._staging.size < manifest.total:
-                        self._staging = np.empty(manifest.total, np.uint8)
-                    staging = self._staging[:manifest.total]
-                    link.receive(manifest, staging, progress)
-                    parts = split(manifest, staging, self.version, sizes)
-                    self.status["kept"] = manifest.total
-                link.close()
+                    siblings = [(place.first + i, Share(manifest, {n: Region(*r) for n, *r in
+                                                                   _REGIONS_IN.decode(link.recv_bytes(place.first + i))}))
+                                for i in range(1, place.workers)]
+                    if self.regions:
+                        keep = Keep(manifest, self.regions, self._slots)
+                        link.receive(manifest, None, progress, keep=keep.take, prev=place.prev, next=place.next,
+                                     siblings=siblings)
+                        parts, kept = keep.parts(self.version, sizes), keep.kept_bytes
+                    else:
+                        if self._staging.size < manifest.total:
+                            self._staging = np.empty(manifest.total, np.uint8)
+                        staging = self._staging[:manifest.total]
+                        link.receive(manifest, staging, progress, prev=place.prev, next=place.next, siblings=siblings)
+                        parts, kept = split(manifest, staging, self.version, sizes), manifest.total
                 with self._lock:
                     self._staged = (manifest, parts)
-                    self.status = {**self.status, "state": "staged"}
+                    self.status = {**self.status, "state": "staged", "kept": kept}
             except Exception as exc:  # noqa: BLE001 - reported through the status, the model untouched
                 logger.warning("staging version %d failed: %s", manifest.version, exc)
                 self.status = {**self.status, "state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                if link is not None:  # its group goes: a worker still waiting on this one hears at once
+                    link.close()
 
         self._thread = threading.Thread(target=run, name=f"stage-v{manifest.version}", daemon=True)
         self._thread.start()

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 
 from toolkit.core.protocol import StreamWeights
-from toolkit.engine.vllm_receiver import Receiver
+from toolkit.engine.vllm_receiver import Place, Receiver
 from toolkit.weights.wire import Manifest
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def register() -> None:
         rank: int = 0
         world: int = 0
         timeout_s: float = 300.0
+        prev: int = 0
 
     class GlooStreamEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         init_info_cls = InitInfo
@@ -94,13 +95,14 @@ def register() -> None:
 
         def receive_weights(self, u: UpdateInfo) -> None:
             if u.phase == "stage":
-                # Every worker of the replica is a rank of the chain, in vLLM's own order: each receives
-                # the whole update and vLLM's weight loaders take its shard of each tensor.
+                # The replica's workers take consecutive ranks of the chain, in vLLM's own order: the
+                # first receives the whole update and passes each other worker its share.
                 from vllm.distributed.parallel_state import get_world_group
 
-                rank = u.rank + get_world_group().rank_in_group
-                self.stream.stage(msgspec.msgpack.decode(u.manifest, type=Manifest), u.master, u.port, rank,
-                                  u.world, own_host(u.master), u.timeout_s)
+                group = get_world_group()
+                self.stream.stage(msgspec.msgpack.decode(u.manifest, type=Manifest), u.master, u.port,
+                                  Place(u.rank, group.rank_in_group, group.world_size, u.prev, u.world),
+                                  own_host(u.master), u.timeout_s)
             elif u.phase == "apply":
                 self.stream.apply(self.model, self.model_config)
             elif u.phase == "discard":
@@ -156,7 +158,7 @@ async def stage(llm: Any, plan: StreamWeights, poll_s: float = 0.02) -> None:
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
     info = {"phase": "stage", "manifest": plan.manifest, "master": plan.master, "port": plan.port,
-            "rank": plan.rank, "world": plan.world, "timeout_s": plan.timeout_s}
+            "rank": plan.rank, "world": plan.world, "timeout_s": plan.timeout_s, "prev": plan.prev}
     await llm.start_weight_update()
     try:
         await llm.update_weights(WeightTransferUpdateRequest(info))

@@ -152,16 +152,17 @@ class WeightSync:
         """Forward ``msg`` to ``replicas`` with their ranks (the chain: those that join it, in order);
         the plan for the trainer."""
         chain = [r for r in replicas if r.streams == "gloo"]
-        first, at = {}, 1
-        for r in chain:  # each replica's workers take consecutive ranks
-            first[r] = at
+        first, prev, at = {}, {}, 1
+        for k, r in enumerate(chain):  # each replica's workers take consecutive ranks; first workers chain up
+            first[r], prev[r] = at, first[chain[k - 1]] if k else 0
             at += r.stream_ranks
         world = at
         for r in replicas:
             rank = first.get(r, 0)
             self._of(r).streaming = msg.version
             self.send_to_replica(r.identity, P.StreamWeights(
-                msg.version, msg.manifest, msg.master, msg.port, msg.base, msg.timeout_s, target, rank, world, serial))
+                msg.version, msg.manifest, msg.master, msg.port, msg.base, msg.timeout_s, target, rank, world, serial,
+                prev.get(r, 0)))
         return P.StreamPlan(msg.version, world, [r.replica_id for r in chain + [r for r in replicas if r not in chain]],
                             target)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,9 +98,18 @@ class Region:
         inside = (d >= 0) & (r < self.rows) & (c < self.cols)
         return inside, (r[inside] * self.cols + c[inside])
 
-    def take(self, src: np.ndarray, at: int, dst: np.ndarray, width: int) -> None:
+    def kept(self, x: int, width: int) -> int:
+        """The region's bytes among the tensor's first ``x`` bytes (``width``: bytes per element)."""
+        o, w, s = self.offset * width, self.cols * width, self.stride * width
+        if not self.numel or x <= o:
+            return 0
+        r, into = divmod(x - o, s)
+        return self.numel * width if r >= self.rows else r * w + min(into, w)
+
+    def take(self, src: np.ndarray, at: int, dst: np.ndarray, width: int, skip: int = 0) -> None:
         """Copy the region's bytes among ``src`` (uint8: the tensor's bytes from byte ``at``) to their
-        places in ``dst`` (uint8: the compact copy's bytes); ``width``: bytes per element."""
+        places in ``dst`` (uint8: the compact copy's bytes, its first ``skip`` left out); ``width``:
+        bytes per element."""
         if not self.numel or not src.size:
             return
         o, w, s = self.offset * width, self.cols * width, self.stride * width
@@ -112,14 +122,15 @@ class Region:
         bulk_b = min(last, (end - o - w) // s + 1) if end - o >= w else first
         if bulk_a < bulk_b:
             n = bulk_b - bulk_a
-            dst[bulk_a * w:bulk_b * w].reshape(n, w)[...] = as_strided(src[o + bulk_a * s - at:], (n, w), (s, 1))
+            dst[bulk_a * w - skip:bulk_b * w - skip].reshape(n, w)[...] = as_strided(src[o + bulk_a * s - at:], (n, w),
+                                                                                     (s, 1))
         else:
             bulk_a = bulk_b = last
         for r in {first, last - 1} - set(range(bulk_a, bulk_b)):
             if first <= r < last:
                 lo, hi = max(at, o + r * s), min(end, o + r * s + w)
                 if lo < hi:
-                    dst[r * w + lo - o - r * s:r * w + hi - o - r * s] = src[lo - at:hi - at]
+                    dst[r * w + lo - o - r * s - skip:r * w + hi - o - r * s - skip] = src[lo - at:hi - at]
 
 
 def arena(nbytes: int) -> np.ndarray:
@@ -155,30 +166,70 @@ class Slot:
         return as_strided(self.memory.view(_BITS[width]), self.shape, tuple(s * width for s in self.strides))
 
 
-@dataclass
+class Share:
+    """What one worker keeps of an update's payload, byte by byte: of each dense tensor its region (the
+    whole tensor where ``regions`` names none), every delta whole (its indices span the whole tensor).
+    The kept bytes, in payload order, are the worker's part of each bucket."""
+
+    def __init__(self, manifest: Manifest, regions: dict[str, Region]) -> None:
+        self.manifest = manifest
+        self.starts = manifest.offsets()
+        self.parts: list[tuple[Region, int]] = []
+        """Per tensor: the region of its payload bytes kept, and the element width it is in."""
+        for spec in manifest.tensors:
+            if spec.encoding == Encoding.DELTA:
+                self.parts.append((Region.whole(spec.nbytes), 1))
+            else:
+                self.parts.append((regions.get(spec.name) or Region.whole(spec.numel), ITEMSIZE[spec.dtype]))
+
+    def _meeting(self, s: int, e: int) -> Iterator[tuple[int, int, int, int, Region, int]]:
+        """For each tensor the payload's bytes ``s .. e`` meet: its index, its first byte, the range within
+        it (lo, hi), and its kept region and width."""
+        k = max(0, bisect.bisect_right(self.starts, s) - 1)
+        for i in range(k, len(self.starts)):
+            at = self.starts[i]
+            if at >= e:
+                break
+            spec = self.manifest.tensors[i]
+            lo, hi = max(s, at) - at, min(e, at + spec.nbytes) - at
+            if lo < hi:
+                region, width = self.parts[i]
+                yield i, at, lo, hi, region, width
+
+    def size(self, s: int, e: int) -> int:
+        """Kept bytes among the payload's bytes ``s .. e``."""
+        return sum(region.kept(hi, width) - region.kept(lo, width)
+                   for _, _, lo, hi, region, width in self._meeting(s, e))
+
+    def extract(self, bucket: np.ndarray, s: int, out: np.ndarray) -> int:
+        """The kept bytes of the payload's bytes ``s .. s + len(bucket)`` (``bucket``), in order, into
+        ``out``; how many."""
+        n = 0
+        for _, at, lo, hi, region, width in self._meeting(s, s + bucket.size):
+            skip = region.kept(lo, width)
+            region.take(bucket[at + lo - s:at + hi - s], lo, out[n:], width, skip)
+            n += region.kept(hi, width) - skip
+        return n
+
+
 class Keep:
-    """What one worker keeps of an update passing through it: each dense tensor's region into a
-    :class:`Slot` (reused from ``slots`` where it fits), every delta whole."""
+    """A worker's :class:`Share` of an update, kept: each dense tensor's region into a :class:`Slot`
+    (reused from ``slots`` where it fits), every delta whole into one buffer."""
 
-    manifest: Manifest
-    regions: dict[str, Region]
-    slots: dict[str, Slot]
-
-    def __post_init__(self) -> None:
-        self.starts = self.manifest.offsets()
+    def __init__(self, manifest: Manifest, regions: dict[str, Region], slots: dict[str, Slot]) -> None:
+        self.share = Share(manifest, regions)
+        self.manifest, self.slots = manifest, slots
         self.targets: list[np.ndarray] = []
-        delta_bytes = sum(t.nbytes for t in self.manifest.tensors if t.encoding == Encoding.DELTA)
-        self.deltas = np.empty(delta_bytes, np.uint8)
+        self.deltas = np.empty(sum(t.nbytes for t in manifest.tensors if t.encoding == Encoding.DELTA), np.uint8)
         at = 0
-        for spec in self.manifest.tensors:
+        for spec, (region, _) in zip(manifest.tensors, self.share.parts, strict=True):
             if spec.encoding == Encoding.DELTA:
                 self.targets.append(self.deltas[at:at + spec.nbytes])
                 at += spec.nbytes
                 continue
-            region = self.regions.get(spec.name) or Region.whole(spec.numel)
-            slot = self.slots.get(spec.name)
+            slot = slots.get(spec.name)
             if slot is None or not slot.fits(region, spec.shape, spec.dtype):
-                slot = self.slots[spec.name] = Slot(region, spec.shape, spec.dtype)
+                slot = slots[spec.name] = Slot(region, spec.shape, spec.dtype)
             self.targets.append(slot.bits.view(np.uint8))
 
     @property
@@ -186,20 +237,18 @@ class Keep:
         return sum(t.size for t in self.targets)
 
     def take(self, bucket: np.ndarray, s: int) -> None:
-        """The payload's bytes ``s .. s + len(bucket)`` (``bucket``) arrived: keep what is this worker's."""
-        e = s + bucket.size
-        k = bisect.bisect_right(self.starts, s) - 1
-        for spec, at, dst in zip(self.manifest.tensors[k:], self.starts[k:], self.targets[k:], strict=False):
-            if at >= e:
-                break
-            lo, hi = max(s, at), min(e, at + spec.nbytes)
-            if lo >= hi:
-                continue
-            src = bucket[lo - s:hi - s]
-            if spec.encoding == Encoding.DELTA:
-                dst[lo - at:hi - at] = src
-            else:
-                self.slots[spec.name].region.take(src, lo - at, dst, ITEMSIZE[spec.dtype])
+        """The payload's bytes ``s .. s + len(bucket)`` (``bucket``) arrived: keep this worker's."""
+        for i, at, lo, hi, region, width in self.share._meeting(s, s + bucket.size):
+            region.take(bucket[at + lo - s:at + hi - s], lo, self.targets[i], width)
+
+    def place(self, part: np.ndarray, s: int, e: int) -> None:
+        """This worker's bytes of the payload's bytes ``s .. e`` arrived on their own (``part``, as
+        :meth:`Share.extract` cut them): each tensor's piece to its place."""
+        n = 0
+        for i, _, lo, hi, region, width in self.share._meeting(s, e):
+            a, b = region.kept(lo, width), region.kept(hi, width)
+            self.targets[i][a:b] = part[n:n + b - a]
+            n += b - a
 
     def parts(self, held: int, sizes: dict[str, int]) -> Parts:
         """The kept update by tensor (dense: the slots' bits; deltas: indices over the whole tensor and

@@ -5,7 +5,9 @@ Rank 0 (the trainer) hosts the rendezvous (a ``TCPStore``) and sends the payload
 while the following bucket arrives. So the trainer's uplink carries one copy whatever the number of
 replicas, and an update of ``B`` bytes over ``n`` receivers takes about ``B / link + (n - 1) *
 bucket / link``: the chain's fill time is one bucket per hop. Two buckets are in flight per link
-(double buffering), so packing the next one overlaps sending this one.
+(double buffering), so packing the next one overlaps sending this one. A replica of several workers is
+one hop: its first worker passes each other worker only its share of each bucket
+(``toolkit/weights/shards.py``).
 
 torch is imported inside functions here: it is the ``vllm`` extra's (or the trainer's own), and the
 checkpoint path never needs it.
@@ -16,16 +18,23 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from toolkit.core.errors import ToolkitError
+from toolkit.weights.shards import Keep, Share
 from toolkit.weights.wire import Manifest, bucket_ranges
 
 WINDOW = 2
 """Buckets in flight per link."""
+TAG = 1 << 24
+"""Tags of messages other than buckets (a bucket's tag is its number)."""
+
+
+def _ring(torch: Any, n: int, nbytes: int) -> list[Any]:
+    return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
 
 
 class LinkBroken(ToolkitError):
@@ -108,12 +117,18 @@ class Link:
 
     # ---- ranks 1..n ---------------------------------------------------------------------------
     def receive(self, manifest: Manifest, staging: np.ndarray | None, progress: Callable[[int], None] | None = None,
-                keep: Callable[[np.ndarray, int], None] | None = None) -> None:
-        """Receive the payload into ``staging`` (uint8, ``manifest.total`` bytes) from the rank before,
-        forwarding each bucket to the rank after (if any) as soon as it is in. With ``keep`` (a worker
-        that keeps only its shard) buckets land in a ring of a few instead, each handed to ``keep(bucket,
-        start)`` once it is in."""
+                keep: Callable[[np.ndarray, int], None] | None = None, prev: int | None = None,
+                next: int | None = -1, siblings: Sequence[tuple[int, Share]] = ()) -> None:
+        """Receive the payload from rank ``prev`` (the rank before, by default) into ``staging`` (uint8,
+        ``manifest.total`` bytes), forwarding each bucket to rank ``next`` (the rank after unless this is
+        the last, by default; None: none) as soon as it is in. With ``keep`` (a worker that keeps only
+        its share) buckets land in a ring of a few instead, each handed to ``keep(bucket, start)`` once
+        it is in. ``siblings``: the other workers of this replica, each sent its share of every bucket
+        (:meth:`receive_share`)."""
         torch = _torch()
+        prev = self.rank - 1 if prev is None else prev
+        if next == -1:
+            next = self.rank + 1 if self.rank < self.world - 1 else None
         ranges = bucket_ranges(manifest.total, manifest.bucket_bytes)
         if keep is None:
             assert staging is not None
@@ -123,32 +138,90 @@ class Link:
                 return view[ranges[k][0]:ranges[k][1]]
         else:
             # a bucket's slot is posted WINDOW buckets ahead and read until its forward (WINDOW more) is done
-            ring = [torch.empty(min(manifest.bucket_bytes, manifest.total), dtype=torch.uint8)
-                    for _ in range(min(len(ranges), 2 * WINDOW + 1))]
+            ring = _ring(torch, min(len(ranges), 2 * WINDOW + 1), min(manifest.bucket_bytes, manifest.total))
 
             def place(k: int) -> Any:
                 return ring[k % len(ring)][:ranges[k][1] - ranges[k][0]]
-        last = self.rank == self.world - 1
+        out = [(rank, share, _ring(torch, min(len(ranges), WINDOW + 1), min(manifest.bucket_bytes, manifest.total)),
+                []) for rank, share in siblings]
         recvs: list[Any] = []
         sends: list[Any] = []
         posted = 0
         for k, (s, e) in enumerate(ranges):
             while posted < len(ranges) and posted < k + WINDOW:
-                with self._broken(f"receiving bucket {posted} from rank {self.rank - 1}"):
-                    recvs.append(self.pg.recv([place(posted)], self.rank - 1, posted))
+                with self._broken(f"receiving bucket {posted} from rank {prev}"):
+                    recvs.append(self.pg.recv([place(posted)], prev, posted))
                 posted += 1
-            self._wait(recvs[k], f"receiving bucket {k} from rank {self.rank - 1}")
-            if not last:
+            self._wait(recvs[k], f"receiving bucket {k} from rank {prev}")
+            bucket = place(k)
+            if next is not None:
                 if len(sends) == WINDOW:  # a gloo Work is waited once: a second wait waits for another
-                    self._wait(sends.pop(0), f"forwarding bucket {k - WINDOW} to rank {self.rank + 1}")
-                with self._broken(f"forwarding bucket {k} to rank {self.rank + 1}"):
-                    sends.append(self.pg.send([place(k)], self.rank + 1, k))
+                    self._wait(sends.pop(0), f"forwarding bucket {k - WINDOW} to rank {next}")
+                with self._broken(f"forwarding bucket {k} to rank {next}"):
+                    sends.append(self.pg.send([bucket], next, k))
+            for rank, share, buffers, works in out:
+                if len(works) == WINDOW:
+                    self._wait(works.pop(0), f"sending rank {rank} its share of bucket {k - WINDOW}")
+                part = buffers[k % len(buffers)]
+                n = share.extract(bucket.numpy(), s, part.numpy())
+                if n:
+                    with self._broken(f"sending rank {rank} its share of bucket {k}"):
+                        works.append(self.pg.send([part[:n]], rank, k))
             if keep is not None:
-                keep(place(k).numpy(), s)
+                keep(bucket.numpy(), s)
             if progress is not None:
                 progress(e)
         for w in sends:
-            self._wait(w, f"forwarding the last buckets to rank {self.rank + 1}")
+            self._wait(w, f"forwarding the last buckets to rank {next}")
+        for rank, _, _, works in out:
+            for w in works:
+                self._wait(w, f"sending rank {rank} its share of the last buckets")
+
+    def receive_share(self, manifest: Manifest, head: int, keep: Keep,
+                      progress: Callable[[int], None] | None = None) -> None:
+        """Receive this worker's share of every bucket from rank ``head`` (the first worker of its replica,
+        which receives the whole of it) into ``keep``."""
+        torch = _torch()
+        ranges = bucket_ranges(manifest.total, manifest.bucket_bytes)
+        sizes = [keep.share.size(s, e) for s, e in ranges]
+        wanted = [k for k, n in enumerate(sizes) if n]
+        ring = _ring(torch, min(len(wanted), WINDOW + 1), max(sizes, default=0))
+        recvs: list[Any] = []
+        for j, k in enumerate(wanted):
+            while len(recvs) < len(wanted) and len(recvs) < j + WINDOW:
+                q = wanted[len(recvs)]
+                with self._broken(f"receiving its share of bucket {q} from rank {head}"):
+                    recvs.append(self.pg.recv([ring[len(recvs) % len(ring)][:sizes[q]]], head, q))
+            self._wait(recvs[j], f"receiving its share of bucket {k} from rank {head}")
+            keep.place(ring[j % len(ring)][:sizes[k]].numpy(), *ranges[k])
+            if progress is not None:
+                progress(ranges[k][1])
+        if progress is not None:
+            progress(manifest.total)
+
+    def send_bytes(self, dst: int, data: bytes) -> None:
+        """A small message to rank ``dst`` (its length, then it), outside the buckets' tags."""
+        torch = _torch()
+        parts = [(torch.tensor([len(data)], dtype=torch.int64), TAG)]
+        if data:
+            parts.append((torch.frombuffer(bytearray(data), dtype=torch.uint8), TAG + 1))
+        for t, tag in parts:
+            with self._broken(f"sending rank {dst} a message"):
+                work = self.pg.send([t], dst, tag)
+            self._wait(work, f"sending rank {dst} a message")
+
+    def recv_bytes(self, src: int) -> bytes:
+        torch = _torch()
+        n = torch.zeros(1, dtype=torch.int64)
+        with self._broken(f"receiving a message from rank {src}"):
+            work = self.pg.recv([n], src, TAG)
+        self._wait(work, f"receiving a message from rank {src}")
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        if data.numel():
+            with self._broken(f"receiving a message from rank {src}"):
+                work = self.pg.recv([data], src, TAG + 1)
+            self._wait(work, f"receiving a message from rank {src}")
+        return data.numpy().tobytes()
 
     # ---- every rank: the link's own bound ------------------------------------------------------
     def broadcast_raw(self, nbytes: int, root_fill: int = 1) -> float:
