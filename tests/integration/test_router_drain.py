@@ -5,6 +5,7 @@ bookkeeping: tests/unit/test_router_drain.py."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 
@@ -160,3 +161,27 @@ def test_requests_to_an_empty_group_fail_as_no_replica_after_the_timeout(make_ru
         assert {res.group for res, _ in others} == {"throughput"}
 
     asyncio.run(with_client(rd, body, timeout_s=150))
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_stopped_by_sigterm_hands_its_requests_back_at_once_and_unblamed(make_run) -> None:  # type: ignore[no-untyped-def]
+    """A preemption: SIGTERM to a replica with requests in flight. It says it is leaving, so they go back to
+    their queues at once and run on the other replica. One engine death would fail each of them
+    (``max_engine_deaths=1``), and the heartbeats are too far apart for the router to find the replica
+    gone by its silence within the test."""
+    cfg, rd, stack = make_run(["router.heartbeat_s=5", "router.missed_heartbeats=20", "router.max_engine_deaths=1",
+                               *LONG])
+    stack.start(timeout_s=60)
+    victim = stack.replicas[("throughput", 0)]
+
+    async def body(c: RouterClient) -> None:
+        msgs, tasks = await long_requests_in_flight(c, 8)
+        victim.send_signal(signal.SIGTERM)
+        outs = await asyncio.gather(*tasks)
+        assert [res.status for res, _ in outs] == ["ok"] * 8, [(res.status, res.error) for res, _ in outs]
+        moved = [res for res, route in outs if route.dispatches > 1]
+        assert len(moved) == 4 and all(res.replica_id.startswith("throughput-1@") for res in moved)
+
+    asyncio.run(with_client(rd, body, timeout_s=90))
+    assert victim.wait(timeout=30) is not None
+    assert "it is leaving: stopped from outside" in (rd.root / "logs" / "router.log").read_text()

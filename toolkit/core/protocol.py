@@ -427,6 +427,14 @@ class KvSnapshot(Message):
     blocks: list[int] = []
 
 
+class Leaving(Message):
+    """Replica -> router: this replica is going now (a signal stopped it: a preemption, a kill, the run's
+    end). Its requests in flight go back to their queues at once, not after missed heartbeats, and do
+    not count toward their ``max_engine_deaths``: a replica stopped from outside says nothing about them."""
+
+    reason: str
+
+
 class Shutdown(Message):
     """Router -> replica: you were drained and hold no request; close the engine and exit 0. Sent
     again on every heartbeat or registration of a replica that was told so."""
@@ -457,6 +465,7 @@ TYPE_OF: Final[dict[type[Message], bytes]] = {
     KvEvents: b"\x13",
     KvResync: b"\x14",
     KvSnapshot: b"\x15",
+    Leaving: b"\x16",
 }
 CLASS_OF: Final[dict[bytes, type[Message]]] = {v: k for k, v in TYPE_OF.items()}
 DECODERS: Final[dict[bytes, msgspec.msgpack.Decoder[Any]]] = {

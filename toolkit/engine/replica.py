@@ -44,6 +44,7 @@ from toolkit.config import (
 )
 from toolkit.config.entry import enter_component
 from toolkit.core import protocol as P
+from toolkit.core.errors import Terminated
 from toolkit.core.lifecycle import ProcessRef, stdout_file, write_pidfile
 from toolkit.core.metrics import Endpoint
 from toolkit.core.rundir import RunDir, atomic_write
@@ -131,6 +132,9 @@ class ReplicaServer:
         beat = asyncio.create_task(self._heartbeats(), name="heartbeats")
         try:
             await self._receive()
+        except (Terminated, KeyboardInterrupt, asyncio.CancelledError) as exc:
+            await self._leave(exc)
+            raise
         finally:
             if endpoint is not None:
                 endpoint.close()
@@ -142,6 +146,17 @@ class ReplicaServer:
             await self.engine.close()
             self.link.close()
             self.ctx.term()
+
+    async def _leave(self, exc: BaseException) -> None:
+        """Stopped from outside (SIGTERM: a preemption, a kill, the run's end): the router hears it now,
+        and sends what it had here elsewhere without counting it against the requests. (A failure of the
+        replica's own says nothing: the router finds it out by its silence, and counts it.)"""
+        why = f"stopped from outside ({type(exc).__name__})"
+        logger.warning("leaving the router (%s)", why)
+        try:
+            await asyncio.wait_for(self._send(P.Leaving(why)), 1.0)
+        except Exception as e:  # noqa: BLE001 - the router finds out by the missed heartbeats instead
+            logger.warning("could not tell the router this replica is leaving: %s", e)
 
     async def _heartbeats(self) -> None:
         while True:
@@ -255,7 +270,6 @@ class ReplicaServer:
             return
         await self.engine.abort(rid)
 
-    # ---- the engine to itself: weight loads and restarts -------------------------------------
     # ---- the engine to itself: restarts ------------------------------------------------------------
     def _spawn(self, coro: object, name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ PROBE_PREFIX = "__probe__:"
 
 class Membership:
     def __init__(self, rcfg: RouterConfig, pool: ReplicaPool, weights: WeightSync, elastic: Elastic,
-                 send_to_replica: Send, orphaned: Callable[[Replica, list[Request], str], None]) -> None:
+                 send_to_replica: Send, orphaned: Callable[[Replica, list[Request], str, bool], None]) -> None:
         self.rcfg = rcfg
         self.pool = pool
         self.weights = weights
@@ -97,15 +97,16 @@ class Membership:
         r.probe_sent_at = clock.monotonic()
         self.send(r.identity, probe)
 
-    def drop(self, r: Replica, why: str) -> None:
-        """Remove a replica; the router takes back what it held."""
+    def drop(self, r: Replica, why: str, blame: bool = True) -> None:
+        """Remove a replica; the router takes back what it held (``blame``: its requests in flight count
+        a death each; not for a replica that said it is leaving)."""
         if r.shutdown_sent and not r.inflight:
             logger.info("replica %s is gone after its shutdown (%s)", r.replica_id, why)
         else:
             logger.warning("dropping replica %s (%s) with %d request(s) in flight", r.replica_id, why, r.load)
         orphans = self.pool.remove(r)
         self.weights.forget(r)
-        self.orphaned(r, orphans, why)
+        self.orphaned(r, orphans, why, blame)
 
     def engine_died(self, r: Replica, why: str) -> None:
         """A replica answered ``engine_dead``: out of dispatch until a new probe passes its gate (its

@@ -370,6 +370,10 @@ class Router:
             r = self.pool.known(ident)
             if r is not None:
                 self.weights.acknowledged(r, msg)
+        elif isinstance(msg, P.Leaving):
+            r = self.pool.known(ident)
+            if r is not None:
+                self.membership.drop(r, f"it is leaving: {msg.reason}", blame=False)
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
 
@@ -406,15 +410,16 @@ class Router:
         self._complete(req, payload, res.status)
 
     # ---- requests whose replica died ---------------------------------------------------------
-    def _orphaned(self, r: Replica, reqs: list[Request], why: str) -> None:
-        """A dropped replica's requests go back to the front of their jobs' queues (or fail as poison)."""
+    def _orphaned(self, r: Replica, reqs: list[Request], why: str, blame: bool = True) -> None:
+        """A dropped replica's requests go back to the front of their jobs' queues (or fail as poison);
+        ``blame``: the replica died or went silent with them in it (a death counted against each)."""
         now = clock.wall()
         for req in reqs:
             self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
-            self._died_under(req, r.replica_id, why)
+            self._died_under(req, r.replica_id, why, blame)
 
-    def _died_under(self, req: Request, replica_id: str, why: str) -> None:
-        req.deaths += 1
+    def _died_under(self, req: Request, replica_id: str, why: str, blame: bool = True) -> None:
+        req.deaths += blame
         req.replica = None
         req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
         self.tail.forget(req)  # a move it was on is off: it no longer holds the tail group's room
