@@ -108,6 +108,8 @@ def _interval(xs: list[float]) -> dict[str, float]:
 
 
 STREAMED = re.compile(r"streamed weights version (\d+): staged in ([\d.]+)s, applied in ([\d.]+)s")
+KEPT = re.compile(r"streamed weights version (\d+) staged: its workers kept \[([\d, ]+)\] of its (\d+) bytes "
+                  r"and hold \[([\d, ]+)\]")
 
 
 def _replica_phases(logs: Path) -> dict[int, list[tuple[float, float]]]:
@@ -117,6 +119,60 @@ def _replica_phases(logs: Path) -> dict[int, list[tuple[float, float]]]:
         for m in STREAMED.finditer(log.read_text(errors="replace")):
             out.setdefault(int(m.group(1)), []).append((float(m.group(2)), float(m.group(3))))
     return out
+
+
+def _worker_bytes(logs: Path) -> dict[int, dict[str, Any]]:
+    """Per streamed version: what each worker of the (one) replica kept of it and holds, from its log."""
+    out = {}
+    for log in sorted(logs.glob("replica-*.log")):
+        for m in KEPT.finditer(log.read_text(errors="replace")):
+            out[int(m.group(1))] = {"kept": [int(x) for x in m.group(2).split(",")], "total": int(m.group(3)),
+                                    "held": [int(x) for x in m.group(4).split(",")]}
+    return out
+
+
+def _serve_and_train(root: Path, name: str, model: Path, overrides: list[str], runs: int, max_tokens: int,
+                     ) -> tuple[list[dict[str, Any]], Load, Path]:
+    """A stack serving ``model`` under ``overrides`` with requests running, and the trainer's ``runs``
+    runs against it: the trainer's JSON lines, the load, and the run's logs (kept)."""
+    cfg = compose_config(["model=tiny", f"engine.model={model}", "groups=single", "rollout.weights_transport=stream",
+                          "engine.kv_cache_gib=0.25", "engine.max_model_len=512", "engine.args.max_num_seqs=16",
+                          *overrides])
+    validate(cfg)
+    with LocalStack(cfg, root / name) as stack:
+        stack.start(timeout_s=1200)
+        load = Load(stack.run_dir, concurrency=4, max_tokens=max_tokens)
+        load.start()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "toolkit.bench.weights_trainer", "--run", str(stack.run_dir.root),
+                 "--model", str(model), "--weights", str(root / f"weights-{name}"), "--runs", str(runs)],
+                capture_output=True, text=True, timeout=3600)
+        finally:
+            load.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the trainer failed ({proc.returncode}): {proc.stderr[-4000:]}")
+    return [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")], load, stack.run_dir.logs
+
+
+def tensor_parallel(root: Path, model: Path, runs: int, max_tokens: int) -> dict[str, Any]:
+    """One replica of tensor_parallel_size 2: its updates' times, and what each worker kept of each
+    streamed update and holds (its shard: docs/weights.md)."""
+    lines, load, logs = _serve_and_train(root, "tp2", model, ["groups.throughput.replicas=1",
+                                                              "engine.tensor_parallel_size=2"], runs, max_tokens)
+    updates = [x for x in lines if "arm" in x]
+    kept = _worker_bytes(logs)
+    arms = {a: [u["update_s"] for u in updates if u["arm"] == a] for a in ("checkpoint", "stream_dense", "stream_delta")}
+    dense = [kept[u["version"]] for u in updates if u["arm"] == "stream_dense" and u["version"] in kept]
+    model_bytes = next(x for x in lines if "link_bound_s" in x)["bytes"]
+    return {
+        "workers": 2,
+        "update_s": {a: _interval(xs[1:] if len(xs) > 2 else xs) for a, xs in arms.items()},
+        "dense_kept_fraction_per_worker": [round(statistics.fmean(d["kept"][w] / d["total"] for d in dense), 4)
+                                           for w in range(2)] if dense else [],
+        "held_fraction_per_worker": [round(h / model_bytes, 4) for h in dense[-1]["held"]] if dense else [],
+        "aborted_requests": sum(load.not_ok.values()),
+    }
 
 
 def modelled(delta_fraction: float) -> list[dict[str, Any]]:
@@ -147,25 +203,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         t0 = time.monotonic()
         model = build_llama(root / "model", seed=0, **shape)
         logger.info("built a random Llama %s in %.0fs", shape, time.monotonic() - t0)
-        cfg = compose_config(["model=tiny", f"engine.model={model}", "groups=single", "groups.throughput.replicas=2",
-                              "rollout.weights_transport=stream", "engine.kv_cache_gib=0.25",
-                              "engine.max_model_len=512", "engine.args.max_num_seqs=16"])
-        validate(cfg)
-        with LocalStack(cfg, root / "run") as stack:
-            stack.start(timeout_s=1200)
-            load = Load(stack.run_dir, concurrency=4, max_tokens=32 if quick else 64)
-            load.start()
-            try:
-                proc = subprocess.run(
-                    [sys.executable, "-m", "toolkit.bench.weights_trainer", "--run", str(stack.run_dir.root),
-                     "--model", str(model), "--weights", str(root / "weights"), "--runs", str(runs)],
-                    capture_output=True, text=True, timeout=3600)
-            finally:
-                load.stop()
-            phases = _replica_phases(stack.run_dir.logs)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the trainer failed ({proc.returncode}): {proc.stderr[-4000:]}")
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        lines, load, logs = _serve_and_train(root, "run", model, ["groups.throughput.replicas=2"], runs,
+                                             32 if quick else 64)
+        phases = _replica_phases(logs)
+        tp = tensor_parallel(root, model, 2 if quick else 3, 32 if quick else 64)
     updates = [x for x in lines if "arm" in x]
     bound = next(x for x in lines if "link_bound_s" in x)
     arms = {a: [u for u in updates if u["arm"] == a] for a in ("checkpoint", "stream_dense", "stream_delta")}
@@ -209,4 +250,5 @@ def run(quick: bool = False) -> dict[str, Any]:
         "requests_during_run": load.done,
         "requests_spanning_an_update": load.spanning,
         "modelled": {"rates": MODELLED, "delta_bytes_fraction": round(fraction, 5), "rows": modelled(fraction)},
+        "tensor_parallel": tp,
     }

@@ -18,7 +18,8 @@ from toolkit.config import replica_nodes
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
 from toolkit.engine import replica
-from toolkit.engine.nodes import NodeRole, serve_node
+from toolkit.engine.node_role import NodeRole
+from toolkit.engine.nodes import serve_node
 from toolkit.router import process as router_process
 
 

@@ -34,7 +34,8 @@ from toolkit.core.lease import current_epoch
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import JobStates, hostnames, need, scancel, wait_gone
-from toolkit.engine.nodes import NodeRole, serve_node
+from toolkit.engine.node_role import NodeRole
+from toolkit.engine.nodes import serve_node
 from toolkit.rollout import worker
 from toolkit.router import process as router_process
 

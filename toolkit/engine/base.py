@@ -13,7 +13,7 @@ from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights
 from toolkit.engine.kv_events import KvEventLog
 
 if TYPE_CHECKING:
-    from toolkit.engine.nodes import NodeRole
+    from toolkit.engine.node_role import NodeRole
 
 
 

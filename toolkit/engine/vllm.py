@@ -59,7 +59,7 @@ from toolkit.core.protocol import (
 from toolkit.engine import vllm_transfer
 from toolkit.engine.base import Engine, EngineGone, EngineInfo
 from toolkit.engine.kv_events import KvEventLog
-from toolkit.engine.nodes import NodeRole
+from toolkit.engine.node_role import NodeRole
 from toolkit.engine.vllm_kv import VllmKvEvents
 from toolkit.engine.vllm_lora import Adapters
 from toolkit.engine.vllm_setup import cpu_environment, engine_args, stat_logger_factory

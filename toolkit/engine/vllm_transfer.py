@@ -166,6 +166,9 @@ async def stage(llm: Any, plan: StreamWeights, poll_s: float = 0.02) -> None:
             await asyncio.sleep(poll_s)
         if st["state"] != "staged":
             raise RuntimeError(f"staging version {plan.version} failed: {st.get('error') or st}")
+        states = await llm.collective_rpc("toolkit_stream_status")
+        logger.info("streamed weights version %d staged: its workers kept %s of its %d bytes and hold %s",
+                    plan.version, [x.get("kept") for x in states], st.get("total", 0), [x.get("held_bytes") for x in states])
     except BaseException:
         await discard(llm)
         raise

@@ -24,7 +24,7 @@ from typing import Any
 
 from toolkit.config import VllmEngineConfig
 from toolkit.core.lifecycle import exit_on_sigterm
-from toolkit.engine.nodes import NodeRole
+from toolkit.engine.node_role import NodeRole
 from toolkit.engine.vllm_setup import cpu_environment, engine_args
 from toolkit.model.tiny import ensure_tiny
 
