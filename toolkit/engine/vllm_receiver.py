@@ -153,8 +153,12 @@ class Receiver:
         self.held = {}
         total = 0
         for name, b, dtype in checkpoint_tensors(path):
-            slot = self.held[name] = Slot(self.regions.get(name) or Region.whole(b.size), b.shape, dtype)
-            slot.region.gather(b.reshape(-1), slot.bits)
+            region = self.regions.get(name)
+            if region is None:  # kept whole: the tensor just read, as it is
+                self.held[name] = Slot(Region.whole(b.size), b.shape, dtype, whole=b)
+            else:
+                slot = self.held[name] = Slot(region, b.shape, dtype)
+                region.gather(b.reshape(-1), slot.bits)
             total += b.nbytes
         if self.regions:
             logger.info("this worker holds %d of the checkpoint's %d bytes (a shard of %d of its %d tensors)",

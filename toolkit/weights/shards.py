@@ -145,14 +145,19 @@ def arena(nbytes: int) -> np.ndarray:
 class Slot:
     """One tensor's region, kept compact (``bits``), with the room around it a full-shaped view needs."""
 
-    def __init__(self, region: Region, shape: tuple[int, ...], dtype: str) -> None:
+    def __init__(self, region: Region, shape: tuple[int, ...], dtype: str, whole: np.ndarray | None = None) -> None:
+        """``whole``: a whole tensor's bits (C-contiguous) to keep as they are, when ``region`` is all of it
+        (no copy)."""
         layout = region.layout(shape)
         if layout is None:
             raise ValueError(f"region {region} cannot be read by a view of shape {shape}")
         self.region, self.shape, self.dtype = region, shape, dtype
         self.pre, span, self.strides = layout
         width = ITEMSIZE[dtype]
-        self.memory = arena(span * width)
+        if whole is not None and self.pre == 0 and span == region.numel == whole.size and whole.flags.c_contiguous:
+            self.memory = whole.reshape(-1).view(np.uint8)
+        else:
+            self.memory = arena(span * width)
         self.bits = self.memory[self.pre * width:(self.pre + region.numel) * width].view(_BITS[width])
         """The region's elements (their bits), in order: the only pages ever written."""
 
