@@ -231,6 +231,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "runs": runs,
         "update_s": {a: _interval(xs) for a, xs in steady.items()},
         "update_s_all": {a: [round(x, 3) for x in xs] for a, xs in update_s.items()},
+        # The checkpoint arm's part of it spent writing the checkpoint (safetensors, fsync) before any replica reads.
+        "checkpoint_publish_s_all": [round(u["publish_s"], 3) for u in arms["checkpoint"]],
         "ratio_stream_vs_checkpoint": round(dense_s / ckpt_s, 3),
         "ratio_delta_vs_dense": round(delta_s / dense_s, 3),
         "link_bound_s": round(link_s, 3),

@@ -109,8 +109,9 @@ def trainer(a: argparse.Namespace) -> None:
             state = bf16_state(model)
             t0 = time.monotonic()
             path = publish(Path(a.weights), version, dict(state), config=config)
+            published = time.monotonic() - t0
             load(run, path, version)
-            emit(arm="checkpoint", run=r, version=version, update_s=time.monotonic() - t0)
+            emit(arm="checkpoint", run=r, version=version, update_s=time.monotonic() - t0, publish_s=published)
 
             version += 1
             t0 = time.monotonic()
