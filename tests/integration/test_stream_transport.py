@@ -131,3 +131,59 @@ def test_a_trainer_gone_before_the_receiver_posts_its_receives_is_a_broken_link(
     t.join(30)
     assert len(raised) == 1 and isinstance(raised[0], LinkBroken), raised
     assert "rank 1 of 2: receiving bucket 0" in str(raised[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_of_two_workers_is_one_hop_and_each_worker_gets_exactly_its_share(tmp_path: Path) -> None:
+    """The trainer sends to a replica's first worker only; it passes the other worker that worker's share of
+    each bucket (the regions it was sent first), and keeps its own: each ends with exactly its regions of the
+    dense update and every delta whole. Many buckets hold none of one worker's share (the halves of
+    column-parallel tensors), so a worker's sends skip buckets."""
+    from toolkit.weights.shards import Region
+
+    rng = np.random.default_rng(3)
+    m1 = model(rng)  # three (512, 1024) tensors: 1 MiB each in bf16
+    half = 256 * 1024
+    regions = [{"layers.0.weight": [0, 1, half, half], "layers.1.weight": [0, 512, 512, 1024]},  # rows; columns
+               {"layers.0.weight": [half, 1, half, half], "layers.1.weight": [512, 512, 512, 1024]}]  # the third whole
+    np.savez(tmp_path / "held.npz", **m1)
+    enc = Encoder(bucket_bytes=64 << 10)
+    enc.encode(1, [(k, v, "bfloat16") for k, v in m1.items()], delta=False)
+    enc.commit()
+    m2 = {k: v + np.uint16(1) for k, v in m1.items()}  # every element: dense
+    u2 = enc.encode(2, [(k, v, "bfloat16") for k, v in m2.items()], delta=True)
+    enc.commit()
+    m3 = {k: v.copy() for k, v in m2.items()}
+    for v in m3.values():
+        flat = v.reshape(-1)
+        flat[rng.choice(flat.size, flat.size // 100, replace=False)] += 1
+    u3 = enc.encode(3, [(k, v, "bfloat16") for k, v in m3.items()], delta=True)
+    assert all(t.encoding == Encoding.DELTA for t in u3.manifest.tensors)
+    paths = [write(tmp_path, "m2", u2), write(tmp_path, "m3", u3)]
+    rendezvous = [Link.rendezvous("127.0.0.1", 3, 30) for _ in range(2)]  # one per update, as the Streamer's
+    ports = [str(port) for _, port in rendezvous]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.stream_workers", "--ports", *ports, "--index",
+                               str(i), "--regions", json.dumps(regions[i]), "--held", str(tmp_path / "held.npz"),
+                               "--manifests", *map(str, paths)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        for (store, port), u in zip(rendezvous, (u2, u3), strict=True):
+            Link("127.0.0.1", port, 0, 3, timeout_s=30, store=store).send(u.manifest, u.pieces)
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    deltas = dict(zip([t.name for t in u3.manifest.tensors],
+                      [zlib.crc32(u3.pieces[2 * k].tobytes() + u3.pieces[2 * k + 1].tobytes()) for k in range(3)],
+                      strict=True))
+    for i, (out, err) in enumerate(outs):
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert [line.get("version") for line in lines] == [2, 3], (out, err[-2000:])
+        want = {}
+        for name, v in m2.items():
+            r = Region(*regions[i][name]) if name in regions[i] else Region.whole(v.size)
+            got = np.empty(r.numel, np.uint16)
+            r.gather(v.reshape(-1), got)
+            want[name] = zlib.crc32(got.tobytes())
+        assert lines[0]["crc"] == want and lines[0]["kept"] == 2 * half * 2 + 512 * 1024 * 2
+        assert lines[1]["crc"] == deltas and lines[1]["kept"] == u3.manifest.total

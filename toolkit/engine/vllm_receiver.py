@@ -176,7 +176,9 @@ class Receiver:
         payload and sends every other worker its share (:class:`~toolkit.weights.shards.Share`, from the
         regions each sends it first)."""
         if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("an update is already being staged")
+            if self.status.get("state") == "staging":
+                raise RuntimeError("an update is already being staged")
+            self._thread.join()  # the last one staged (or failed) and is closing its link
         self._settled()
         self.discard()
         self.status = {"state": "staging", "version": manifest.version, "received": 0, "total": manifest.total}

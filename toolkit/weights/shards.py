@@ -187,7 +187,7 @@ class Share:
             else:
                 self.parts.append((regions.get(spec.name) or Region.whole(spec.numel), ITEMSIZE[spec.dtype]))
 
-    def _meeting(self, s: int, e: int) -> Iterator[tuple[int, int, int, int, Region, int]]:
+    def meeting(self, s: int, e: int) -> Iterator[tuple[int, int, int, int, Region, int]]:
         """For each tensor the payload's bytes ``s .. e`` meet: its index, its first byte, the range within
         it (lo, hi), and its kept region and width."""
         k = max(0, bisect.bisect_right(self.starts, s) - 1)
@@ -204,13 +204,13 @@ class Share:
     def size(self, s: int, e: int) -> int:
         """Kept bytes among the payload's bytes ``s .. e``."""
         return sum(region.kept(hi, width) - region.kept(lo, width)
-                   for _, _, lo, hi, region, width in self._meeting(s, e))
+                   for _, _, lo, hi, region, width in self.meeting(s, e))
 
     def extract(self, bucket: np.ndarray, s: int, out: np.ndarray) -> int:
         """The kept bytes of the payload's bytes ``s .. s + len(bucket)`` (``bucket``), in order, into
         ``out``; how many."""
         n = 0
-        for _, at, lo, hi, region, width in self._meeting(s, s + bucket.size):
+        for _, at, lo, hi, region, width in self.meeting(s, s + bucket.size):
             skip = region.kept(lo, width)
             region.take(bucket[at + lo - s:at + hi - s], lo, out[n:], width, skip)
             n += region.kept(hi, width) - skip
@@ -243,14 +243,14 @@ class Keep:
 
     def take(self, bucket: np.ndarray, s: int) -> None:
         """The payload's bytes ``s .. s + len(bucket)`` (``bucket``) arrived: keep this worker's."""
-        for i, at, lo, hi, region, width in self.share._meeting(s, s + bucket.size):
+        for i, at, lo, hi, region, width in self.share.meeting(s, s + bucket.size):
             region.take(bucket[at + lo - s:at + hi - s], lo, self.targets[i], width)
 
     def place(self, part: np.ndarray, s: int, e: int) -> None:
         """This worker's bytes of the payload's bytes ``s .. e`` arrived on their own (``part``, as
         :meth:`Share.extract` cut them): each tensor's piece to its place."""
         n = 0
-        for i, _, lo, hi, region, width in self.share._meeting(s, e):
+        for i, _, lo, hi, region, width in self.share.meeting(s, e):
             a, b = region.kept(lo, width), region.kept(hi, width)
             self.targets[i][a:b] = part[n:n + b - a]
             n += b - a

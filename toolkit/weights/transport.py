@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,18 @@ TAG = 1 << 24
 
 def _ring(torch: Any, n: int, nbytes: int) -> list[Any]:
     return [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+
+
+@dataclass
+class _Sibling:
+    """Another worker of this replica, sent its share of each bucket: from a ring of buffers, a send each."""
+
+    rank: int
+    share: Share
+    buffers: list[Any]
+    works: list[Any] = field(default_factory=list)
+    """Its sends in flight, oldest first."""
+    sent: int = 0
 
 
 class LinkBroken(ToolkitError):
@@ -142,8 +155,8 @@ class Link:
 
             def place(k: int) -> Any:
                 return ring[k % len(ring)][:ranges[k][1] - ranges[k][0]]
-        out = [(rank, share, _ring(torch, min(len(ranges), WINDOW + 1), min(manifest.bucket_bytes, manifest.total)),
-                []) for rank, share in siblings]
+        out = [_Sibling(rank, share, _ring(torch, min(len(ranges), WINDOW + 1), min(manifest.bucket_bytes, manifest.total)))
+               for rank, share in siblings]
         recvs: list[Any] = []
         sends: list[Any] = []
         posted = 0
@@ -159,23 +172,24 @@ class Link:
                     self._wait(sends.pop(0), f"forwarding bucket {k - WINDOW} to rank {next}")
                 with self._broken(f"forwarding bucket {k} to rank {next}"):
                     sends.append(self.pg.send([bucket], next, k))
-            for rank, share, buffers, works in out:
-                if len(works) == WINDOW:
-                    self._wait(works.pop(0), f"sending rank {rank} its share of bucket {k - WINDOW}")
-                part = buffers[k % len(buffers)]
-                n = share.extract(bucket.numpy(), s, part.numpy())
+            for o in out:
+                if len(o.works) == WINDOW:  # then the buffer of the send before those in flight is free
+                    self._wait(o.works.pop(0), f"sending rank {o.rank} its share of a bucket before {k}")
+                part = o.buffers[o.sent % len(o.buffers)]  # by sends, not buckets: a bucket may hold none of its share
+                n = o.share.extract(bucket.numpy(), s, part.numpy())
                 if n:
-                    with self._broken(f"sending rank {rank} its share of bucket {k}"):
-                        works.append(self.pg.send([part[:n]], rank, k))
+                    with self._broken(f"sending rank {o.rank} its share of bucket {k}"):
+                        o.works.append(self.pg.send([part[:n]], o.rank, k))
+                    o.sent += 1
             if keep is not None:
                 keep(bucket.numpy(), s)
             if progress is not None:
                 progress(e)
         for w in sends:
             self._wait(w, f"forwarding the last buckets to rank {next}")
-        for rank, _, _, works in out:
-            for w in works:
-                self._wait(w, f"sending rank {rank} its share of the last buckets")
+        for o in out:
+            for w in o.works:
+                self._wait(w, f"sending rank {o.rank} its share of the last buckets")
 
     def receive_share(self, manifest: Manifest, head: int, keep: Keep,
                       progress: Callable[[int], None] | None = None) -> None:
