@@ -51,8 +51,8 @@ def slot_tensor(slot: Slot) -> Any:
     return torch.from_numpy(slot.memory).view(_torch_dtype(slot.dtype)).as_strided(slot.shape, slot.strides, 0)
 
 
-def checkpoint_tensors(path: str) -> Iterator[tuple[str, np.ndarray, str]]:
-    """The tensors of the safetensors files in ``path``, one at a time: name, bits (shaped), torch's dtype name."""
+def _checkpoint(path: str) -> Iterator[tuple[str, Any]]:
+    """(name, the open safetensors file holding it) for each tensor of the files in ``path``."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -61,10 +61,22 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, np.ndarray, str]]:
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                t = st.get_tensor(name)
-                dtype = str(t.dtype).removeprefix("torch.")
-                as_int = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}[t.element_size()]
-                yield name, bits(t.contiguous().view(_torch_dtype(as_int)).numpy(), dtype), dtype
+                yield name, st
+
+
+def checkpoint_specs(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor's shape and torch's dtype name, from the files' headers (nothing read)."""
+    return {name: (tuple(st.get_slice(name).get_shape()), _dtype_name(st.get_slice(name).get_dtype()))
+            for name, st in _checkpoint(path)}
+
+
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, np.ndarray, str]]:
+    """The tensors of the safetensors files in ``path``, one at a time: name, bits (shaped), torch's dtype name."""
+    for name, st in _checkpoint(path):
+        t = st.get_tensor(name)
+        dtype = str(t.dtype).removeprefix("torch.")
+        as_int = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}[t.element_size()]
+        yield name, bits(t.contiguous().view(_torch_dtype(as_int)).numpy(), dtype), dtype
 
 
 def read_checkpoint(path: str) -> dict[str, tuple[np.ndarray, str]]:
@@ -136,18 +148,10 @@ class Receiver:
         self._settled()
         self.regions = {}
         if model is not None and _sharded():
-            from safetensors import safe_open
-
             from toolkit.engine.vllm_shards import probe
 
-            specs = {}
-            for f in sorted(Path(path).glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as st:
-                    for name in st.keys():  # noqa: SIM118
-                        sl = st.get_slice(name)
-                        specs[name] = (tuple(sl.get_shape()), _dtype_name(sl.get_dtype()))
             try:
-                self.regions = probe(model, specs)
+                self.regions = probe(model, checkpoint_specs(path))
             except Exception:  # noqa: BLE001 - a loader a region cannot follow: every tensor kept whole
                 logger.warning("finding this worker's shards failed: it keeps every tensor whole", exc_info=True)
         self.held = {}

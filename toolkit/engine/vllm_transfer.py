@@ -142,7 +142,11 @@ async def hold(llm: Any, path: str, version: int) -> None:
 
 async def status(llm: Any) -> dict[str, Any]:
     """The workers' states as one: the first failure, else staging until every worker staged."""
-    states = await llm.collective_rpc("toolkit_stream_status")
+    return merged(await llm.collective_rpc("toolkit_stream_status"))
+
+
+def merged(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Workers' states (``toolkit_stream_status``) as one, as :func:`status` gives it."""
     for want in ("unavailable", "failed", "broken", "rolled_back", "staging"):
         if any(st.get("state") == want for st in states):
             out = next(st for st in states if st.get("state") == want)
@@ -162,11 +166,10 @@ async def stage(llm: Any, plan: StreamWeights, poll_s: float = 0.02) -> None:
     await llm.start_weight_update()
     try:
         await llm.update_weights(WeightTransferUpdateRequest(info))
-        while (st := await status(llm))["state"] == "staging":
+        while (st := merged(states := await llm.collective_rpc("toolkit_stream_status")))["state"] == "staging":
             await asyncio.sleep(poll_s)
         if st["state"] != "staged":
             raise RuntimeError(f"staging version {plan.version} failed: {st.get('error') or st}")
-        states = await llm.collective_rpc("toolkit_stream_status")
         logger.info("streamed weights version %d staged: its workers kept %s of its %d bytes and hold %s",
                     plan.version, [x.get("kept") for x in states], st.get("total", 0), [x.get("held_bytes") for x in states])
     except BaseException:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from toolkit.weights.wire import _BITS, INDEX, ITEMSIZE, Encoding, Manifest, Parts, WrongBase
+from toolkit.weights.wire import _BITS, ITEMSIZE, Encoding, Manifest, Parts, check_base, delta_of
 
 
 @dataclass(frozen=True)
@@ -258,19 +258,11 @@ class Keep:
     def parts(self, held: int, sizes: dict[str, int]) -> Parts:
         """The kept update by tensor (dense: the slots' bits; deltas: indices over the whole tensor and
         values), checked as :func:`~toolkit.weights.wire.split` does."""
-        if self.manifest.base >= 0 and self.manifest.base != held:
-            raise WrongBase(f"update to version {self.manifest.version} is a delta against version "
-                            f"{self.manifest.base}, but this replica holds version {held}: it needs a dense update")
+        check_base(self.manifest, held)
         parts = Parts({}, {})
         for spec, dst in zip(self.manifest.tensors, self.targets, strict=True):
             if spec.encoding == Encoding.DENSE:
                 parts.dense[spec.name] = self.slots[spec.name].bits
-                continue
-            if sizes.get(spec.name) != spec.numel:
-                raise WrongBase(f"delta for {spec.name!r}: this replica holds no tensor of {spec.numel} elements there")
-            cut = spec.nnz * INDEX.itemsize
-            idx, values = dst[:cut].view(INDEX), dst[cut:].view(_BITS[ITEMSIZE[spec.dtype]])
-            if idx.size and (idx.min() < 0 or idx.max() >= spec.numel):
-                raise ValueError(f"delta for {spec.name!r} indexes outside its {spec.numel} elements")
-            parts.deltas[spec.name] = (idx, values)
+            else:
+                parts.deltas[spec.name] = delta_of(spec, dst, sizes)
         return parts

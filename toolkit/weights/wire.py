@@ -214,29 +214,39 @@ class Parts:
     deltas: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
+def check_base(manifest: Manifest, held: int) -> None:
+    """Raise WrongBase for a delta update against another version than ``held``."""
+    if manifest.base >= 0 and manifest.base != held:
+        raise WrongBase(f"update to version {manifest.version} is a delta against version {manifest.base}, "
+                        f"but this replica holds version {held}: it needs a dense update")
+
+
+def delta_of(spec: TensorSpec, piece: np.ndarray, sizes: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A delta tensor's indices and values from its bytes ``piece`` (views), checked against the
+    receiver's elements per tensor ``sizes``."""
+    if sizes.get(spec.name) != spec.numel:
+        raise WrongBase(f"delta for {spec.name!r}: this replica holds no tensor of {spec.numel} elements there")
+    cut = spec.nnz * INDEX.itemsize
+    idx, values = piece[:cut].view(INDEX), piece[cut:].view(_BITS[ITEMSIZE[spec.dtype]])
+    if idx.size and (idx.min() < 0 or idx.max() >= spec.numel):
+        raise ValueError(f"delta for {spec.name!r} indexes outside its {spec.numel} elements")
+    return idx, values
+
+
 def split(manifest: Manifest, payload: np.ndarray, held: int, sizes: dict[str, int]) -> Parts:
     """``payload`` (uint8, ``manifest.total`` bytes) by tensor, checked against the receiver's state of
     version ``held`` (``sizes``: its elements per tensor). Raises WrongBase for a delta against another
     version or a tensor the receiver does not hold, ValueError for a payload that does not fit."""
-    if manifest.base >= 0 and manifest.base != held:
-        raise WrongBase(f"update to version {manifest.version} is a delta against version {manifest.base}, "
-                        f"but this replica holds version {held}: it needs a dense update")
+    check_base(manifest, held)
     if payload.dtype != np.uint8 or payload.size != manifest.total:
         raise ValueError(f"payload of {payload.size} bytes for a manifest of {manifest.total}")
     parts = Parts({}, {})
     for spec, at in zip(manifest.tensors, manifest.offsets(), strict=True):
-        kind = _BITS[ITEMSIZE[spec.dtype]]
         piece = payload[at:at + spec.nbytes]
         if spec.encoding == Encoding.DENSE:
-            parts.dense[spec.name] = piece.view(kind).reshape(spec.shape)
-            continue
-        if sizes.get(spec.name) != spec.numel:
-            raise WrongBase(f"delta for {spec.name!r}: this replica holds no tensor of {spec.numel} elements there")
-        cut = spec.nnz * INDEX.itemsize
-        idx, values = piece[:cut].view(INDEX), piece[cut:].view(kind)
-        if idx.size and (idx.min() < 0 or idx.max() >= spec.numel):
-            raise ValueError(f"delta for {spec.name!r} indexes outside its {spec.numel} elements")
-        parts.deltas[spec.name] = (idx, values)
+            parts.dense[spec.name] = piece.view(_BITS[ITEMSIZE[spec.dtype]]).reshape(spec.shape)
+        else:
+            parts.deltas[spec.name] = delta_of(spec, piece, sizes)
     return parts
 
 
