@@ -24,7 +24,15 @@ import pytest
 
 from tests.helpers.outputs import check_outputs
 from tests.helpers.paths import ROOT
-from tests.helpers.procs import assert_no_process_left, finish, launch, lose_node_rank, start_launch, wait_for
+from tests.helpers.procs import (
+    assert_no_process_left,
+    explained,
+    finish,
+    launch,
+    lose_node_rank,
+    start_launch,
+    wait_for,
+)
 from tests.helpers.slurm import FAST, accounting, job_id, our_jobs, pending, registrations
 from toolkit.core.lifecycle import read_pidfiles
 
@@ -261,7 +269,8 @@ def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(slurm_
                          "sessions_per_step=4"])
     killed = []
     try:
-        killed = lose_node_rank(r, 400)
+        with explained(proc, r):
+            killed = lose_node_rank(r, 400)
     finally:
         output = finish(proc, 500)
     assert proc.returncode == 0, output[-5000:]

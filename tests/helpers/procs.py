@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,25 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 240) -> str:
                 proc.kill()
                 proc.communicate()
     return output
+
+
+@contextmanager
+def explained(proc: subprocess.Popen[str], run: Path) -> Iterator[None]:
+    """A wait that fails inside names what the run did: launch is stopped (``finish``) and its output's
+    tail and the tail of every log of the run join the failure's message."""
+    try:
+        yield
+    except AssertionError as e:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        output = finish(proc, 120)
+        raise AssertionError(f"{e}\n--- launch's output ---\n{output[-4000:]}{log_tails(run)}") from None
+
+
+def log_tails(run: Path, chars: int = 1500) -> str:
+    """The last ``chars`` of every log of run dir ``run``, each under its name."""
+    logs = sorted((run / "logs").glob("*.log")) if (run / "logs").is_dir() else []
+    return "".join(f"\n--- {p.name} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
 
 
 def ranks_started(run: Path) -> bool:

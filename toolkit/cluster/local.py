@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,12 @@ from toolkit.engine.nodes import serve_node
 from toolkit.router import process as router_process
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def node_task(run_dir: str, group: str, index: int, owner: ProcessRef, nodes: int, port: int) -> None:
-    """One node rank of a local multi-node replica (its submitit task rank)."""
-    rank = submitit.JobEnvironment().global_rank
-    serve_node(run_dir, group, index, NodeRole(rank, nodes, "127.0.0.1", port), owner)
+def node_task(run_dir: str, group: str, index: int, owner: ProcessRef, nodes: int) -> None:
+    """One node rank of a local multi-node replica (its submitit task rank); node rank 0 picks the
+    master port when it starts and the others read it from the run dir, as on Slurm."""
+    env = submitit.JobEnvironment()
+    serve_node(run_dir, group, index, NodeRole(env.global_rank, nodes, "127.0.0.1", 0, rendezvous=str(env.job_id)),
+               owner)
 
 
 class SubmititComponent(Component):
@@ -137,7 +132,7 @@ class LocalCluster(Cluster):
         # loopback, as the nodes of a Slurm job meet at their first node's.
         ex = self._executor(name)
         ex.update_parameters(tasks_per_node=nodes)
-        job = ex.submit(node_task, str(self.run_dir.root), group, index, self.owner, nodes, free_port())
+        job = ex.submit(node_task, str(self.run_dir.root), group, index, self.owner, nodes)
         return self.track(SubmititComponent(name, job))
 
     def start_ranks(self, n: int, first_step: int = 0) -> Component:

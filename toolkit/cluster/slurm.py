@@ -63,12 +63,6 @@ def cache_env(cache: Path) -> dict[str, str]:
     }
 
 
-def master_port(job_id: str) -> int:
-    """A port for a multi-node replica's rendezvous, the same on all its nodes, different per job."""
-    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    return 20000 + int(digits) % 20000
-
-
 def job_identity(env: Mapping[str, str]) -> list[str]:
     """The variables of ``env`` that say which job it runs in: submitit's, and inside a job Slurm's
     ``SLURM_*`` outputs (``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_NODELIST``...) and sbatch's
@@ -101,18 +95,17 @@ def router_task(run_dir: str) -> None:
 
 
 def node_role(env: dict[str, str] | None = None) -> dict[str, str]:
-    """Node rank, node count and master address of this task's replica, from the variables srun sets
-    in every task (the same under submitit's srun and an allocation's srun steps)."""
+    """Node rank, node count and master node of this task's replica, from the variables srun sets in
+    every task (the same under submitit's srun and an allocation's srun steps). The master port is node
+    rank 0's to pick when it starts (``toolkit.engine.nodes.publish_master``)."""
     env = dict(os.environ) if env is None else env
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
     simple = "[" not in nodelist and "," not in nodelist
     master = nodelist if simple else hostnames(nodelist)[0]
-    job = env.get("SLURM_JOB_ID", "0") + env.get("SLURM_STEP_ID", "")
     return {
         "TOOLKIT_NODE_RANK": env.get("SLURM_NODEID", "0"),
         "TOOLKIT_NNODES": env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1"),
         "TOOLKIT_MASTER_ADDR": master,
-        "TOOLKIT_MASTER_PORT": str(master_port(job)),
     }
 
 
@@ -130,8 +123,7 @@ def replica_task(run_dir: str, group: str, index: int) -> None:
     job = (os.environ.get("SLURM_JOB_ID", "0") + "." + os.environ.get("SLURM_STEP_ID", "0")
            + ".r" + os.environ.get("SLURM_RESTART_COUNT", "0"))
     serve_node(run_dir, group, index, NodeRole(int(role["TOOLKIT_NODE_RANK"]), int(role["TOOLKIT_NNODES"]),
-                                               role["TOOLKIT_MASTER_ADDR"], int(role["TOOLKIT_MASTER_PORT"]),
-                                               rendezvous=job))
+                                               role["TOOLKIT_MASTER_ADDR"], 0, rendezvous=job))
 
 
 def ranks_task(run_dir: str, first_step: int = 0) -> None:

@@ -86,6 +86,13 @@ def own_bind_host(host: str | None, cluster_type: str) -> str:
     return bind_host(host, cluster_type)
 
 
+def free_port() -> int:
+    """A port the kernel has free on every interface now, for a server about to bind it."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
 def node_address() -> str:
     """This node's name as other nodes reach it: the hostname if it resolves, else the address of
     the interface that routes outwards."""

@@ -23,7 +23,7 @@ from toolkit.config import ENGINES
 from toolkit.config.entry import enter_component
 from toolkit.core.lifecycle import ProcessRef, write_pidfile
 from toolkit.core.rundir import RunDir, atomic_write, read_json
-from toolkit.core.sockets import node_address
+from toolkit.core.sockets import free_port, node_address
 from toolkit.engine import replica
 from toolkit.engine.node_role import NodeRole
 
@@ -38,9 +38,7 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     the replica itself)."""
     replica_name = f"replica-{group}-{index}"
     if role is not None and role.rank == 0 and role.rendezvous and role.nnodes > 1:
-        role = dataclasses.replace(role, master_addr=node_address())
-        atomic_write(RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous),
-                     json.dumps({"addr": role.master_addr, "port": role.master_port}))
+        role = publish_master(role, RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous))
     if role is not None:
         os.environ.update(role.env())
     if role is None or role.rank == 0:
@@ -49,15 +47,12 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     name = f"{replica_name}-node{role.rank}"
     rd, cfg = enter_component(run_dir, name, owner)
     if role.rendezvous and role.nnodes > 1:
-        path = rd.node_master(replica_name, role.rendezvous)
-        deadline = time.monotonic() + cfg.cluster.ready_timeout_s
-        while (info := read_json(path)) is None:
-            if time.monotonic() > deadline:
-                logger.error("node rank 0 of %s wrote no address in %.0fs (%s)", replica_name,
-                             cfg.cluster.ready_timeout_s, path)
-                sys.exit(EXIT_REPLICA_GONE)
-            time.sleep(0.5)
-        role = dataclasses.replace(role, master_addr=str(info["addr"]))
+        met = read_master(role, rd.node_master(replica_name, role.rendezvous), cfg.cluster.ready_timeout_s)
+        if met is None:
+            logger.error("node rank 0 of %s wrote no address in %.0fs (%s)", replica_name,
+                         cfg.cluster.ready_timeout_s, rd.node_master(replica_name, role.rendezvous))
+            sys.exit(EXIT_REPLICA_GONE)
+        role = met
         os.environ.update(role.env())
     ecfg = replica.engine_config(cfg, group)
     logger.info("node rank %d of %d of replica %s-%d (master %s:%d)", role.rank, role.nnodes, group, index,
@@ -81,6 +76,27 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
         if isinstance(exc, SystemExit) and exc.code == EXIT_REPLICA_GONE:
             raise
         logger.info("node rank %d of replica %s-%d stopping", role.rank, group, index)
+
+
+def publish_master(role: NodeRole, path: Path) -> NodeRole:
+    """Node rank 0: its address, and a port the kernel has free on it now, written to ``path`` for the
+    other node ranks. A port fixed in advance (derived from the job id, say) can be held by any process
+    of the node by then, and the engine's rendezvous would fail to bind it, or reach a stranger."""
+    addr = role.master_addr if role.one_host else node_address()
+    role = dataclasses.replace(role, master_addr=addr, master_port=free_port())
+    atomic_write(path, json.dumps({"addr": role.master_addr, "port": role.master_port}))
+    return role
+
+
+def read_master(role: NodeRole, path: Path, timeout_s: float, poll_s: float = 0.5) -> NodeRole | None:
+    """Another node rank: ``role`` with the address and port node rank 0 wrote to ``path``, once it has
+    (None if it has not within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (info := read_json(path)) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
+    return dataclasses.replace(role, master_addr=str(info["addr"]), master_port=int(info["port"]))
 
 
 def _stopped_after_drain(marker: Path, since: float, wait_s: float = 10.0) -> bool:
