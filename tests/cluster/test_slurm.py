@@ -81,11 +81,12 @@ def test_killing_a_replica_job_mid_step_loses_no_session(slurm_run: tuple[Path, 
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "router.heartbeat_s=0.2",
                          f"rollout.weights_dir={weights}", "rollout.max_staleness=0", "rollout.weights_timeout_s=300"])
     try:
-        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
-        victim = job_id(job, "replica-throughput", array_index=0)
-        subprocess.run(["scancel", victim], check=True, timeout=30)
-        wait_for(lambda: any(e["kind"] == "replica_restarted" for e in RunDir(r).read_events()), 120,
-                 "launch to replace the killed replica")
+        with explained(proc, r):
+            wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+            victim = job_id(job, "replica-throughput", array_index=0)
+            subprocess.run(["scancel", victim], check=True, timeout=30)
+            wait_for(lambda: any(e["kind"] == "replica_restarted" for e in RunDir(r).read_events()), 120,
+                     "launch to replace the killed replica")
     finally:
         for version in (1, 2):  # lets steps 1 and 2 run: the launch must still succeed
             publish(weights, version, checkpoint)
@@ -104,16 +105,17 @@ def test_a_requeued_replica_reregisters_and_the_run_goes_on(slurm_run: tuple[Pat
     # Enough steps (under a second each here) for the requeued job to run again well before the last.
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=30", "router.heartbeat_s=0.2"])
     try:
-        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
-        victim = job_id(job, "replica-throughput", array_index=1)
-        subprocess.run(["scontrol", "requeue", victim], check=True, timeout=30)
-        # A requeued job waits ~2 minutes (its BeginTime) before it may run again; once it is back in
-        # the queue, let it go sooner. Not at once: slurmd refuses to relaunch a job id it has just
-        # killed ("already killed, do not launch batch job"), and the job would fail instead.
-        wait_for(lambda: ("PENDING", "BeginTime") in pending(job), 60, "the job to be requeued")
-        subprocess.run(["scontrol", "update", f"JobId={victim}", "StartTime=now+3"], check=True, timeout=30)
-        wait_for(lambda: len(registrations(r, "throughput-1")) == 2, 120, "the requeued replica to register again")
-        assert proc.poll() is None, "the run ended before the requeued replica came back"
+        with explained(proc, r):
+            wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+            victim = job_id(job, "replica-throughput", array_index=1)
+            subprocess.run(["scontrol", "requeue", victim], check=True, timeout=30)
+            # A requeued job waits ~2 minutes (its BeginTime) before it may run again; once it is back in
+            # the queue, let it go sooner. Not at once: slurmd refuses to relaunch a job id it has just
+            # killed ("already killed, do not launch batch job"), and the job would fail instead.
+            wait_for(lambda: ("PENDING", "BeginTime") in pending(job), 60, "the job to be requeued")
+            subprocess.run(["scontrol", "update", f"JobId={victim}", "StartTime=now+3"], check=True, timeout=30)
+            wait_for(lambda: len(registrations(r, "throughput-1")) == 2, 120, "the requeued replica to register again")
+            assert proc.poll() is None, "the run ended before the requeued replica came back"
     finally:
         output = finish(proc)
     assert proc.returncode == 0, output
@@ -129,8 +131,9 @@ def test_a_run_that_loses_its_router_job_restarts_it(slurm_run: tuple[Path, str]
     r = d / "run"
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=3", "tail.threshold=0.9"])
     try:
-        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
-        subprocess.run(["scancel", job_id(job, "router")], check=True, timeout=30)
+        with explained(proc, r):
+            wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+            subprocess.run(["scancel", job_id(job, "router")], check=True, timeout=30)
     finally:
         output = finish(proc)
     assert proc.returncode == 0, output
@@ -145,9 +148,10 @@ def test_ctrl_c_cancels_every_job(slurm_run: tuple[Path, str]) -> None:
     r = d / "run"
     proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "steps=100"])
     try:
-        wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
-        assert len(our_jobs(job)) == 5  # router, 2 + 1 replicas, ranks
-        proc.send_signal(signal.SIGINT)
+        with explained(proc, r):
+            wait_for(lambda: (r / "steps" / "step_00000.json").exists(), 180, "the first step")
+            assert len(our_jobs(job)) == 5  # router, 2 + 1 replicas, ranks
+            proc.send_signal(signal.SIGINT)
     finally:
         output = finish(proc, 120)
     assert proc.returncode == 130, output
@@ -291,6 +295,38 @@ def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(slurm_
     assert report["summary"]["replica_restarts"] >= 1
     # The jobs are gone from the queue; vLLM's engine core, reparented, exits a moment after its replica.
     wait_for(lambda: not [p for p in read_pidfiles(r / "pids") if p.alive()], 30, "the engine processes to exit")
+    assert_no_process_left(r)
+
+
+def test_a_replica_whose_first_node_is_lost_ends_on_every_node_and_is_replaced(slurm_run: tuple[Path, str]) -> None:
+    """A sim replica of two nodes (partition `multi`): node rank 1 only holds its node, watching node rank
+    0's beacon. Node rank 0 killed after the first step (a lost first node): node rank 1 exits by itself,
+    the job ends, launch submits a replacement, and no session is lost."""
+    d, job = slurm_run
+    r = d / "run"
+    proc = start_launch([f"hydra.run.dir={r}", f"job={job}", *FAST, "groups=single", "ranks=1", "steps=3",
+                         "sessions_per_step=8", "router.heartbeat_s=0.2", "+cluster.group_resources.throughput.nodes=2",
+                         "+cluster.group_resources.throughput.partition=multi"])
+
+    def node(name: str) -> list:  # type: ignore[type-arg]
+        return [p for p in read_pidfiles(r / "pids") if p.name == name and p.alive()]
+
+    try:
+        with explained(proc, r):
+            wait_for(lambda: node("replica-throughput-0-node1") and (r / "steps" / "step_00000.json").exists(), 180,
+                     "the first step with node rank 1 up")
+            first, holder = node("replica-throughput-0")[0], node("replica-throughput-0-node1")[0]
+            os.kill(first.pid, signal.SIGKILL)
+            wait_for(lambda: not holder.alive(), 60, "node rank 1 to end with node rank 0")
+    finally:
+        output = finish(proc, 300)
+    assert proc.returncode == 0, output[-5000:]
+    check_outputs(r, steps=3, sessions=8)
+    log1 = (r / "logs" / "replica-throughput-0-node1.log").read_text()
+    assert "is gone: releasing the node" in log1, log1[-3000:]
+    jobs = [j for j, name in _job_names(job) if name.endswith("replica-throughput")]
+    assert len(jobs) >= 2, jobs  # the first job and its replacement
+    assert json.loads((r / "report.json").read_text())["summary"]["replica_restarts"] >= 1
     assert_no_process_left(r)
 
 

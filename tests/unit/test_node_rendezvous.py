@@ -7,6 +7,7 @@ import socket
 import threading
 from pathlib import Path
 
+from toolkit.engine.beacon import answers
 from toolkit.engine.node_role import NodeRole
 from toolkit.engine.nodes import publish_master, read_master
 
@@ -23,17 +24,23 @@ def test_node_rank_0_publishes_a_free_port_and_the_others_read_address_and_port(
         reader = threading.Thread(target=lambda: met.append(read_master(NodeRole(1, 2, "gpu7", busy, "77.0.r0"),
                                                                         path, 10, poll_s=0.01)))
         reader.start()  # waits for the file
-        published = publish_master(first, path)
-        reader.join(10)
-        assert published.master_port not in (0, busy) and published.master_addr != "gpu7"
-        with socket.socket() as s:
-            s.bind(("", published.master_port))  # free: the engine's rendezvous can bind it
+        published, beacon = publish_master(first, path)
+        try:
+            reader.join(10)
+            assert published.master_port not in (0, busy) and published.master_addr != "gpu7"
+            with socket.socket() as s:
+                s.bind(("", published.master_port))  # free: the engine's rendezvous can bind it
+            assert published.beacon_port == beacon.port and answers("127.0.0.1", beacon.port)
+        finally:
+            beacon.close()
     assert met and met[0] is not None
-    assert (met[0].master_addr, met[0].master_port, met[0].rank) == (published.master_addr, published.master_port, 1)
+    assert (met[0].master_addr, met[0].master_port, met[0].beacon_port, met[0].rank) == (
+        published.master_addr, published.master_port, published.beacon_port, 1)
 
 
 def test_a_local_replica_keeps_its_loopback_master(tmp_path: Path) -> None:
-    role = publish_master(NodeRole(0, 2, "127.0.0.1", 0, rendezvous="local-1"), tmp_path / "m.json")
+    role, beacon = publish_master(NodeRole(0, 2, "127.0.0.1", 0, rendezvous="local-1"), tmp_path / "m.json")
+    beacon.close()
     assert role.master_addr == "127.0.0.1" and role.one_host and role.master_port > 0
 
 

@@ -15,6 +15,8 @@ class NodeRole:
     """Where node rank 0 is reached; with ``rendezvous``, node rank 0 publishes it in the run dir."""
     master_port: int
     """0 until node rank 0 has picked it (with ``rendezvous``: when it starts, see ``nodes.publish_master``)."""
+    beacon_port: int = 0
+    """Where node rank 0's beacon listens (``toolkit/engine/beacon.py``), published with its address."""
     rendezvous: str = ""
     """A key the node ranks of one replica share (the Slurm job and step): node rank 0 writes its own
     address under it (``RunDir.node_master``) and the others wait for it. Node names in a job's node

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from toolkit.core.lifecycle import ProcessRef, write_pidfile
 from toolkit.core.rundir import RunDir, atomic_write, read_json
 from toolkit.core.sockets import free_port, node_address
 from toolkit.engine import replica
+from toolkit.engine.beacon import Beacon, Watch
 from toolkit.engine.node_role import NodeRole
 
 logger = logging.getLogger(__name__)
@@ -37,15 +40,21 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     """Entry point of one node rank of replica ``group``-``index`` (node rank 0, or a one-node replica:
     the replica itself)."""
     replica_name = f"replica-{group}-{index}"
+    beacon: Beacon | None = None
     if role is not None and role.rank == 0 and role.rendezvous and role.nnodes > 1:
-        role = publish_master(role, RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous))
+        role, beacon = publish_master(role, RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous))
     if role is not None:
         os.environ.update(role.env())
     if role is None or role.rank == 0:
-        replica.serve(run_dir, group, index, owner)
+        try:
+            replica.serve(run_dir, group, index, owner)
+        finally:
+            if beacon is not None:
+                beacon.close()
         return
     name = f"{replica_name}-node{role.rank}"
     rd, cfg = enter_component(run_dir, name, owner)
+    watch: Watch | None = None
     if role.rendezvous and role.nnodes > 1:
         met = read_master(role, rd.node_master(replica_name, role.rendezvous), cfg.cluster.ready_timeout_s)
         if met is None:
@@ -54,6 +63,8 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
             sys.exit(EXIT_REPLICA_GONE)
         role = met
         os.environ.update(role.env())
+        # From now on, through the engine's boot: node rank 0 gone, this node's workers are stopped.
+        watch = Watch(role.master_addr, role.beacon_port, _stop_children)
     ecfg = replica.engine_config(cfg, group)
     logger.info("node rank %d of %d of replica %s-%d (master %s:%d)", role.rank, role.nnodes, group, index,
                 role.master_addr, role.master_port)
@@ -64,6 +75,7 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
 
     marker = rd.replica_stopped(replica_name)
     started = time.time()
+    gone = watch.gone if watch is not None else threading.Event()
     try:
         if ENGINES.impl(ecfg.type).serve_node_rank(ecfg, role, record):
             if _stopped_after_drain(marker, started):
@@ -71,21 +83,40 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
                 return
             logger.error("node rank 0 of replica %s is gone: this node rank ends with it", replica_name)
             sys.exit(EXIT_REPLICA_GONE)
-        _hold(marker, group, index)
+        _hold(marker, group, index, gone)
     except (KeyboardInterrupt, SystemExit) as exc:
         if isinstance(exc, SystemExit) and exc.code == EXIT_REPLICA_GONE:
             raise
         logger.info("node rank %d of replica %s-%d stopping", role.rank, group, index)
+    except Exception:
+        if not gone.is_set():
+            raise
+        # Its workers stopped while they started (vLLM's executor raises): the replica ends as a whole.
+        logger.error("node rank 0 of %s is gone while this node rank started: it ends with it", replica_name,
+                     exc_info=True)
+        sys.exit(EXIT_REPLICA_GONE)
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
-def publish_master(role: NodeRole, path: Path) -> NodeRole:
-    """Node rank 0: its address, and a port the kernel has free on it now, written to ``path`` for the
-    other node ranks. A port fixed in advance (derived from the job id, say) can be held by any process
-    of the node by then, and the engine's rendezvous would fail to bind it, or reach a stranger."""
+def _stop_children() -> None:
+    """This node's workers (the backend's processes, started with ``multiprocessing``), killed: a worker
+    blocked in the engine's rendezvous or on its scheduler's queue heeds nothing else."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+def publish_master(role: NodeRole, path: Path) -> tuple[NodeRole, Beacon]:
+    """Node rank 0: its address, a port the kernel has free on it now, and its beacon's port (the beacon
+    listens until it is closed), written to ``path`` for the other node ranks. A port fixed in advance
+    (derived from the job id, say) can be held by any process of the node by then, and the engine's
+    rendezvous would fail to bind it, or reach a stranger."""
+    beacon = Beacon()
     addr = role.master_addr if role.one_host else node_address()
-    role = dataclasses.replace(role, master_addr=addr, master_port=free_port())
-    atomic_write(path, json.dumps({"addr": role.master_addr, "port": role.master_port}))
-    return role
+    role = dataclasses.replace(role, master_addr=addr, master_port=free_port(), beacon_port=beacon.port)
+    atomic_write(path, json.dumps({"addr": role.master_addr, "port": role.master_port, "beacon": beacon.port}))
+    return role, beacon
 
 
 def read_master(role: NodeRole, path: Path, timeout_s: float, poll_s: float = 0.5) -> NodeRole | None:
@@ -96,7 +127,8 @@ def read_master(role: NodeRole, path: Path, timeout_s: float, poll_s: float = 0.
         if time.monotonic() > deadline:
             return None
         time.sleep(poll_s)
-    return dataclasses.replace(role, master_addr=str(info["addr"]), master_port=int(info["port"]))
+    return dataclasses.replace(role, master_addr=str(info["addr"]), master_port=int(info["port"]),
+                               beacon_port=int(info["beacon"]))
 
 
 def _stopped_after_drain(marker: Path, since: float, wait_s: float = 10.0) -> bool:
@@ -111,11 +143,14 @@ def _stopped_after_drain(marker: Path, since: float, wait_s: float = 10.0) -> bo
         time.sleep(0.5)
 
 
-def _hold(marker: Path, group: str, index: int) -> None:
+def _hold(marker: Path, group: str, index: int, gone: threading.Event) -> None:
     """A backend with nothing to run on the other nodes: hold the node until node rank 0 stops after a
-    drain (a marker newer than this process: an index is reused when a group scales up again), or SIGTERM."""
+    drain (a marker newer than this process: an index is reused when a group scales up again), is gone
+    (``gone``), or SIGTERM."""
     started = time.time()
     logger.info("holding the node for replica %s-%d", group, index)
     while not (marker.exists() and marker.stat().st_mtime >= started - 1):
-        time.sleep(2.0)
+        if gone.wait(2.0) and not (marker.exists() and marker.stat().st_mtime >= started - 1):
+            logger.error("node rank 0 of replica %s-%d is gone: releasing the node", group, index)
+            sys.exit(EXIT_REPLICA_GONE)
     logger.info("node 0 of replica %s-%d stopped after its drain; releasing the node", group, index)

@@ -7,20 +7,17 @@ workers, which join node rank 0's engine through the master address and then tak
 its scheduler.
 
 vLLM's headless workers never notice that node rank 0 is gone: they wait for the scheduler's next
-message with no timeout. Node rank 0's first worker holds the ``torch.distributed`` store on
-``master_addr:master_port`` for the engine's whole life, so a watcher connects there every second;
-refused twice, it kills this node's workers and the executor's monitor returns. The replica then
-ends as a whole (``toolkit/engine/nodes.py``).
+message (or, while they start, for ``torch.distributed``'s rendezvous) with no useful timeout. The
+node rank's watch of node rank 0's beacon (``toolkit/engine/beacon.py``, started by
+``toolkit/engine/nodes.py`` before this) kills them; the executor's monitor returns, or its start
+raises, and the replica ends as a whole.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from toolkit.config import VllmEngineConfig
 from toolkit.core.lifecycle import exit_on_sigterm
@@ -30,30 +27,6 @@ from toolkit.model.tiny import ensure_tiny
 
 logger = logging.getLogger(__name__)
 
-WATCH_S = 1.0
-WATCH_MISSES = 2
-
-
-def master_alive(addr: str, port: int) -> bool:
-    try:
-        socket.create_connection((addr, port), timeout=2).close()
-        return True
-    except OSError:
-        return False
-
-
-def _watch_master(executor: Any, role: NodeRole, stop: threading.Event) -> None:
-    misses = 0
-    while not stop.wait(WATCH_S):
-        misses = 0 if master_alive(role.master_addr, role.master_port) else misses + 1
-        if misses >= WATCH_MISSES:
-            logger.error("node rank 0 (%s:%d) is unreachable: stopping this node's workers", role.master_addr,
-                         role.master_port)
-            for w in executor.workers:
-                if w.proc.is_alive():
-                    w.proc.kill()  # SIGTERM does not reach a worker blocked on the scheduler's queue
-            return
-
 
 def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[list[int]], None]) -> None:
     """Run this node's workers until one of them ends (node rank 0 gone, or a worker died)."""
@@ -61,7 +34,6 @@ def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
 
     model = cfg.model
     if model == "tiny":
@@ -77,9 +49,6 @@ def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[
     record_pids([w.proc.pid for w in executor.workers])
     logger.info("node rank %d: %d worker(s) up in %.1fs (pids %s)", role.rank, len(executor.workers),
                 time.monotonic() - t0, [w.proc.pid for w in executor.workers])
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch_master, args=(executor, role, stop), daemon=True, name="watch-master")
-    watcher.start()
     # SIGTERM (teardown, scancel) ends this process through SystemExit (``enter_component``); the
     # executor's shutdown stops the workers.
     exit_on_sigterm()  # again: vLLM's imports may have replaced the handler
@@ -88,7 +57,6 @@ def serve_workers(cfg: VllmEngineConfig, role: NodeRole, record_pids: Callable[[
         logger.info("node rank %d: a worker ended (%s)", role.rank,
                     [(w.rank, w.proc.exitcode) for w in executor.workers])
     finally:
-        stop.set()
         # Workers blocked on the scheduler's queue ignore SIGTERM: vLLM's shutdown would wait its grace
         # period for them first. They hold nothing worth a clean exit (node rank 0 owns the requests).
         for w in executor.workers:
