@@ -110,11 +110,12 @@ def test_a_trainer_gone_before_the_receiver_posts_its_receives_is_a_broken_link(
     receiver gets ``LinkBroken`` either way, never gloo's bare RuntimeError."""
     u = Encoder(bucket_bytes=64 << 10).encode(1, [("w", np.arange(1 << 20, dtype=np.uint16), "bfloat16")], delta=False)
     store, port = Link.rendezvous("127.0.0.1", 2, 30)
-    gone = threading.Event()
+    joined, gone = threading.Event(), threading.Event()
     raised: list[BaseException] = []
 
     def receiver() -> None:
         link = Link("127.0.0.1", port, 1, 2, timeout_s=30)
+        joined.set()
         gone.wait(30)
         try:
             link.receive(u.manifest, np.empty(u.manifest.total, np.uint8))
@@ -123,7 +124,10 @@ def test_a_trainer_gone_before_the_receiver_posts_its_receives_is_a_broken_link(
 
     t = threading.Thread(target=receiver)
     t.start()
-    trainer = Link("127.0.0.1", port, 0, 2, timeout_s=30, store=store)  # returns once both have joined
+    trainer = Link("127.0.0.1", port, 0, 2, timeout_s=30, store=store)
+    # Both ends have joined: the trainer's end returns as soon as its own pairs connect, which can be
+    # before the receiver's do (and a receiver whose trainer leaves then fails to join, as LinkBroken too).
+    assert joined.wait(30)
     trainer.close()
     del trainer
     gc.collect()

@@ -120,7 +120,7 @@ def publish_master(role: NodeRole, path: Path) -> tuple[NodeRole, Beacon]:
 
 
 def read_master(role: NodeRole, path: Path, timeout_s: float, poll_s: float = 0.5) -> NodeRole | None:
-    """Another node rank: ``role`` with the address and port node rank 0 wrote to ``path``, once it has
+    """Another node rank: ``role`` with the address and ports node rank 0 wrote to ``path``, once it has
     (None if it has not within ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while (info := read_json(path)) is None:
