@@ -3,6 +3,8 @@ starts on the tail group, which running request moves, in what order and into ho
 
 from __future__ import annotations
 
+import heapq
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from toolkit.router.tail.age import AgePolicy
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.predict import PredictPolicy
-from toolkit.router.tail.routing import TailRouting, reserved_group
+from toolkit.router.tail.routing import TailRouting, hinted, reserved_group
 
 
 def tail_cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -192,6 +194,58 @@ def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Pa
     assert f.tail.targets(request("l0/1", "l0")) == (BULK, None)  # it prefers the tail: no room left there
     rec = f.tail.records["j"]
     assert rec.on_tail == {"e0", "e1"}  # ran there: their later turns prefer the tail group (l0 once it runs)
+
+
+def _scan_every_request(tail: TailRouting, pool: ReplicaPool, now: float) -> list[tuple[Request, Replica]]:
+    """What ``to_move`` chooses, the plain way: every running request's priority, the ``room`` largest."""
+    limits = tail.policy.move_limits(tail.records["j"]) if tail.policy is not None else None
+    assert limits is not None
+    found = []
+    for r in pool.all():
+        if r.group == tail.group or not r.serving:
+            continue
+        for req in r.inflight.values():
+            if req.msg.group is not None:
+                continue
+            tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
+            p = limits.priority(tokens, hinted(req.msg))
+            if p is not None:
+                found.append((p, -req.seq, req, r))
+    return [(req, r) for _, _, req, r in heapq.nlargest(tail.room(), found, key=lambda f: (f[0], f[1]))]
+
+
+def test_the_moves_are_those_a_scan_of_every_running_request_chooses(tmp_path: Path, files: FileWriter) -> None:
+    """``to_move`` looks only at the heads of each replica's requests without a hint or a move (a merge):
+    on random fleets (requests dispatched at the same instant, hints, moved requests, rates that change
+    between heartbeats, 1-6 slots of room) it picks exactly what scanning every request picks."""
+    rng = random.Random(11)
+    cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_tokens=100"])
+    for trial in range(200):
+        pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
+        tail = TailRouting(cfg.tail, RunDir(tmp_path / f"run{trial}"), files, pool)
+        tps = [replica(i, "throughput", 16) for i in range(4)]
+        for r in (*tps, replica(0, "tail", rng.randint(1, 6))):
+            pool.add(r)
+            pool.set_ready(r)
+            r.speed.update(0.0, 0, 0)
+        tail.step_begin("j", 0, 64)
+        tail.records["j"].finished("z", "", 10)
+        seqs = iter(rng.sample(range(10_000), 64))
+        for r in tps:
+            t, generated = 0.0, 0
+            for k in range(rng.randint(0, 16)):
+                t += rng.choice([0.0, 0.0, 0.5, 1.0])  # several dispatched at the same instant
+                req = request(f"{r.replica_id}/{k}", f"{r.replica_id}/{k}", seq=next(seqs),
+                              hint=rng.choice([0, 0, 0, 150, 3000]))
+                if rng.random() < 0.15:
+                    req.prefix_tokens = list(range(rng.randint(1, 300)))  # moved here once already
+                pool.take_slot(r, req)
+                tail.dispatched(req, r, t)
+                generated += rng.randint(0, 400)
+                r.speed.update(t + 0.25, generated, len(r.inflight))
+        now = rng.uniform(9.0, 20.0)
+        expected = _scan_every_request(tail, pool, now)
+        assert tail.to_move(now) == expected, trial
 
 
 def test_hints_choose_which_running_requests_move_first(tmp_path: Path, files: FileWriter) -> None:

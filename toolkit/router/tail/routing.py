@@ -57,6 +57,51 @@ def reserved_group(tc: TailConfig) -> str | None:
     return tc.group if tc.active and tc.reserves_group else None
 
 
+class _Run:
+    """A replica's running requests of one job that have not moved and have no hint, in dispatch order:
+    each has generated no more than the one before it (``SpeedMeter.per_request_at`` only grows), and
+    its priority to move is what it has generated (``MoveLimits.priority`` without a hint)."""
+
+    __slots__ = ("r", "ran", "limits", "reqs", "at")
+
+    def __init__(self, r: Replica, ran: float, limits: MoveLimits) -> None:
+        self.r, self.ran, self.limits = r, ran, limits
+        self.reqs: list[Request] = []
+        self.at = 0
+
+    def next(self) -> float | None:
+        """The priority of the next request of the run (None: it and all after it stay)."""
+        if self.at >= len(self.reqs):
+            return None
+        tokens = max(0.0, self.ran - self.r.speed.per_request_at(self.reqs[self.at].est_mark))
+        return self.limits.priority(tokens)
+
+
+def _oldest(runs: list[_Run], room: int) -> list[tuple[float, int, Request, Replica]]:
+    """Of the runs' requests, enough of those that should move, the most generated first, that no request
+    left out could be among the ``room`` with the most (ties at the cut included): a merge of the runs
+    that looks only at their heads, not at every running request."""
+    heap: list[tuple[float, int]] = []
+    for i, run in enumerate(runs):
+        p = run.next()
+        if p is not None:
+            heap.append((-p, i))
+    heapq.heapify(heap)
+    out: list[tuple[float, int, Request, Replica]] = []
+    while heap:
+        neg, i = heapq.heappop(heap)
+        if len(out) >= room and -neg < out[room - 1][0]:
+            break
+        run = runs[i]
+        req = run.reqs[run.at]
+        out.append((-neg, -req.seq, req, run.r))
+        run.at += 1
+        p = run.next()
+        if p is not None:
+            heapq.heappush(heap, (-p, i))
+    return out
+
+
 class TailRouting:
     def __init__(self, tc: TailConfig, run_dir: RunDir, files: FileWriter, pool: ReplicaPool) -> None:
         self.tc = tc
@@ -189,9 +234,11 @@ class TailRouting:
         if not limits:
             return []
         found: list[tuple[float, int, Request, Replica]] = []
+        plain: dict[tuple[str, str], _Run] = {}
         for r in self.pool.all():
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
+            ran = r.speed.per_request_at(now)
             for req in r.inflight.values():
                 m = req.msg
                 job_limit = limits.get(m.job)
@@ -199,10 +246,18 @@ class TailRouting:
                     continue
                 if m.group is not None or not _can_move(req):
                     continue
-                tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
-                priority = job_limit[1].priority(tokens, hinted(m))
+                hint = hinted(m)
+                if not hint and not req.prefix_tokens:
+                    run = plain.get((r.replica_id, m.job))
+                    if run is None:
+                        run = plain[(r.replica_id, m.job)] = _Run(r, ran, job_limit[1])
+                    run.reqs.append(req)
+                    continue
+                tokens = len(req.prefix_tokens) + max(0.0, ran - r.speed.per_request_at(req.est_mark))
+                priority = job_limit[1].priority(tokens, hint)
                 if priority is not None:
                     found.append((priority, -req.seq, req, r))
+        found.extend(_oldest(list(plain.values()), room))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
         moves = [(req, r) for _, _, req, r in found]
         for req, _ in moves:
