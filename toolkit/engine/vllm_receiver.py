@@ -66,8 +66,8 @@ def _checkpoint(path: str) -> Iterator[tuple[str, Any]]:
 
 def checkpoint_specs(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each tensor's shape and torch's dtype name, from the files' headers (nothing read)."""
-    return {name: (tuple(st.get_slice(name).get_shape()), _dtype_name(st.get_slice(name).get_dtype()))
-            for name, st in _checkpoint(path)}
+    slices = ((name, st.get_slice(name)) for name, st in _checkpoint(path))
+    return {name: (tuple(sl.get_shape()), _dtype_name(sl.get_dtype())) for name, sl in slices}
 
 
 def checkpoint_tensors(path: str) -> Iterator[tuple[str, np.ndarray, str]]:

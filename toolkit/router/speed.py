@@ -101,4 +101,8 @@ class SpeedMeter:
 
     def tokens_since(self, t: float, now: float) -> float:
         """What one request running here from monotonic time ``t`` to ``now`` has generated (estimate)."""
-        return max(0.0, self.per_request_at(now) - self.per_request_at(t))
+        return self.tokens_until(t, self.per_request_at(now))
+
+    def tokens_until(self, t: float, total: float) -> float:
+        """:meth:`tokens_since` with ``per_request_at(now)`` already read (``total``): for many requests at once."""
+        return max(0.0, total - self.per_request_at(t))

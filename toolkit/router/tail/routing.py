@@ -73,8 +73,7 @@ class _Run:
         """The priority of the next request of the run (None: it and all after it stay)."""
         if self.at >= len(self.reqs):
             return None
-        tokens = max(0.0, self.ran - self.r.speed.per_request_at(self.reqs[self.at].est_mark))
-        return self.limits.priority(tokens)
+        return self.limits.priority(self.r.speed.tokens_until(self.reqs[self.at].est_mark, self.ran))
 
 
 def _oldest(runs: list[_Run], room: int) -> list[tuple[float, int, Request, Replica]]:
@@ -234,11 +233,12 @@ class TailRouting:
         if not limits:
             return []
         found: list[tuple[float, int, Request, Replica]] = []
-        plain: dict[tuple[str, str], _Run] = {}
+        runs: list[_Run] = []
         for r in self.pool.all():
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
             ran = r.speed.per_request_at(now)
+            plain: dict[str, _Run] = {}  # this replica's, by job
             for req in r.inflight.values():
                 m = req.msg
                 job_limit = limits.get(m.job)
@@ -248,16 +248,17 @@ class TailRouting:
                     continue
                 hint = hinted(m)
                 if not hint and not req.prefix_tokens:
-                    run = plain.get((r.replica_id, m.job))
+                    run = plain.get(m.job)
                     if run is None:
-                        run = plain[(r.replica_id, m.job)] = _Run(r, ran, job_limit[1])
+                        run = plain[m.job] = _Run(r, ran, job_limit[1])
                     run.reqs.append(req)
                     continue
-                tokens = len(req.prefix_tokens) + max(0.0, ran - r.speed.per_request_at(req.est_mark))
+                tokens = len(req.prefix_tokens) + r.speed.tokens_until(req.est_mark, ran)
                 priority = job_limit[1].priority(tokens, hint)
                 if priority is not None:
                     found.append((priority, -req.seq, req, r))
-        found.extend(_oldest(list(plain.values()), room))
+            runs.extend(plain.values())
+        found.extend(_oldest(runs, room))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
         moves = [(req, r) for _, _, req, r in found]
         for req, _ in moves:
