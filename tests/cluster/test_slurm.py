@@ -274,7 +274,7 @@ def test_a_vllm_replica_spans_two_slurm_nodes_and_a_lost_node_replaces_it(slurm_
     killed = []
     try:
         with explained(proc, r):
-            killed = lose_node_rank(r, 400)
+            killed = lose_node_rank(r, 400, proc)
     finally:
         output = finish(proc, 500)
     assert proc.returncode == 0, output[-5000:]

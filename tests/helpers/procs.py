@@ -69,9 +69,13 @@ def explained(proc: subprocess.Popen[str], run: Path) -> Iterator[None]:
 
 
 def log_tails(run: Path, chars: int = 1500) -> str:
-    """The last ``chars`` of every log of run dir ``run``, each under its name."""
-    logs = sorted((run / "logs").glob("*.log")) if (run / "logs").is_dir() else []
-    return "".join(f"\n--- {p.name} ---\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
+    """The last ``chars`` of every log of run dir ``run`` and of its jobs' raw outputs (submitit's
+    ``*_log.out``/``.err``: tracebacks, an engine's own errors), each under its name."""
+    logs = run / "logs"
+    files = [*sorted(logs.glob("*.log")), *sorted(logs.rglob("*_log.out")), *sorted(logs.rglob("*_log.err"))] \
+        if logs.is_dir() else []
+    return "".join(f"\n--- {p.relative_to(logs)} ---\n{p.read_text(errors='replace')[-chars:]}" for p in files
+                   if p.stat().st_size)
 
 
 def ranks_started(run: Path) -> bool:
@@ -79,15 +83,21 @@ def ranks_started(run: Path) -> bool:
     return pids.exists() and any(pids.glob("rank-*.pid"))
 
 
-def lose_node_rank(run: Path, timeout_s: float, replica: str = "replica-throughput-0", node: int = 1) -> list[int]:
+def lose_node_rank(run: Path, timeout_s: float, launch: subprocess.Popen[str], replica: str = "replica-throughput-0",
+                   node: int = 1) -> list[int]:
     """Once the run's first step is written and node rank ``node`` of ``replica`` runs (its process and
-    its engine worker: two pid files), SIGKILL all of them at once, as when that node is lost; their pids."""
+    its engine worker: two pid files), SIGKILL all of them at once, as when that node is lost; their pids.
+    Fails at once if ``launch`` has ended before."""
 
     def procs() -> list:  # type: ignore[type-arg]
         return [r for r in read_pidfiles(run / "pids") if r.name.startswith(f"{replica}-node{node}") and r.alive()]
 
-    wait_for(lambda: len(procs()) >= 2 and (run / "steps" / "step_00000.json").exists(), timeout_s,
-             f"the first step with node rank {node} of {replica} up")
+    def up() -> bool:
+        if launch.poll() is not None:
+            raise AssertionError(f"launch exited ({launch.returncode}) before the first step with node rank {node} up")
+        return len(procs()) >= 2 and (run / "steps" / "step_00000.json").exists()
+
+    wait_for(up, timeout_s, f"the first step with node rank {node} of {replica} up")
     killed = []
     for ref in procs():
         os.kill(ref.pid, signal.SIGKILL)

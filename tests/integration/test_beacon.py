@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
 from toolkit.core.lifecycle import ProcessRef
-from toolkit.engine.beacon import Watch, answers
+from toolkit.engine.beacon import Watch, knock
 
 NODE_RANK_0 = """
 import os, sys, time
@@ -30,7 +31,7 @@ def test_the_watch_sees_node_rank_0_gone_though_a_child_it_forked_lives() -> Non
     try:
         assert proc.stdout is not None
         port, child = (int(v) for v in proc.stdout.readline().split())
-        assert answers("127.0.0.1", port)
+        assert knock("127.0.0.1", port) is True
         gone: list[bool] = []
         watch = Watch("127.0.0.1", port, lambda: gone.append(True), every_s=0.05)
         try:
@@ -47,3 +48,54 @@ def test_the_watch_sees_node_rank_0_gone_though_a_child_it_forked_lives() -> Non
             proc.wait(30)
         if child:
             os.kill(child, signal.SIGKILL)  # reparented: whoever adopted it reaps it
+
+
+BUSY_NODE_RANK_0 = """
+import sys, time
+from toolkit.engine.beacon import Beacon
+beacon = Beacon()
+print(beacon.port, flush=True)
+sys.stdin.readline()
+sum(range(400_000_000))  # one C call that holds the GIL for seconds: the beacon's thread never runs
+print("done", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_node_rank_0_that_holds_the_gil_for_seconds_is_not_taken_for_gone() -> None:
+    """A knock is answered by the kernel from the listening queue: node rank 0 busy in a C call (an
+    import, a tokenizer) keeps its replica; a knock that waited for its thread would have ended it."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_NODE_RANK_0], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port = int(proc.stdout.readline())
+        watch = Watch("127.0.0.1", port, every_s=0.05, misses=2)
+        try:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "done"  # seconds of knocks while it was busy
+            assert not watch.gone.is_set()
+        finally:
+            watch.stop()
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_knocks_that_nothing_answers_end_the_watch_only_after_lost_s() -> None:
+    """A lost node refuses nothing: its knocks go unanswered (here: a listening queue that is full and
+    never drained), and node rank 0 is gone only once ``lost_s`` has passed without an answer."""
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as full:
+        port = full.getsockname()[1]
+        for _ in range(16):  # each knock's connection stays queued, never accepted
+            if knock("127.0.0.1", port, timeout_s=0.3) is None:
+                break
+        else:
+            raise AssertionError("the listening queue never filled")
+        watch = Watch("127.0.0.1", port, every_s=0.05, misses=2, lost_s=1.5)
+        try:
+            assert not watch.gone.wait(0.8)  # unanswered, not refused: not yet
+            assert watch.gone.wait(30)
+        finally:
+            watch.stop()

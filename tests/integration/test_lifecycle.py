@@ -40,3 +40,24 @@ def test_a_pid_recorded_without_its_start_time_is_never_signalled() -> None:
         if sleeper.poll() is None:
             sleeper.kill()
             sleeper.wait()
+
+
+def test_a_job_that_raises_says_why_in_its_log_and_in_launchs_message(tmp_path: Path) -> None:
+    """submitit logs only that a job raised: the traceback joins the component's log, and launch's
+    message for a component that ended quotes its log and its raw output (what an engine printed)."""
+    import submitit
+
+    from tests.helpers.failing_job import fail_at_boot
+    from tests.helpers.procs import wait_for
+    from toolkit.cluster.local import SubmititComponent
+    from toolkit.launch.run import exit_story
+
+    ex = submitit.LocalExecutor(folder=tmp_path / "submitit" / "replica-x")
+    ex.update_parameters(timeout_min=5)
+    log = tmp_path / "replica-x.log"
+    comp = SubmititComponent("replica-x", ex.submit(fail_at_boot, str(log)))
+    wait_for(lambda: not comp.alive(), 120, "the job to end")
+    assert "ValueError: no such model: /models/none" in log.read_text()
+    story = exit_story(comp, log)
+    assert story.startswith("replica-x exited (") and "engine: worker 1 failed to start" in story
+    assert story.count("ValueError: no such model: /models/none") >= 2  # its log, its output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 from toolkit.config import Config
 from toolkit.core.lifecycle import ProcessRef, read_pidfiles, stop_processes, write_pidfile
@@ -41,6 +42,11 @@ class Component(ABC):
     @abstractmethod
     def refs(self) -> list[ProcessRef]:
         """The processes this component started directly (for the by-pid teardown)."""
+
+    def outputs(self) -> list[Path]:
+        """Files holding what its processes printed rather than logged (a traceback, an engine's own
+        errors), one per task: where a failure's cause is when its log does not have it."""
+        return []
 
     def pending(self) -> bool:
         """Waiting for resources (a queued Slurm job); bounded by ``cluster.ready_timeout_s``."""

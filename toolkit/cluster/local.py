@@ -62,6 +62,11 @@ class SubmititComponent(Component):
     def refs(self) -> list[ProcessRef]:
         return [self._ref] if self._ref is not None else []
 
+    def outputs(self) -> list[Path]:
+        folder = Path(self.job.paths.folder)
+        job = self.job.job_id
+        return [*sorted(folder.glob(f"{job}_*_log.out")), *sorted(folder.glob(f"{job}_*_log.err"))]
+
 
 class ProcessGroupComponent(Component):
     """A process started in its own session (mpiexec and its ranks); stopped as a group by its pid."""

@@ -164,6 +164,9 @@ class SlurmJobComponent(Component):
     def refs(self) -> list[ProcessRef]:
         return []  # processes on other nodes: stopped through Slurm, never by pid
 
+    def outputs(self) -> list[Path]:
+        return sorted(Path(self.job.paths.folder).glob(f"{self.job_id}_*_log.out"))
+
     def pending(self) -> bool:
         return self.states.get(self.job_id).state in ("PENDING", "CONFIGURING", "UNKNOWN")
 

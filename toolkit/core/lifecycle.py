@@ -187,6 +187,20 @@ def setup_logging(log_file: Path | None = None, level: int = logging.INFO) -> No
     )
 
 
+def log_uncaught() -> None:
+    """An exception that ends this process goes to its log too, with its traceback: a job runner
+    (submitit) logs only that the job raised, and the traceback would be in the job's raw output alone."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            logging.getLogger("toolkit").critical("this process ends on an uncaught exception",
+                                                  exc_info=(kind, value, tb))
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def stdout_file() -> str | None:
     """The file this process's standard output goes to (a submitit or Slurm job's log), None if it is
     not a file: what a library prints rather than logs (vLLM's engine processes) is there."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 from pathlib import Path
 from typing import Protocol
@@ -91,6 +92,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def reserved_free_port(low: int = 10_000, tries: int = 200, rng: random.Random | None = None) -> int:
+    """A port free on every interface now, drawn below the kernel's ephemeral range, for a server that
+    binds it only later (another process's, a minute on): the kernel never hands a port of that range
+    out itself (to a ``bind`` to port 0 or a ``connect``), so only a process naming it could take it
+    meanwhile. A port from :func:`free_port` is in the range and free for anyone once released."""
+    try:
+        first = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32_768  # Linux's default
+    rng = rng or random.Random()
+    if first > low:
+        for _ in range(tries):
+            port = rng.randrange(low, first)
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    return free_port()
 
 
 def node_address() -> str:

@@ -25,7 +25,7 @@ from toolkit.config import ENGINES
 from toolkit.config.entry import enter_component
 from toolkit.core.lifecycle import ProcessRef, write_pidfile
 from toolkit.core.rundir import RunDir, atomic_write, read_json
-from toolkit.core.sockets import free_port, node_address
+from toolkit.core.sockets import node_address, reserved_free_port
 from toolkit.engine import replica
 from toolkit.engine.beacon import Beacon, Watch
 from toolkit.engine.node_role import NodeRole
@@ -108,13 +108,14 @@ def _stop_children() -> None:
 
 
 def publish_master(role: NodeRole, path: Path) -> tuple[NodeRole, Beacon]:
-    """Node rank 0: its address, a port the kernel has free on it now, and its beacon's port (the beacon
-    listens until it is closed), written to ``path`` for the other node ranks. A port fixed in advance
-    (derived from the job id, say) can be held by any process of the node by then, and the engine's
-    rendezvous would fail to bind it, or reach a stranger."""
+    """Node rank 0: its address, a port free on it now, and its beacon's port (the beacon listens until
+    it is closed), written to ``path`` for the other node ranks. A port fixed in advance (derived from
+    the job id, say) can be held by any process of the node by then, and the engine's rendezvous would
+    fail to bind it, or reach a stranger. The engine binds it only once its workers start: the port is
+    drawn outside the kernel's ephemeral range, which the node's other sockets come from meanwhile."""
     beacon = Beacon()
     addr = role.master_addr if role.one_host else node_address()
-    role = dataclasses.replace(role, master_addr=addr, master_port=free_port(), beacon_port=beacon.port)
+    role = dataclasses.replace(role, master_addr=addr, master_port=reserved_free_port(), beacon_port=beacon.port)
     atomic_write(path, json.dumps({"addr": role.master_addr, "port": role.master_port, "beacon": beacon.port}))
     return role, beacon
 

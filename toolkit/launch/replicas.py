@@ -177,7 +177,8 @@ class ReplicaSet:
                 continue
             if not self.cfg.cluster.restart_replicas:
                 raise ComponentFailed(f"{comp.name} exited ({comp.state()}) and cluster.restart_replicas is off")
-            logger.warning("%s exited (%s); starting a replacement", comp.name, comp.state())
+            logger.warning("%s exited (%s); starting a replacement (its output: %s)", comp.name, comp.state(),
+                           ", ".join(map(str, comp.outputs())) or "none")
             self.rd.append_event("replica_restarted", group=key[0], index=key[1], state=comp.state())
             self.restarts += 1
             self.members[key] = self.cluster.start_replica(*key)

@@ -35,6 +35,13 @@ from toolkit.report.trackers import Trackers
 logger = logging.getLogger(__name__)
 
 
+def exit_story(comp: Component, log: Path) -> str:
+    """Why ``comp`` ended, as far as its files tell: the last lines of its log and of its raw outputs (a
+    traceback, or an engine's own error: vLLM's workers print theirs)."""
+    outputs = "".join(f"\nlast lines of its output {out}:\n{_tail(out, 25)}" for out in comp.outputs())
+    return f"{comp.name} exited ({comp.state()}); last lines of {log}:\n{_tail(log)}{outputs}"
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -142,7 +149,7 @@ class Run:
 
     def _check_alive(self, comp: Component, log: Path) -> None:
         if not comp.alive():
-            raise ComponentFailed(f"{comp.name} exited ({comp.state()}); last lines of {log}:\n{_tail(log)}")
+            raise ComponentFailed(exit_story(comp, log))
 
     # ---- steps -----------------------------------------------------------------------------
     def load_previous(self, first_step: int) -> None:
