@@ -51,6 +51,21 @@ def test_every_bad_vllm_field_is_reported_at_once() -> None:
     assert "engine.max_model_len" in str(info.value)  # the message names the field to use instead
 
 
+def test_a_model_directory_or_cache_dir_that_cannot_be_used_fails_at_setup(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={afile}/cache",
+                          f"++groups.tail.engine.model={tmp_path}/no-such-model"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    bad = {e.field: e.allowed for e in info.value.errors}
+    assert f"{afile} is not a directory" in bad["engine.cache_dir"]
+    assert "no such directory" in bad["groups.tail.engine.model"]
+    (tmp_path / "model").mkdir()
+    validate(compose_config(["model=tiny", f"engine.cache_dir={tmp_path}/new/cache",  # made on first use
+                             f"++groups.tail.engine.model={tmp_path}/model", f"++groups.tail.engine.cache_dir={tmp_path}"]))
+
+
 def test_cpu_thread_binding_splits_the_cpus_between_workers() -> None:
     assert cpu_thread_binding(1, [0, 1]) is None
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
