@@ -51,12 +51,13 @@ def test_the_watch_sees_node_rank_0_gone_though_a_child_it_forked_lives() -> Non
 
 
 BUSY_NODE_RANK_0 = """
-import sys, time
+import ctypes, ctypes.util, sys, time
 from toolkit.engine.beacon import Beacon
 beacon = Beacon()
 print(beacon.port, flush=True)
 sys.stdin.readline()
-sum(range(400_000_000))  # one C call that holds the GIL for seconds: the beacon's thread never runs
+# One C call that holds the GIL for 5 s (a PyDLL call never releases it): the beacon's thread never runs.
+ctypes.PyDLL(ctypes.util.find_library("c")).sleep(5)
 print("done", flush=True)
 time.sleep(120)
 """
