@@ -303,6 +303,51 @@ def test_a_killed_replica_is_replaced_and_no_session_is_lost(tmp_path: Path) -> 
     assert_no_process_left(run)
 
 
+def _replica_lost_at_boot(run: Path, overrides: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """Launch, its router stopped (SIGSTOP) once it has written its address, so that no replica can be
+    ready; replica-throughput-0 killed as it boots; the router resumed once launch has answered. Launch's
+    exit code and output."""
+    proc = start_launch([f"hydra.run.dir={run}", *FAST, "steps=1", *overrides])
+    router = None
+    try:
+        wait_for(lambda: (run / "router.json").exists(), 90, "the router's address")
+        router = next(r for r in read_pidfiles(run / "pids") if r.name == "router")
+        os.kill(router.pid, signal.SIGSTOP)
+        victim = wait_for(lambda: next((r for r in read_pidfiles(run / "pids") if r.name == "replica-throughput-0"),
+                                       None), 90, "replica-throughput-0 to start")
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: proc.poll() is not None or any(e["kind"] == "replica_boot_failed"
+                                                        for e in RunDir(run).read_events()), 90, "launch to answer")
+    finally:
+        if router is not None:
+            os.kill(router.pid, signal.SIGCONT)
+        output = finish(proc, 180)
+    return proc, output
+
+
+def test_a_replica_lost_before_the_run_is_ready_is_started_again(tmp_path: Path) -> None:
+    """``cluster.boot_retries``: a replica that ends before the run is first ready (a bad node) is started
+    again, and launch says why; no session is lost."""
+    run = tmp_path / "run"
+    proc, output = _replica_lost_at_boot(run, [])
+    assert proc.returncode == 0, output
+    assert "replica-throughput-0 exited before it was ready" in output and "1 of cluster.boot_retries=1" in output
+    [event] = [e for e in RunDir(run).read_events() if e["kind"] == "replica_boot_failed"]
+    assert (event["group"], event["index"], event["attempt"]) == ("throughput", 0, 1)
+    check_outputs(run, steps=1, sessions=32)
+    assert_no_process_left(run)
+
+
+def test_with_no_boot_retries_a_replica_lost_at_boot_fails_the_run_with_its_log(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc, output = _replica_lost_at_boot(run, ["cluster.boot_retries=0"])
+    assert proc.returncode != 0, output
+    assert "run failed:" in output and "replica-throughput-0 exited" in output
+    assert f"last lines of {run / 'logs' / 'replica-throughput-0.log'}" in " ".join(output.split()), output
+    assert not [e for e in RunDir(run).read_events() if e["kind"] == "replica_boot_failed"]
+    assert_no_process_left(run, ranks=False)  # the run failed before they started
+
+
 def test_kill_9_of_launch_leaves_no_orphan(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "toolkit.launch", f"hydra.run.dir={run}", "steps=50"],

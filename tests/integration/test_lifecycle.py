@@ -49,8 +49,8 @@ def test_a_job_that_raises_says_why_in_its_log_and_in_launchs_message(tmp_path: 
 
     from tests.helpers.failing_job import fail_at_boot
     from tests.helpers.procs import wait_for
+    from toolkit.cluster import exit_story
     from toolkit.cluster.local import SubmititComponent
-    from toolkit.launch.run import exit_story
 
     ex = submitit.LocalExecutor(folder=tmp_path / "submitit" / "replica-x")
     ex.update_parameters(timeout_min=5)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.cluster.base import Cluster, Component
+from toolkit.cluster.base import Cluster, Component, exit_story, tail_lines
 from toolkit.cluster.storage import check_shared, cluster_nodes
 from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.core.rundir import RunDir
 
-__all__ = ["Cluster", "Component", "make_cluster", "preflight"]
+__all__ = ["Cluster", "Component", "exit_story", "make_cluster", "preflight", "tail_lines"]
 
 
 def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:

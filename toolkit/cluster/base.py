@@ -70,6 +70,20 @@ class Component(ABC):
         return ""
 
 
+def exit_story(comp: Component, log: Path) -> str:
+    """Why ``comp`` ended, as far as its files tell: the last lines of its log and of its raw outputs (a
+    traceback, or an engine's own error: vLLM's workers print theirs)."""
+    outputs = "".join(f"\nlast lines of its output {out}:\n{tail_lines(out, 25)}" for out in comp.outputs())
+    return f"{comp.name} exited ({comp.state()}); last lines of {log}:\n{tail_lines(log)}{outputs}"
+
+
+def tail_lines(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 class Cluster(ABC):
     def __init__(self, cfg: Config, run_dir: RunDir, owner: ProcessRef) -> None:
         self.cfg = cfg

@@ -28,6 +28,10 @@ class ClusterConfig:
     """``mpiexec`` to start the ranks with; default: the one beside the running Python (mpich wheel)."""
     restart_replicas: bool = True
     """Start a replacement when a replica process dies during the run."""
+    boot_retries: int = bounded(1, ge=0)
+    """Times launch starts a replica again that ended before the run was first ready (a bad node, a
+    node lost while it booted), each time reporting why. Past that the run fails with the last one's
+    log and output: a config error fails every try (0: the first failure fails the run). Per replica."""
     restart_router: bool = True
     """Start a new router when the router dies; clients and replicas follow it and resend."""
     lease_s: float = bounded(60.0, ge=1, note="(seconds)")

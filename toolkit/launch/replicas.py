@@ -9,6 +9,7 @@ One object owns every replica component of a run. Each pass of launch's watch lo
   then tells them to shut down, and their processes exit 0. The Drain is resent until the process is
   gone (a router that restarted meanwhile drains them again); past ``rollout.request_timeout_s`` a
   replica still draining is cancelled (the router then requeues what it held, so nothing is lost);
+- before the run is first ready, starts a replica that ended again (``cluster.boot_retries``);
 - replaces a replica that died (``cluster.restart_replicas``);
 - notices a replica job that Slurm preempted and requeued (it comes back as itself);
 - writes ``scale_state.json`` (what ``toolkit.launch.scale --wait`` waits for) and records every change in
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toolkit.client import send_drain
-from toolkit.cluster import Cluster, Component
+from toolkit.cluster import Cluster, Component, exit_story
 from toolkit.config import Config
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.rundir import RunDir, atomic_write, read_json
@@ -66,6 +67,8 @@ class ReplicaSet:
         """Why the last scale request could not be applied in full ("" if it was)."""
         self.restarts = 0
         """Replicas this launch replaced after they exited."""
+        self.boot_failures: dict[Key, int] = {}
+        """Per replica, the times it ended before the run was first ready."""
         self._ran: dict[Key, bool] = {}
         """Replicas whose job was seen running (a later PENDING/REQUEUED means it was preempted)."""
         self._written: dict[str, Any] = {}
@@ -170,6 +173,28 @@ class ReplicaSet:
                 resend.setdefault(d.migrate, []).append(f"{key[0]}-{key[1]}")
         for migrate, names in resend.items():  # one Drain for all: the router sees the whole change at once
             send_drain(frontend, names, migrate, timeout_s=1.0, curve=curve)
+
+    def retry_failed_boots(self) -> list[str]:
+        """Before the run is first ready: each replica that ended is started again while its
+        ``cluster.boot_retries`` last (why it ended, in the returned lines); past that the run fails
+        (:class:`ComponentFailed`) with why."""
+        said = []
+        for key, comp in list(self.members.items()):
+            if comp.alive():
+                continue
+            story = exit_story(comp, self.rd.log(comp.name))
+            n = self.boot_failures[key] = self.boot_failures.get(key, 0) + 1
+            retries = self.cfg.cluster.boot_retries
+            if n > retries:
+                raise ComponentFailed(story + (f"\n(it ended before it was ready {n} times; cluster.boot_retries={retries})"
+                                               if n > 1 else ""))
+            logger.warning("%s ended before it was ready (%d of cluster.boot_retries=%d); starting it again. %s",
+                           comp.name, n, retries, story)
+            self.rd.append_event("replica_boot_failed", group=key[0], index=key[1], state=comp.state(), attempt=n)
+            said.append(f"{comp.name} exited before it was ready ({comp.state()}); starting it again "
+                        f"({n} of cluster.boot_retries={retries}; why: {self.rd.log(comp.name)})")
+            self.members[key] = self.cluster.start_replica(*key)
+        return said
 
     def _replace_dead(self) -> None:
         for key, comp in list(self.members.items()):

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from toolkit.client import ready_counts, router_status
-from toolkit.cluster import Cluster, Component, make_cluster
+from toolkit.cluster import Cluster, Component, exit_story, make_cluster, tail_lines
 from toolkit.config import ENGINES, Config, curve_enabled, group_engine
 from toolkit.core.errors import ComponentFailed, Interrupted, ReadinessTimeout
 from toolkit.core.lease import Lease
@@ -33,20 +33,6 @@ from toolkit.launch.replicas import ReplicaSet
 from toolkit.report.trackers import Trackers
 
 logger = logging.getLogger(__name__)
-
-
-def exit_story(comp: Component, log: Path) -> str:
-    """Why ``comp`` ended, as far as its files tell: the last lines of its log and of its raw outputs (a
-    traceback, or an engine's own error: vLLM's workers print theirs)."""
-    outputs = "".join(f"\nlast lines of its output {out}:\n{_tail(out, 25)}" for out in comp.outputs())
-    return f"{comp.name} exited ({comp.state()}); last lines of {log}:\n{_tail(log)}{outputs}"
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class StopSignal:
@@ -125,8 +111,8 @@ class Run:
         while True:
             self._check_stop(starting=True)
             self._check_router()
-            for (g, i), comp in self.replicas.members.items():
-                self._check_alive(comp, self.run_dir.log(f"replica-{g}-{i}"))
+            for line in self.replicas.retry_failed_boots():
+                self.console.print(f"[yellow]{line}[/yellow]", highlight=False, soft_wrap=True)
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
             if status is not None:
                 have = ready_counts(status, want)
@@ -280,7 +266,7 @@ class Run:
             if start is not None:
                 return f"{log}:\n" + "\n".join(lines[start:start + 25])
         out = self.run_dir.ranks_out
-        return f"last lines of {out}:\n{_tail(out)}"
+        return f"last lines of {out}:\n{tail_lines(out)}"
 
     def _keep_router(self) -> None:
         assert self.router is not None
