@@ -57,7 +57,7 @@ def _config(overrides: list[str]) -> Config:
 def _arm(name: str, overrides: list[str], root: Path) -> list[dict[str, Any]]:
     cfg = _config(overrides)
     launch_run(cfg, RunDir(root / name), Console(quiet=True))
-    return json.loads((root / name / "report.json").read_text())["steps"]
+    return json.loads(RunDir(root / name).report.read_text())["steps"]
 
 
 def _ratio_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:

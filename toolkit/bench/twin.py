@@ -70,7 +70,7 @@ def measure(name: str, steps: int, root: Path, time_scale: float = TIME_SCALE,
         overrides = [*base, *ARMS[arm], f"steps={steps + WARMUP_STEPS}", f"engine.time_scale={time_scale}"]
         run_dir = root / f"{name}-{arm}".replace("+", "_")
         launch_run(_config(overrides), RunDir(run_dir), Console(quiet=True))
-        real = [s["wall_s"] for s in json.loads((run_dir / "report.json").read_text())["steps"]][WARMUP_STEPS:]
+        real = [s["wall_s"] for s in json.loads(RunDir(run_dir).report.read_text())["steps"]][WARMUP_STEPS:]
         twin = [s["wall_s"] for s in Twin(_config(overrides)).run().steps][WARMUP_STEPS:]
         real_s, twin_s = statistics.fmean(real), statistics.fmean(twin)
         out[arm] = {"real_s": round(real_s, 3), "twin_s": round(twin_s, 3), "error": round(twin_s / real_s - 1, 4),

@@ -117,7 +117,7 @@ def find_mpiexec(configured: str | None) -> str:
 
 class LocalCluster(Cluster):
     def _executor(self, name: str) -> submitit.LocalExecutor:
-        ex = submitit.LocalExecutor(folder=self.run_dir.logs / "submitit" / name)
+        ex = submitit.LocalExecutor(folder=self.run_dir.submitit / name)
         ex.update_parameters(timeout_min=self.cfg.cluster.job_timeout_min)
         return ex
 

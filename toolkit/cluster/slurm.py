@@ -185,7 +185,7 @@ class SlurmCluster(Cluster):
         self.cache = cache_dir(cfg, run_dir)
         # One submitit folder per run (inside the run dir): a reused folder can hand back an old
         # job's result once Slurm's job ids restart.
-        self.folder = run_dir.logs / "submitit"
+        self.folder = run_dir.submitit
 
     def _executor(self, name: str, *, nodes: int = 1, tasks_per_node: int = 1, cpus: int = 1,
                   mem: str = "1G", gpus: int = 0, setup: list[str] | None = None,

@@ -30,8 +30,9 @@ class ClusterConfig:
     """Start a replacement when a replica process dies during the run."""
     boot_retries: int = bounded(1, ge=0)
     """Times launch starts a replica again that ended before the run was first ready (a bad node, a
-    node lost while it booted), each time reporting why. Past that the run fails with the last one's
-    log and output: a config error fails every try (0: the first failure fails the run). Per replica."""
+    node lost while it booted), each time reporting why; each try gets ``ready_timeout_s``. Past that
+    the run fails with the last one's log and output: a config error fails every try (0: the first
+    failure fails the run). Per replica."""
     restart_router: bool = True
     """Start a new router when the router dies; clients and replicas follow it and resend."""
     lease_s: float = bounded(60.0, ge=1, note="(seconds)")

@@ -176,6 +176,11 @@ class RunDir:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def submitit(self) -> Path:
+        """submitit's folders, one per component: its jobs' scripts, pickles and raw outputs."""
+        return self.logs / "submitit"
+
     def log(self, name: str) -> Path:
         """A component's own log (``router``, ``replica-<group>-<i>``, ``rank-<r>``...)."""
         return self.logs / f"{name}.log"

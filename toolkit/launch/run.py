@@ -113,6 +113,8 @@ class Run:
             self._check_router()
             for line in self.replicas.retry_failed_boots():
                 self.console.print(f"[yellow]{line}[/yellow]", highlight=False, soft_wrap=True)
+                # A try boots from scratch: it gets the whole of ready_timeout_s, as the first did.
+                deadline = max(deadline, time.monotonic() + self.cfg.cluster.ready_timeout_s)
             status = router_status(self.address["frontend"], timeout_s=1.0, curve=self.curve)
             if status is not None:
                 have = ready_counts(status, want)

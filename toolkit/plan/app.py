@@ -20,6 +20,7 @@ from rich.table import Table
 
 from toolkit.config import CONF_DIR, from_dictconfig, register_configs
 from toolkit.core.errors import ToolkitError
+from toolkit.core.rundir import RunDir
 from toolkit.launch.app import fail_point, hydra_cli
 from toolkit.launch.validation import validate
 from toolkit.plan.replay import recorded
@@ -56,7 +57,7 @@ def main(dcfg: DictConfig) -> None:
     summary = summarize(run)
     report = {"status": "ok", "twin": True, "summary": summary, "virtual_s": run.virtual_s,
               "router": run.router, "replicas": run.replicas, "steps": run.steps}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=float))
+    RunDir(out).report.write_text(json.dumps(report, indent=1, default=float))
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return
     what = "replay" if OPTIONS["replay"] else "twin"

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.core.rundir import RunDir
 from toolkit.plan.summary import FIELDS, difference
 from toolkit.report.run_report import pct
 from toolkit.report.sweep import Column, _fmt, collect, fitted_table, short_names, swept_keys
@@ -32,7 +33,7 @@ def plan_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = collect(sweep_dir)
     for r in rows:
         try:
-            summary = json.loads((sweep_dir / r["run"] / "report.json").read_text())["summary"]
+            summary = json.loads(RunDir(sweep_dir / r["run"]).report.read_text())["summary"]
         except (OSError, ValueError, KeyError):
             summary = {}
         r.update({k: summary.get(k) for k in FIELDS})

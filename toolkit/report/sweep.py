@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.core.rundir import RunDir
 from toolkit.report.run_report import pct, si, table_width
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def run_row(run: Path) -> dict[str, Any]:
     row["run"] = run.name
     row["overrides"] = _overrides(run)
     try:
-        report = json.loads((run / "report.json").read_text())
+        report = json.loads(RunDir(run).report.read_text())
     except (OSError, ValueError):
         row["status"] = "no report"
         return row
