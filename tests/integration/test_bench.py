@@ -25,6 +25,7 @@ def test_router_bench_reports_its_fields(tmp_path: Path) -> None:
     assert {"router_rps", "raw_broker_rps", "ratio", "decision_us_p50", "decision_us_p99", "replicas",
             "decision_us_p99_4096"} <= set(r)
     assert r["replicas"] == 512
+    assert set(r["register_s_4096"]) == {"consistent_hash", "kv_aware"} and min(r["register_s_4096"].values()) > 0
     assert r["router_rps"] > 0 and r["raw_broker_rps"] > 0
     assert r["ratio"] == pytest.approx(r["router_rps"] / r["raw_broker_rps"], rel=0.01)
     assert 0 < r["decision_us_p50"] <= r["decision_us_p99"]

@@ -144,3 +144,15 @@ def test_a_fleet_registering_one_by_one_builds_the_ring_once_and_as_a_fresh_one_
     p.update(rs[1:])
     moved = [s for s, r in zip(sessions, got, strict=True) if r is not rs[0] and p.choose(s, 0, with_room(rs[1:])) is not r]
     assert moved == [] and [b for b in builds if b is p] == [p, p]
+
+
+def test_the_load_bound_follows_the_group_capacity_as_replicas_join() -> None:
+    """The capacity is summed at the next bound after a change, not at each join: still exact."""
+    rs = replicas(2, cap=10)
+    p = ConsistentHash(rs, 1.0)
+    assert p.bound(rs[0], 9) == 5  # 10 in flight x 10 / 20 slots
+    big = Replica("big", b"big", "g", 80, 4096, 32000)
+    p.update([*rs, big])
+    assert (p.bound(rs[0], 9), p.bound(big, 9)) == (1, 8)  # 10 x 10 / 100, 10 x 80 / 100
+    p.update(rs)
+    assert p.bound(rs[0], 9) == 5

@@ -116,3 +116,21 @@ def test_a_group_sums_its_replicas_engine_counters_and_skips_a_restart() -> None
     g = p.group_status(["throughput"], lambda r: False)["throughput"]
     assert (g.generated_tokens, g.engine_steps, g.prefill_tokens) == (10, 5, 100)
     assert (g.model_s, g.active_s, g.replica_s, g.busy_s) == (0.5, 0.6 + 0.9, 3.0, 1.0)
+
+
+def test_the_limits_follow_replicas_that_join_and_leave_one_by_one() -> None:
+    """A join takes its limits in without a pass over the others; a leave recomputes them."""
+    p = pool()
+    rs = [replica(i, "throughput", max_model_len=m, vocab=v) for i, (m, v) in enumerate([(100, 50), (60, 70), (80, 40)])]
+    seen = []
+    for r in rs:
+        p.add(r)
+        p.set_ready(r)
+        seen.append(p.limits("throughput"))
+    assert seen == [(100, 50), (60, 50), (60, 40)]
+    p.set_unready(rs[1])  # the shortest context leaves
+    assert p.limits("throughput") == p.limits(None) == (80, 40)
+    p.set_draining(rs[2])
+    assert p.limits("throughput") == (100, 50)
+    p.set_ready(rs[1])  # back
+    assert p.limits("throughput") == (60, 50)

@@ -15,7 +15,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -316,15 +317,12 @@ def throughput(n: int, window: int, replicas: int, rounds: int) -> tuple[float, 
     return max(router_rps), max(raw_rps)
 
 
-def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000, jobs: int = 8,
-                  policy: str = "consistent_hash",
-                  setup: Callable[[Router, random.Random], dict[int, list[int]]] | None = None) -> tuple[float, float]:
-    """p50 and p99 of one dispatch decision, in microseconds. ``setup``: fills the router's state once its
-    replicas are ready, and gives sessions' prompts (``bench kv``: its index)."""
-    max_inflight = 4
+@contextmanager
+def fleet_router(replicas: int, max_inflight: int, policy: str) -> Iterator[tuple[Router, float]]:
+    """A router in this process with ``replicas`` registered and ready one by one (no replica processes),
+    and the seconds their registrations and readiness took it."""
     cfg = bench_config(replicas, max_inflight, policy)
     kv = policy == "kv_aware"
-    rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="bench-decide-") as tmp:
         rd = RunDir(Path(tmp))
         rd.make()
@@ -332,6 +330,7 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
         router = Router(cfg, rd, ctx)
         try:
             router.bind("127.0.0.1")
+            t0 = time.perf_counter()
             for i in range(replicas):
                 ident = f"r{i}".encode()
                 router.membership.register(ident, P.Register(f"r{i}", "bench", {}, "m", max_inflight, 100000, 1 << 20,
@@ -339,33 +338,51 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
                 replica = router.pool.known(ident)
                 assert replica is not None
                 router.pool.set_ready(replica)
-            prompts = setup(router, rng) if setup is not None else {}
-            prompt = list(range(1, PROMPT_LEN + 1))
-            total = queued + replicas * max_inflight
-            for k in range(total + samples):
-                sid = rng.randrange(SESSIONS)
-                msg = P.Generate(f"q{k}", f"job{k % jobs}", f"s{sid}", 0, prompts.get(sid, prompt),
-                                 P.Sampling(OUTPUT_LEN))
-                router.submit(b"client", msg, _enc.encode(msg))
-            router.dispatch()  # fills every slot; the rest stays queued
-            assert router.queue.size >= queued, router.queue.size
-            reps = list(router.pool.all())
-            times = []
-            while len(times) < samples:
-                r = reps[rng.randrange(len(reps))]
-                if not r.inflight:
-                    continue
-                rid = next(iter(r.inflight))  # its oldest request finishes
-                res = P.Result(rid, "ok", [1], [-0.1], "stop", r.replica_id, "bench")
-                router._on_result(r.identity, res, _enc.encode(res))
-                t0 = time.perf_counter_ns()
-                router.dispatch()
-                times.append(time.perf_counter_ns() - t0)
-            a = np.asarray(times, dtype=np.float64) / 1000.0
-            return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+            yield router, time.perf_counter() - t0
         finally:
             router.close()
             ctx.term()
+
+
+def registration_s(replicas: int = 4096, policy: str = "consistent_hash") -> float:
+    """Seconds of the router's loop for ``replicas`` that register and pass their probe one by one (a
+    fleet's start)."""
+    with fleet_router(replicas, 4, policy) as (_, seconds):
+        return seconds
+
+
+def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000, jobs: int = 8,
+                  policy: str = "consistent_hash",
+                  setup: Callable[[Router, random.Random], dict[int, list[int]]] | None = None) -> tuple[float, float]:
+    """p50 and p99 of one dispatch decision, in microseconds. ``setup``: fills the router's state once its
+    replicas are ready, and gives sessions' prompts (``bench kv``: its index)."""
+    max_inflight = 4
+    rng = random.Random(0)
+    with fleet_router(replicas, max_inflight, policy) as (router, _):
+        prompts = setup(router, rng) if setup is not None else {}
+        prompt = list(range(1, PROMPT_LEN + 1))
+        total = queued + replicas * max_inflight
+        for k in range(total + samples):
+            sid = rng.randrange(SESSIONS)
+            msg = P.Generate(f"q{k}", f"job{k % jobs}", f"s{sid}", 0, prompts.get(sid, prompt),
+                             P.Sampling(OUTPUT_LEN))
+            router.submit(b"client", msg, _enc.encode(msg))
+        router.dispatch()  # fills every slot; the rest stays queued
+        assert router.queue.size >= queued, router.queue.size
+        reps = list(router.pool.all())
+        times = []
+        while len(times) < samples:
+            r = reps[rng.randrange(len(reps))]
+            if not r.inflight:
+                continue
+            rid = next(iter(r.inflight))  # its oldest request finishes
+            res = P.Result(rid, "ok", [1], [-0.1], "stop", r.replica_id, "bench")
+            router._on_result(r.identity, res, _enc.encode(res))
+            t0 = time.perf_counter_ns()
+            router.dispatch()
+            times.append(time.perf_counter_ns() - t0)
+        a = np.asarray(times, dtype=np.float64) / 1000.0
+        return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -374,6 +391,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     p50, p99 = decision_cost(samples=2000 if quick else 20000, queued=5000 if quick else 50000)
     p50_4096, p99_4096 = decision_cost(replicas=4096, samples=2000 if quick else 20000,
                                        queued=5000 if quick else 50000)
+    register = {p: registration_s(4096, p) for p in ("consistent_hash", "kv_aware")}
     # Started first, a router runs a few percent slower here whatever its config (an A/A run with
     # metrics off in both measured 0.963): each order once, and the geometric mean of the two.
     runs = [metrics_ratio(n=n, window=1024, replicas=4, rounds=1 if quick else 13, on_first=first)
@@ -393,6 +411,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "replicas": 512,
         "decision_us_p50_4096": round(p50_4096, 2),
         "decision_us_p99_4096": round(p99_4096, 2),
+        "register_s_4096": {p: round(v, 3) for p, v in register.items()},
         "queued": 5000 if quick else 50000,
         "window": 1024,
         "prompt_tokens": PROMPT_LEN,

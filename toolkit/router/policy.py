@@ -125,11 +125,16 @@ class ConsistentHash(Policy):
         self.update(replicas)
 
     def update(self, replicas: list[Replica]) -> None:
-        # The ring is rebuilt at the next choice, not here: a fleet of n replicas registering one by one
-        # would otherwise rebuild it n times (at 512 replicas, a minute of the router's loop).
+        # The ring is rebuilt at the next choice and the capacity summed at the next bound, not here: a
+        # fleet of n replicas registering one by one would otherwise do either n times (at 512 replicas
+        # the ring's rebuilds were a minute of the router's loop; at 4,096 the sums were seconds).
         self.replicas = replicas
-        self._capacity = max(1, sum(r.max_inflight for r in replicas))
+        self._capacity = 0
         self._stale = True
+
+    def _total(self) -> int:
+        self._capacity = max(1, sum(r.max_inflight for r in self.replicas))
+        return self._capacity
 
     def _rebuild(self) -> None:
         """The ring of the current replicas; each replica's points are hashed once per weight."""
@@ -165,7 +170,7 @@ class ConsistentHash(Policy):
         self.update(self.replicas)
 
     def bound(self, r: Replica, group_load: int) -> int:
-        return math.ceil(self.load_factor * (group_load + 1) * r.max_inflight / self._capacity)
+        return math.ceil(self.load_factor * (group_load + 1) * r.max_inflight / (self._capacity or self._total()))
 
     def fits(self, r: Replica, group_load: int) -> bool:
         """``r`` has a slot and is under its load bound."""
@@ -220,14 +225,21 @@ class KvAware(Policy):
         self.wait_for_home = wait_for_home
         """``router.affinity=wait``: a turn whose longest cached prefix is on a full replica waits for it."""
         self.hashing = ConsistentHash(replicas, load_factor, wait_for_home)
-        self.among = 0
+        self._among: int | None = None
         super().__init__(replicas)
         self.update(replicas)
 
     def update(self, replicas: list[Replica]) -> None:
         self.replicas = replicas
         self.hashing.update(replicas)
-        self.among = self.index.mask(replicas)
+        self._among = None  # at the next choice: not a pass over the fleet per replica that joins
+
+    @property
+    def among(self) -> int:
+        """The bitmask of the replicas whose events the index holds."""
+        if self._among is None:
+            self._among = self.index.mask(self.replicas)
+        return self._among
 
     def reweight(self) -> None:
         self.hashing.reweight()

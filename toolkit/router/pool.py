@@ -60,6 +60,13 @@ class GroupPool:
         self.engine = dict.fromkeys(ENGINE_TIME, 0.0)
         """Its replicas' engine counters (:data:`ENGINE_TIME`), summed from heartbeat increments."""
 
+    def joined(self, r: Replica) -> None:
+        """``r`` joined :attr:`members`: the limits take it in without a pass over the others (a fleet of
+        thousands joining one by one would otherwise cost a pass each)."""
+        lim = self.limits
+        self.limits = ((min(lim[0], r.max_model_len), min(lim[1], r.vocab_size)) if lim is not None
+                       else (r.max_model_len, r.vocab_size))
+
     def update_limits(self) -> None:
         m = self.members
         self.limits = (min(r.max_model_len for r in m), min(r.vocab_size for r in m)) if m else None
@@ -138,7 +145,7 @@ class ReplicaPool:
                                         self.rcfg.affinity, self.index)
             else:
                 gp.policy.update(gp.members)
-            gp.update_limits()
+            gp.joined(r)
         self._count_spare(r, r.max_inflight - r.load)
         logger.info("replica %s is ready", r.replica_id)
 
