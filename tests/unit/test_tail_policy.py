@@ -214,6 +214,30 @@ def _scan_every_request(tail: TailRouting, pool: ReplicaPool, now: float) -> lis
     return [(req, r) for _, _, req, r in heapq.nlargest(tail.room(), found, key=lambda f: (f[0], f[1]))]
 
 
+def _random_fleet(cfg, run_dir: RunDir, files: FileWriter, rng: random.Random,  # type: ignore[no-untyped-def]
+                  slots: int) -> tuple[ReplicaPool, TailRouting, list[Replica]]:
+    """Four throughput replicas of ``slots`` and a tail replica of 1-6, ready, job "j" at step 0 with one
+    session finished; the pool, the tail routing and the throughput replicas."""
+    pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
+    tail = TailRouting(cfg.tail, run_dir, files, pool)
+    tps = [replica(i, "throughput", slots) for i in range(4)]
+    for r in (*tps, replica(0, "tail", rng.randint(1, 6))):
+        pool.add(r)
+        pool.set_ready(r)
+        r.speed.update(0.0, 0, 0)
+    tail.step_begin("j", 0, 64)
+    tail.records["j"].finished("z", "", 10)
+    return pool, tail, tps
+
+
+def _random_request(rid: str, seq: int, rng: random.Random) -> Request:
+    """A request of session ``rid``: mostly without a hint, sometimes one that moved here already."""
+    req = request(rid, rid, seq=seq, hint=rng.choice([0, 0, 0, 150, 3000]))
+    if rng.random() < 0.15:
+        req.prefix_tokens = list(range(rng.randint(1, 300)))  # moved here once already
+    return req
+
+
 def test_the_moves_are_those_a_scan_of_every_running_request_chooses(tmp_path: Path, files: FileWriter) -> None:
     """``to_move`` looks only at the heads of each replica's requests without a hint or a move (a merge):
     on random fleets (requests dispatched at the same instant, hints, moved requests, rates that change
@@ -221,24 +245,13 @@ def test_the_moves_are_those_a_scan_of_every_running_request_chooses(tmp_path: P
     rng = random.Random(11)
     cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_tokens=100"])
     for trial in range(200):
-        pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
-        tail = TailRouting(cfg.tail, RunDir(tmp_path / f"run{trial}"), files, pool)
-        tps = [replica(i, "throughput", 16) for i in range(4)]
-        for r in (*tps, replica(0, "tail", rng.randint(1, 6))):
-            pool.add(r)
-            pool.set_ready(r)
-            r.speed.update(0.0, 0, 0)
-        tail.step_begin("j", 0, 64)
-        tail.records["j"].finished("z", "", 10)
+        pool, tail, tps = _random_fleet(cfg, RunDir(tmp_path / f"run{trial}"), files, rng, slots=16)
         seqs = iter(rng.sample(range(10_000), 64))
         for r in tps:
             t, generated = 0.0, 0
             for k in range(rng.randint(0, 16)):
                 t += rng.choice([0.0, 0.0, 0.5, 1.0])  # several dispatched at the same instant
-                req = request(f"{r.replica_id}/{k}", f"{r.replica_id}/{k}", seq=next(seqs),
-                              hint=rng.choice([0, 0, 0, 150, 3000]))
-                if rng.random() < 0.15:
-                    req.prefix_tokens = list(range(rng.randint(1, 300)))  # moved here once already
+                req = _random_request(f"{r.replica_id}/{k}", next(seqs), rng)
                 pool.take_slot(r, req)
                 tail.dispatched(req, r, t)
                 generated += rng.randint(0, 400)
@@ -258,15 +271,7 @@ def test_the_moves_stay_those_of_a_scan_tick_after_tick_as_requests_come_go_and_
     cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_tokens=100"])
     seqs = iter(range(1_000_000))
     for trial in range(25):
-        pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
-        tail = TailRouting(cfg.tail, RunDir(tmp_path / f"run{trial}"), files, pool)
-        tps = [replica(i, "throughput", 8) for i in range(4)]
-        for r in (*tps, replica(0, "tail", rng.randint(1, 6))):
-            pool.add(r)
-            pool.set_ready(r)
-            r.speed.update(0.0, 0, 0)
-        tail.step_begin("j", 0, 64)
-        tail.records["j"].finished("z", "", 10)
+        pool, tail, tps = _random_fleet(cfg, RunDir(tmp_path / f"run{trial}"), files, rng, slots=8)
         live: list[tuple[Request, Replica]] = []
         generated = dict.fromkeys(tps, 0)
         t = 0.0
@@ -279,9 +284,7 @@ def test_the_moves_stay_those_of_a_scan_tick_after_tick_as_requests_come_go_and_
                 r = rng.choice(tps)
                 if r.has_room:
                     k = next(seqs)
-                    req = request(f"q{k}", f"s{k}", seq=k, hint=rng.choice([0, 0, 0, 150, 3000]))
-                    if rng.random() < 0.15:
-                        req.prefix_tokens = list(range(rng.randint(1, 300)))
+                    req = _random_request(f"q{k}", k, rng)
                     pool.take_slot(r, req)
                     tail.dispatched(req, r, t)  # several at the same instant
                     live.append((req, r))

@@ -6,6 +6,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from toolkit.config import Config
 from toolkit.core.lifecycle import ProcessRef, read_pidfiles, stop_processes, write_pidfile
@@ -75,6 +76,13 @@ def exit_story(comp: Component, log: Path) -> str:
     traceback, or an engine's own error: vLLM's workers print theirs)."""
     outputs = "".join(f"\nlast lines of its output {out}:\n{tail_lines(out, 25)}" for out in comp.outputs())
     return f"{comp.name} exited ({comp.state()}); last lines of {log}:\n{tail_lines(log)}{outputs}"
+
+
+def submitit_outputs(job: Any) -> list[Path]:
+    """A submitit job's raw outputs, every task's: its ``*_log.out`` then its ``*_log.err`` (none where
+    its stderr goes to its stdout)."""
+    folder, jid = Path(job.paths.folder), job.job_id
+    return [*sorted(folder.glob(f"{jid}_*_log.out")), *sorted(folder.glob(f"{jid}_*_log.err"))]
 
 
 def tail_lines(path: Path, lines: int = 15) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import submitit
 
-from toolkit.cluster.base import Cluster, Component
+from toolkit.cluster.base import Cluster, Component, submitit_outputs
 from toolkit.config import replica_nodes
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
@@ -63,9 +63,7 @@ class SubmititComponent(Component):
         return [self._ref] if self._ref is not None else []
 
     def outputs(self) -> list[Path]:
-        folder = Path(self.job.paths.folder)
-        job = self.job.job_id
-        return [*sorted(folder.glob(f"{job}_*_log.out")), *sorted(folder.glob(f"{job}_*_log.err"))]
+        return submitit_outputs(self.job)
 
 
 class ProcessGroupComponent(Component):

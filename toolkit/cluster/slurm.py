@@ -27,7 +27,7 @@ from typing import Any
 
 import submitit
 
-from toolkit.cluster.base import Cluster, Component
+from toolkit.cluster.base import Cluster, Component, submitit_outputs
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lease import current_epoch
@@ -165,7 +165,7 @@ class SlurmJobComponent(Component):
         return []  # processes on other nodes: stopped through Slurm, never by pid
 
     def outputs(self) -> list[Path]:
-        return sorted(Path(self.job.paths.folder).glob(f"{self.job_id}_*_log.out"))
+        return submitit_outputs(self.job)
 
     def pending(self) -> bool:
         return self.states.get(self.job_id).state in ("PENDING", "CONFIGURING", "UNKNOWN")

@@ -115,7 +115,8 @@ class ConsistentHash(Policy):
         """``router.affinity=wait``: a session whose own replica is full waits for it (None), not spills."""
         self._ring: list[int] = []
         self._owners: list[Replica] = []
-        self._capacity = 1
+        self._capacity = 0
+        """The replicas' slots in all (0: to be summed, at the next :meth:`bound`)."""
         self._stale = True
         self._points: dict[tuple[str, int], list[int]] = {}
         """Each replica's ring points by (replica id, virtual nodes)."""
