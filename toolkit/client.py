@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from toolkit.core import protocol as P
+from toolkit.core.blocks import Chains, block_hashes
 from toolkit.core.errors import RouterUnavailable, ToolkitError
 from toolkit.core.rundir import RunDir
 from toolkit.core.security import ClientCurve, client_curve
@@ -23,12 +24,26 @@ from toolkit.core.sockets import RouterLink, make_socket
 
 logger = logging.getLogger(__name__)
 
+CHAINS_KEPT = 16384
+"""Sessions whose last prompt's block hashes a client keeps, so a next turn hashes only its new blocks."""
+
 _T_RESULT = P.TYPE_OF[P.Result]
 _T_STEP = P.TYPE_OF[P.StepBegin]
 _T_STATUS = P.TYPE_OF[P.Status]
 _T_WEIGHTS = P.TYPE_OF[P.WeightsUpdated]
 _T_PLAN = P.TYPE_OF[P.StreamPlan]
 _T_WANTED = P.TYPE_OF[P.StreamWanted]
+
+
+def hash_prompt(chains: Chains, msg: P.Generate, block_size: int) -> None:
+    """``msg`` carries its prompt's block hashes at ``block_size`` (``Generate.block_hashes``): those of the
+    blocks its session's last prompt (in ``chains``) did not have, as the router keeps those, or all."""
+    if msg.session_id:
+        hashes, kept = chains.extend(msg.session_id, msg.prompt_token_ids, block_size)
+        msg.block_hashes, msg.hashes_from = hashes[kept:], kept
+    else:
+        msg.block_hashes = block_hashes(msg.prompt_token_ids, block_size)
+    msg.block_size = block_size
 
 
 class WeightsUpdateFailed(ToolkitError):
@@ -59,6 +74,10 @@ class RouterClient:
         # Step messages of the latest step, replayed to a restarted router so its tail counts agree.
         self.last_step_begin: P.StepBegin | None = None
         self.dones: list[P.SessionDone] = []
+        self.kv_block_size = 0
+        """The block size the router's KV index reads prompts at (its ``Route.kv_block_size``): with one, each
+        prompt's block hashes go with it, computed here rather than on the router's one thread."""
+        self.chains = Chains(CHAINS_KEPT)
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         info = await asyncio.to_thread(self.run_dir.wait_router_address, timeout_s)
@@ -91,6 +110,8 @@ class RouterClient:
         """Submit one request; returns its Result and the router's Route facts (None for cached)."""
         fut: asyncio.Future[tuple[P.Result, P.Route | None]] = asyncio.get_running_loop().create_future()
         self.pending[msg.request_id] = (msg, fut)
+        if self.kv_block_size and not msg.block_size:
+            hash_prompt(self.chains, msg, self.kv_block_size)
         try:
             await self._send(msg)
             return await fut
@@ -202,6 +223,7 @@ class RouterClient:
 
     async def session_done(self, job: str, step: int, session_id: str) -> None:
         msg = P.SessionDone(job, step, session_id)
+        self.chains.forget(session_id)
         if self.dones and self.dones[-1].step != step:
             self.dones = []
         self.dones.append(msg)
@@ -233,6 +255,9 @@ class RouterClient:
         if mtype == _T_RESULT:
             res = P.decode_as(P.Result, frames[1])
             route = P.decode_as(P.Route, frames[2]) if len(frames) >= 3 else None
+            if route is not None and route.kv_block_size != self.kv_block_size:
+                self.kv_block_size = route.kv_block_size
+                self.chains = Chains(CHAINS_KEPT)  # chains at another block size are of no use
             entry = self.pending.get(res.request_id)
             if entry is not None and not entry[1].done():
                 entry[1].set_result((res, route))

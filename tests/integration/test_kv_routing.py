@@ -94,6 +94,9 @@ def test_turns_go_where_their_prefix_is_and_the_index_predicts_what_the_engines_
         exact(stack, [*first.values(), *second.values()])
         kv = status(stack).kv
         assert kv is not None and kv.resyncs >= 4  # 3 registrations, and the tail replica's lost batch 3
+        # Told the fleet's block size by its first Route, the client sent every later prompt's block
+        # hashes (only its new blocks'), and the router's predictions above were made from them.
+        assert c.kv_block_size == BS and kv.client_hashed >= len(first) + len(second) - 1
         # Sessions on their own: a third turn each, and the index still exact.
         more = {f"m{k}": prompt(100 + k) for k in range(24)}
         res = [*(await turns(c, more, "t1")).values(), *(await turns(c, more, "t2")).values()]

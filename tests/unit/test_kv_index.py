@@ -4,8 +4,9 @@ found within the load bound, and new sessions held to the budget while admitted 
 
 from __future__ import annotations
 
+from toolkit.client import hash_prompt
 from toolkit.core import protocol as P
-from toolkit.core.blocks import block_hashes, chain_from
+from toolkit.core.blocks import Chains, block_hashes, chain_from
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import PrefixCache
 from toolkit.router.kv_admission import KvAdmission
@@ -175,6 +176,63 @@ def test_a_next_turn_hashes_only_its_new_tokens() -> None:
     k = len(h3)
     t4 = t3[: k * BS - 1] + [1] + t3[k * BS :] + [9] * BS
     assert index.hashes(request("t4", t4, session="s"), BS) == block_hashes(t4, BS)
+
+
+def test_chains_keep_each_session_s_last_prompt_and_drop_the_oldest() -> None:
+    chains = Chains(keep=2)
+    t1 = list(range(3, 30))
+    h1, kept = chains.extend("s", t1, BS)
+    assert (h1, kept) == (block_hashes(t1, BS), 0)
+    h2, kept = chains.extend("s", t1 + [8] * 9, BS)
+    assert h2 == block_hashes(t1 + [8] * 9, BS) and kept == len(h1)
+    _, kept = chains.extend("s", [1] + t1[1:], BS)  # rewritten at its start: hashed whole
+    assert kept == 0
+    chains.extend("u", t1, BS)
+    chains.extend("v", t1, BS)  # a third session: the least recent ("s") goes
+    assert chains.get("s") is None and chains.get("u") is not None and len(chains) == 2
+
+
+def test_a_client_s_hashes_are_used_and_ones_that_do_not_fit_are_made_here() -> None:
+    index, _, _ = indexed("a")
+    chains = Chains(keep=8)
+    ctx = list(range(3, 30))
+    sent = []
+    for turn in range(3):
+        msg = P.Generate(f"t{turn}", job="j", session_id="s", prompt_token_ids=list(ctx))
+        hash_prompt(chains, msg, BS)  # as a RouterClient told the block size does
+        sent.append((msg.hashes_from, len(msg.block_hashes or [])))
+        req = Request(msg, b"", b"c", "j", 0, 0.0)
+        assert index.hashes(req, BS) == block_hashes(ctx, BS)
+        ctx += [5] * 7
+    # Each turn after the first sent only the blocks its last prompt did not have.
+    assert sent[0] == (0, 6) and all(k > 0 and n < 3 for k, n in sent[1:]), sent
+    assert index.client_hashed == 3
+    # Hashes that do not fit the prompt, or go on from a chain the router no longer has (it restarted):
+    # the router hashes the prompt itself.
+    short = P.Generate("x", session_id="x", prompt_token_ids=ctx, block_size=BS, block_hashes=[1, 2])
+    assert index.hashes(Request(short, b"", b"c", "j", 0, 0.0), BS) == block_hashes(ctx, BS)
+    orphan = P.Generate("y", session_id="y", prompt_token_ids=ctx, block_size=BS, block_hashes=[7], hashes_from=6)
+    assert index.hashes(Request(orphan, b"", b"c", "j", 0, 0.0), BS) == block_hashes(ctx, BS)
+    # Hashes at another block size are not this index's.
+    other = P.Generate("z", session_id="z", prompt_token_ids=ctx, block_size=8, block_hashes=block_hashes(ctx, 8))
+    assert index.hashes(Request(other, b"", b"c", "j", 0, 0.0), BS) == block_hashes(ctx, BS)
+    assert index.client_hashed == 3
+    # Wrong hashes that fit are taken on trust: they cost that request its prediction, nothing else.
+    wrong = P.Generate("w", session_id="w", prompt_token_ids=ctx, block_size=BS,
+                       block_hashes=list(range(len(ctx) // BS)))
+    assert index.prefix_on(Request(wrong, b"", b"c", "j", 0, 0.0), index._owner[0]) == 0
+
+
+def test_clients_are_told_the_one_block_size_of_the_fleet() -> None:
+    index, _, (a,) = indexed("a")
+    assert index.client_block_size == BS
+    b = Replica("b", b"b", "g", 4, 8192, 32000, kv_block_size=2 * BS)
+    index.add(b)
+    assert index.client_block_size == 0  # two sizes: the router hashes
+    index.drop(b)
+    assert index.client_block_size == BS
+    index.drop(a)
+    assert index.client_block_size == 0
 
 
 def test_kv_aware_follows_the_prefix_and_falls_back_to_hashing() -> None:

@@ -106,8 +106,9 @@ it routes by consistent hashing), and consistent hashing (the feature off)."""
 
 def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) -> dict[str, Any]:
     """``bench router``'s throughput (instant replicas, a client keeping ``window`` requests out) of each
-    router of :data:`EVENT_ARMS`, its replicas sending their prefix caches' events before each Result where
-    it has them; ``prompts`` as ``bench router``'s ``prompt_of``. Rounds rotate the order; per arm its
+    router of :data:`EVENT_ARMS`, its replicas sending their prefix caches' events with each Result where
+    it has them (and taking them either way), its client sending each prompt's block hashes where the
+    router asks for them; ``prompts`` as ``bench router``'s ``prompt_of``. Rounds rotate the order; per arm its
     best requests/s, and the median of its per-round ratios to ``no_events`` (events on vs off) and to
     ``consistent_hash`` (the whole feature)."""
     mpc = mp.get_context("spawn")
@@ -129,12 +130,12 @@ def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) 
                 stacks[name] = stack
             names = list(EVENT_ARMS)
             for name in names:
-                _run_client(stacks[name].frontend, min(n, 2000), window, prompts)  # warm each
+                _run_client(stacks[name].frontend, min(n, 2000), window, prompts, EVENT_ARMS[name][1])  # warm each
             for k in range(rounds):
                 for name in names[k % 3:] + names[: k % 3]:
                     router = stacks[name].procs[0].pid
                     before = cpu_seconds(router) or 0.0
-                    rates[name].append(_run_client(stacks[name].frontend, n, window, prompts))
+                    rates[name].append(_run_client(stacks[name].frontend, n, window, prompts, EVENT_ARMS[name][1]))
                     cpu[name].append(((cpu_seconds(router) or 0.0) - before) / n * 1e6)
         finally:
             for p in procs:

@@ -25,8 +25,10 @@ import msgspec
 import numpy as np
 import zmq
 
+from toolkit.client import CHAINS_KEPT, hash_prompt
 from toolkit.config import Config, GroupConfig, ReportConfig, RouterConfig, SimEngineConfig
 from toolkit.core import protocol as P
+from toolkit.core.blocks import Chains
 from toolkit.core.rundir import RunDir
 from toolkit.core.sockets import make_socket
 from toolkit.engine.kv_events import KvEventLog
@@ -56,9 +58,11 @@ def _answer(payload: bytes, replica_id: str, group: str) -> bytes:
 def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartbeat_s: float,
                      kv_block_size: int = 0, cache_block: int = 0) -> None:
     """``n`` replicas in one process that answer every Generate at once (a process target). With
-    ``cache_block``, each keeps a sim prefix cache of what it served, as an engine does whether it reports
-    it or not; with ``kv_block_size`` (its block size), each also sends that cache's KV events with each
-    Result, as a replica process does."""
+    ``cache_block``, each keeps a sim prefix cache of what it served and takes its KV events batch after
+    each request, as an engine does whether it reports them or not; with ``kv_block_size`` (its block
+    size), each also sends that batch with each Result, as a replica process does. Taking the batch either
+    way keeps the replicas' own work the same with events on and off: on one machine their processes
+    share its cores with the router, and a difference there would be counted against the router."""
     ctx = zmq.Context()
     caches: dict[str, PrefixCache] = {}
     socks = []
@@ -77,16 +81,17 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
                                              kv_block_size=kv_block_size, kv_capacity_tokens=KV_CAPACITY)))
         if block:
             caches[rid] = PrefixCache(block, KV_CAPACITY)
-            if kv_block_size:
-                caches[rid].log = KvEventLog()
+            caches[rid].log = KvEventLog()
 
     def events(rid: str, payload: bytes) -> list[bytes]:
         """The KV events frame a Result carries (empty when nothing changed or the replica does not report
-        them), as a replica sends it."""
+        them), as a replica sends it; the batch is taken (encoded) either way."""
         cache = caches[rid]
         req = _dec_gen.decode(payload)
         cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
-        return cache.log.frames() if cache.log is not None else []
+        assert cache.log is not None
+        frames = cache.log.frames()
+        return frames if kv_block_size else []
 
     for s, rid in socks:
         register(s, rid)
@@ -188,12 +193,18 @@ def prompt_of(i: int, prompts: str) -> list[int]:
     return list(range(1, PROMPT_LEN + 1))
 
 
-def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same") -> None:
-    """Keep ``window`` requests outstanding; report requests/s from first send to last result."""
-    payloads = [_enc.encode(P.Generate(f"{os.getpid()}-{i}", "bench",
-                                       f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}", 0,
-                                       prompt_of(i, prompts), P.Sampling(OUTPUT_LEN)))
-                for i in range(n)]
+def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same", block_size: int = 0) -> None:
+    """Keep ``window`` requests outstanding; report requests/s from first send to last result. With
+    ``block_size``, each prompt carries its block hashes, as a ``RouterClient`` told it by a ``kv_aware``
+    router sends them (computed before the clock starts, as the requests are)."""
+    chains = Chains(CHAINS_KEPT)
+    msgs = [P.Generate(f"{os.getpid()}-{i}", "bench",
+                       f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}", 0,
+                       prompt_of(i, prompts), P.Sampling(OUTPUT_LEN)) for i in range(n)]
+    for msg in msgs:
+        if block_size:
+            hash_prompt(chains, msg, block_size)
+    payloads = [_enc.encode(msg) for msg in msgs]
     ctx = zmq.Context()
     s = make_socket(ctx, zmq.DEALER)
     s.connect(frontend)
@@ -221,10 +232,10 @@ def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same"
     ctx.term()
 
 
-def _run_client(frontend: str, n: int, window: int, prompts: str = "same") -> float:
+def _run_client(frontend: str, n: int, window: int, prompts: str = "same", block_size: int = 0) -> float:
     mpc = mp.get_context("spawn")
     q = mpc.Queue()
-    p = mpc.Process(target=client, args=(frontend, n, window, q, prompts), daemon=True)
+    p = mpc.Process(target=client, args=(frontend, n, window, q, prompts, block_size), daemon=True)
     p.start()
     try:
         return float(q.get(timeout=300))

@@ -8,7 +8,7 @@ replica (which maps its engine's own hashes onto these: ``toolkit/engine/vllm_kv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 ROOT = 0
 """The parent of a chain's first block."""
@@ -36,3 +36,46 @@ def chain_from(parent: int, tokens: Sequence[int], block_size: int) -> list[int]
         h = hash((h, t[i : i + block_size]))
         out.append(h)
     return out
+
+
+def extends(tokens: Sequence[int], block_size: int, known: Sequence[int]) -> bool:
+    """Whether ``tokens`` goes on from the prompt whose chain is ``known``: its first and last whole blocks
+    are checked exactly (each hash from the tokens here and its parent's), not the blocks between them
+    (hashing them is what a chain saves; a prompt rewritten in the middle costs a misprediction)."""
+    k = len(known)
+    return bool(k) and k * block_size <= len(tokens) and hash((ROOT, tuple(tokens[:block_size]))) == known[0] and (
+        k == 1 or hash((known[-2], tuple(tokens[(k - 1) * block_size : k * block_size]))) == known[-1])
+
+
+class Chains:
+    """The last prompt's chain of each of the ``keep`` most recent keys (sessions; the oldest dropped
+    first), so that a session's next prompt, which goes on from its last, hashes only its new blocks."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._last: dict[Hashable, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def get(self, key: Hashable) -> list[int] | None:
+        return self._last.get(key)
+
+    def put(self, key: Hashable, hashes: list[int]) -> None:
+        """``hashes`` is ``key``'s last chain now (the newest)."""
+        self._last.pop(key, None)
+        self._last[key] = hashes
+        if len(self._last) > self.keep:
+            del self._last[next(iter(self._last))]
+
+    def forget(self, key: Hashable) -> None:
+        self._last.pop(key, None)
+
+    def extend(self, key: Hashable, tokens: Sequence[int], block_size: int) -> tuple[list[int], int]:
+        """``tokens``' chain at ``block_size``, which becomes ``key``'s last, and how many of its first blocks
+        are those of ``key``'s last chain (taken from it, not hashed again)."""
+        known = self._last.get(key)
+        kept = len(known) if known is not None and extends(tokens, block_size, known) else 0
+        hashes = block_hashes(tokens, block_size, known if kept else None)
+        self.put(key, hashes)
+        return hashes, kept

@@ -139,6 +139,14 @@ class Generate(Message):
     kv_tokens: int = 0
     """Tokens at the start of ``prompt_token_ids`` whose KV this request brings from the replica it left
     (``tail.move=kv``): the engine receives them over its KV link instead of computing them."""
+    block_size: int = 0
+    """The block size of ``block_hashes`` (the router's ``Route.kv_block_size``); 0: none sent."""
+    block_hashes: list[int] | None = None
+    """The prompt's chained block hashes (``toolkit.core.blocks``) from block ``hashes_from`` on, computed by
+    the client so the router (``router.policy=kv_aware``) need not hash prompts on its one thread. Only
+    routing reads them: wrong ones cost the request a cache miss, never a wrong output."""
+    hashes_from: int = 0
+    """Blocks before ``block_hashes``: those of the session's previous prompt, which this one goes on from."""
 
 
 class Result(Message):
@@ -180,6 +188,9 @@ class Route(Message):
     dispatches: int = 0
     moves: int = 0
     """Times it moved to another replica while it ran (a tail move or flip, a drained replica)."""
+    kv_block_size: int = 0
+    """The block size at which the router's KV index reads prompts: the client hashes its next prompts at
+    it (``Generate.block_hashes``); 0: it need not."""
 
 
 class Abort(Message):
@@ -276,6 +287,8 @@ class KvStatus(Message):
     """Prompt tokens of the requests sent to replicas that report events."""
     predicted_hit: float = 0.0
     """``predicted_tokens / dispatched_tokens``."""
+    client_hashed: int = 0
+    """Requests whose prompt's block hashes their client sent (the router hashed the others)."""
     reported_hit: float = 0.0
     """Share of prompt tokens the engines' own counters found cached (their heartbeats, since this router
     started)."""

@@ -105,6 +105,7 @@ class KvRouting:
             out.events = self.index.events
             out.events_per_s = self._rate[2]
             out.resyncs = self.index.resyncs
+            out.client_hashed = self.index.client_hashed
             out.predicted_tokens, out.dispatched_tokens = self.predicted_tokens, self.dispatched_tokens
             out.predicted_hit = self.predicted_tokens / self.dispatched_tokens if self.dispatched_tokens else 0.0
         if self.admission is not None:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from toolkit.core import protocol as P
-from toolkit.core.blocks import ROOT, block_hashes
+from toolkit.core.blocks import Chains, block_hashes
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
@@ -39,13 +39,18 @@ class KvIndex:
         """Per replica: the last batch applied (None: waiting for a snapshot)."""
         self.block_sizes: dict[int, int] = {}
         """Block size -> replicas indexed with it."""
-        self._chains: dict[tuple[str, int], list[int]] = {}
-        """(session, block size) -> its last prompt's block hashes; oldest first."""
+        self._chains = Chains(CHAINS_KEPT)
+        """(session, block size) -> its last prompt's block hashes."""
         self.room = 0
         """Bitmask of the slots whose replica serves and has a slot free (kept by the pool)."""
         self.events = 0
         """Block events applied (stored, removed, a clear)."""
         self.resyncs = 0
+        self.client_hashed = 0
+        """Requests whose block hashes their client sent (the rest are hashed here)."""
+        self.client_block_size = 0
+        """The block size clients should hash their prompts at (``Route.kv_block_size``): the one block size
+        of the replicas that report events; 0 with none or several (the router hashes then)."""
 
     # ---- replicas --------------------------------------------------------------------------------
     def add(self, r: Replica) -> None:
@@ -59,6 +64,7 @@ class KvIndex:
         r.kv_slot = slot  # a freed slot's blocks went with its last owner (drop)
         self._owner[slot] = r
         self.block_sizes[r.kv_block_size] = self.block_sizes.get(r.kv_block_size, 0) + 1
+        self._sized()
         self._ask(r, "registered")
 
     def set_room(self, r: Replica, room: bool) -> None:
@@ -78,6 +84,7 @@ class KvIndex:
             self.block_sizes[r.kv_block_size] = n
         else:
             del self.block_sizes[r.kv_block_size]
+        self._sized()
         self._seq.pop(r, None)
         r.kv_slot = -1
 
@@ -115,8 +122,10 @@ class KvIndex:
         if msg.cleared:
             self._clear(r)
             self.events += 1
-        self._store(r, msg.stored)
-        self._remove(r, msg.removed)
+        if msg.stored:
+            self._store(r, msg.stored)
+        if msg.removed:
+            self._remove(r, msg.removed)
 
     def heard(self, r: Replica, seq: int) -> None:
         """``r`` says its last batch is ``seq`` (a heartbeat, sent after it): one not applied by now was
@@ -183,8 +192,8 @@ class KvIndex:
         return len(self.holders)
 
     def hashes(self, req: Request, block_size: int) -> list[int]:
-        """``req``'s prompt's block hashes at ``block_size`` (kept on it), going on from its session's last
-        prompt when this one extends it."""
+        """``req``'s prompt's block hashes at ``block_size`` (kept on it): its client's when it sent them
+        (:meth:`_given`), else hashed here, going on from its session's last prompt when this one extends it."""
         tokens = req.msg.prompt_token_ids
         got = req.kv_hashes.get(block_size)
         if got is not None:
@@ -194,28 +203,49 @@ class KvIndex:
             got = req.kv_hashes[block_size] = block_hashes(tokens, block_size, got)
             return got
         session = req.msg.session_id
+        key = (session, block_size)
+        if req.msg.block_size == block_size and req.msg.block_hashes is not None:
+            given = self._given(req, key if session else None, block_size)
+            if given is not None:
+                req.kv_hashes[block_size] = given
+                return given
         if not session:
             hashes = req.kv_hashes[block_size] = block_hashes(tokens, block_size)
             return hashes
-        key = (session, block_size)
-        known = self._chains.pop(key, None) or None
-        # It extends the session's last prompt if its first and last whole blocks are the same: each
-        # checked exactly (its hash from the tokens here and its parent's), not the blocks between them
-        # (hashing them is what this saves; a prompt rewritten in the middle costs a misprediction).
-        if known is not None:
-            k = len(known)
-            if not (k * block_size <= len(tokens) and hash((ROOT, tuple(tokens[:block_size]))) == known[0]
-                    and (k == 1 or hash((known[-2], tuple(tokens[(k - 1) * block_size : k * block_size]))) == known[-1])):
-                known = None
-        hashes = req.kv_hashes[block_size] = block_hashes(tokens, block_size, known)
-        self._chains[key] = hashes  # last: the newest
-        if len(self._chains) > CHAINS_KEPT:
-            del self._chains[next(iter(self._chains))]
+        hashes = req.kv_hashes[block_size] = self._chains.extend(key, tokens, block_size)[0]
+        return hashes
+
+    def _given(self, req: Request, key: tuple[str, int] | None, block_size: int) -> list[int] | None:
+        """The chain ``req``'s client sent (``Generate.block_hashes``: its blocks from ``hashes_from`` on, those
+        before being its session's last prompt's, kept here), or None when it does not fit the prompt or
+        what is kept here (the router restarted, the session's chain was dropped): hashed here then. Only
+        routing reads it: a wrong one costs its own turn a cache miss, never a wrong output."""
+        msg = req.msg
+        given = msg.block_hashes
+        assert given is not None
+        k = msg.hashes_from
+        if k:
+            known = self._chains.get(key) if key is not None else None
+            if known is None or len(known) != k:
+                return None
+            hashes = known + given
+        else:
+            hashes = given
+        if len(hashes) != len(msg.prompt_token_ids) // block_size:
+            return None
+        if key is not None:
+            self._chains.put(key, hashes)
+        self.client_hashed += 1
         return hashes
 
     def forget_session(self, session_id: str) -> None:
         for bs in self.block_sizes:
-            self._chains.pop((session_id, bs), None)
+            self._chains.forget((session_id, bs))
+
+    def _sized(self) -> None:
+        """:attr:`client_block_size` after a change of :attr:`block_sizes`."""
+        sizes = self.block_sizes
+        self.client_block_size = next(iter(sizes)) if len(sizes) == 1 else 0
 
     def prefix_on(self, req: Request, r: Replica) -> int:
         """Tokens of ``req``'s prompt (but its last) the index says ``r`` holds."""
@@ -226,11 +256,15 @@ class KvIndex:
     def _walk(self, req: Request, bs: int, among: int) -> list[int]:
         """Down ``req``'s usable blocks at ``bs`` (all but the last token's): entry ``d`` is the slots of
         ``among`` holding blocks ``0..d``, until none does."""
-        holders = self.holders
+        n = len(req.msg.prompt_token_ids)
+        hashes = req.kv_hashes.get(bs)  # set on arrival (``KvRouting.submitted``), but for a continuation
+        if hashes is None or len(hashes) != n // bs:
+            hashes = self.hashes(req, bs)
+        get = self.holders.get
         levels = []
         m = among
-        for h in self.hashes(req, bs)[: (len(req.msg.prompt_token_ids) - 1) // bs]:
-            m &= holders.get(h, 0)
+        for h in hashes[: (n - 1) // bs]:
+            m &= get(h, 0)
             if not m:
                 break
             levels.append(m)
@@ -269,8 +303,11 @@ class KvIndex:
         return best, best_tokens
 
     def _best_of(self, mask: int, fits: Callable[[Replica], bool]) -> Replica | None:
-        best = None
         owner = self._owner
+        if mask and not mask & (mask - 1):  # one replica (the usual case: a session's own)
+            r = owner[mask.bit_length() - 1]
+            return r if r is not None and fits(r) else None
+        best = None
         while mask:
             low = mask & -mask
             r = owner[low.bit_length() - 1]

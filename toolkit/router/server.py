@@ -436,12 +436,16 @@ class Router:
             self._deadlines -= 1
         self.tail.forget(req)
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
-                        dispatches=req.dispatches, moves=req.moves)
+                        dispatches=req.dispatches, moves=req.moves, kv_block_size=self._kv_block_size())
         self.links.to_client(req.client, _T_RESULT, payload, _enc.encode(route))
         self.answered.keep(req.request_id, payload)
         self.stats["completed"] += 1
         if self.metrics is not None:
             self.metrics.completed(req, status, clock.wall())
+
+    def _kv_block_size(self) -> int:
+        index = self.kv.index
+        return index.client_block_size if index is not None else 0
 
     def _fail(self, req: Request, status: str, error: str) -> None:
         res = P.Result(request_id=req.request_id, status=status, error=error)
