@@ -24,8 +24,9 @@ from toolkit.core.sockets import RouterLink, make_socket
 
 logger = logging.getLogger(__name__)
 
-CHAINS_KEPT = 16384
-"""Sessions whose last prompt's block hashes a client keeps, so a next turn hashes only its new blocks."""
+CHAINS_KEPT = 4096
+"""Sessions whose last prompt's block hashes a client keeps, so a next turn hashes only its new blocks (a
+session's go at its ``session_done``; a rank runs far fewer at once)."""
 
 _T_RESULT = P.TYPE_OF[P.Result]
 _T_STEP = P.TYPE_OF[P.StepBegin]
