@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from toolkit.config.entry import enter_component
-from toolkit.core.lifecycle import ProcessRef
+from toolkit.core.lifecycle import ProcessRef, quiet_gc
 from toolkit.core.sockets import bind_host
 from toolkit.router.server import Router
 
@@ -18,6 +18,7 @@ def serve(run_dir: str, owner: ProcessRef | None = None) -> None:
     router = Router(cfg, rd)
     try:
         router.bind(bind_host(cfg.router.host, cfg.cluster.type))
+        quiet_gc()  # as the ranks do: 5% of the router's instructions a request, counted in-process
         router.run()
     except (KeyboardInterrupt, SystemExit):
         logger.info("router stopping")
