@@ -201,8 +201,8 @@ def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same"
     msgs = [P.Generate(f"{os.getpid()}-{i}", "bench",
                        f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}", 0,
                        prompt_of(i, prompts), P.Sampling(OUTPUT_LEN)) for i in range(n)]
-    for msg in msgs:
-        if block_size:
+    if block_size:
+        for msg in msgs:
             hash_prompt(chains, msg, block_size)
     payloads = [_enc.encode(msg) for msg in msgs]
     ctx = zmq.Context()

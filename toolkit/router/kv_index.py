@@ -256,15 +256,11 @@ class KvIndex:
     def _walk(self, req: Request, bs: int, among: int) -> list[int]:
         """Down ``req``'s usable blocks at ``bs`` (all but the last token's): entry ``d`` is the slots of
         ``among`` holding blocks ``0..d``, until none does."""
-        n = len(req.msg.prompt_token_ids)
-        hashes = req.kv_hashes.get(bs)  # set on arrival (``KvRouting.submitted``), but for a continuation
-        if hashes is None or len(hashes) != n // bs:
-            hashes = self.hashes(req, bs)
-        get = self.holders.get
+        holders = self.holders
         levels = []
         m = among
-        for h in hashes[: (n - 1) // bs]:
-            m &= get(h, 0)
+        for h in self.hashes(req, bs)[: (len(req.msg.prompt_token_ids) - 1) // bs]:
+            m &= holders.get(h, 0)
             if not m:
                 break
             levels.append(m)
@@ -303,11 +299,8 @@ class KvIndex:
         return best, best_tokens
 
     def _best_of(self, mask: int, fits: Callable[[Replica], bool]) -> Replica | None:
-        owner = self._owner
-        if mask and not mask & (mask - 1):  # one replica (the usual case: a session's own)
-            r = owner[mask.bit_length() - 1]
-            return r if r is not None and fits(r) else None
         best = None
+        owner = self._owner
         while mask:
             low = mask & -mask
             r = owner[low.bit_length() - 1]

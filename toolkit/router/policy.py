@@ -247,10 +247,9 @@ class KvAware(Policy):
 
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
                req: Request | None = None) -> Replica | None:
-        among = self._among if self._among is not None else self.among
-        if req is not None and among and with_room:
-            hashing = self.hashing
-            r, tokens = self.index.longest(req, among, lambda r: hashing.fits(r, group_load), wait=self.wait_for_home)
+        if req is not None and self.among and with_room:
+            r, tokens = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load),
+                                           wait=self.wait_for_home)
             if tokens == WAIT:
                 return None  # its prefix is cached on a full replica: wait for a slot rather than compute it again
             if r is not None:
