@@ -42,9 +42,12 @@ def test_each_step_runs_on_the_streamed_version_and_a_replaced_replica_gets_it_b
                 if s == 0:  # a replica dies: its replacement holds version 0 until the trainer's copy
                     victim = next(r for r in read_pidfiles(run / "pids") if r.name == "replica-throughput-0")
                     os.kill(victim.pid, signal.SIGKILL)
-            # The replacement asked for the run's weights and got them (a dense copy of the version then).
-            wait_for(lambda: any(rid.startswith("throughput-0@") for _, rid in streamer.caught_up), 60,
-                     "the replacement's dense copy")
+                    # The replacement asks for the run's weights and gets a dense copy of version 1. Waited
+                    # for here: the steps are short, and without it the run could end (step 2 needs only
+                    # version 2) before a replacement slow to boot has registered.
+                    wait_for(lambda: any(rid.startswith("throughput-0@") for _, rid in streamer.caught_up), 120,
+                             "the replacement's dense copy")
+            assert [v for v, rid in streamer.caught_up if rid.startswith("throughput-0@")][0] == 1, streamer.caught_up
     finally:
         output = finish(proc, 120)
     assert proc.returncode == 0, output
