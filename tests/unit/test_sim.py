@@ -36,6 +36,20 @@ def test_outputs_are_deterministic_and_seeded_per_request() -> None:
     assert all(lp <= 0 for lp in logprobs)
 
 
+def test_draws_are_pinned_across_processes_and_a_sessions_share_changes_only_the_length() -> None:
+    def plan(share: float) -> tuple[list[int], list[float], str]:
+        req = Generate("p", session_id="s", prompt_token_ids=[5, 6, 7], sampling=Sampling(512))
+        return plan_output(SimEngineConfig(output_len_median=100, output_len_session_share=share), req)
+
+    tokens, _, _ = plan(0.0)
+    # Pinned: nothing per process enters the seed (Python's hash of a tuple of ints has no hash seed;
+    # the strings go through blake2b), so a real run and its twin, in any processes, draw the same.
+    assert (len(tokens), tokens[:4]) == (481, [9311, 26549, 13818, 19657])
+    correlated = plan(0.5)  # its session's and prompt's draws seed the same generator first
+    assert len(correlated[0]) != len(tokens)
+    assert correlated[0] == tokens[: len(correlated[0])]
+
+
 def test_output_lengths_are_heavy_tailed_and_capped() -> None:
     cfg = SimEngineConfig(output_len_median=100, output_len_sigma=1.0)
     lens = sorted(len(plan_output(cfg, gen(str(i), [i + 1, 2, 3], 4000))[0]) for i in range(2000))
