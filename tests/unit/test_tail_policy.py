@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config import compose_config
+from toolkit.config import Config, compose_config
 from toolkit.core.protocol import Generate, Sampling
 from toolkit.core.rundir import FileWriter, RunDir
 from toolkit.router.policy import ConsistentHash
@@ -143,8 +143,8 @@ def files() -> Iterator[FileWriter]:
 class Fleet:
     """A pool of two throughput replicas (4 slots) and one tail replica (2 slots), with tail routing."""
 
-    def __init__(self, tmp: Path, files: FileWriter, *overrides: str) -> None:
-        cfg = compose_config(["router.policy=consistent_hash", *overrides])
+    def __init__(self, tmp: Path, files: FileWriter, *overrides: str, cfg: Config | None = None) -> None:
+        cfg = cfg or compose_config(["router.policy=consistent_hash", *overrides])
         self.pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
         self.tail = TailRouting(cfg.tail, RunDir(tmp / "run"), files, self.pool)
         self.tp = [replica(0, "throughput", 4), replica(1, "throughput", 4)]
@@ -230,9 +230,9 @@ def _random_fleet(cfg, run_dir: RunDir, files: FileWriter, rng: random.Random,  
     return pool, tail, tps
 
 
-def _random_request(rid: str, seq: int, rng: random.Random) -> Request:
+def _random_request(rid: str, seq: int, rng: random.Random, step: int = 0) -> Request:
     """A request of session ``rid``: mostly without a hint, sometimes one that moved here already."""
-    req = request(rid, rid, seq=seq, hint=rng.choice([0, 0, 0, 150, 3000]))
+    req = request(rid, rid, step=step, seq=seq, hint=rng.choice([0, 0, 0, 150, 3000]))
     if rng.random() < 0.15:
         req.prefix_tokens = list(range(rng.randint(1, 300)))  # moved here once already
     return req
@@ -600,6 +600,72 @@ def test_no_trade_below_the_margin_in_a_jobs_first_step_or_after_the_flip(tmp_pa
     f2.tail.flip.threshold = 0.1
     f2.tail.session_done("j", 1, "x")
     assert f2.tail.flipped("j", 1) and f2.tail.to_trade(1.0) == []
+
+
+def _trades_by_scan(tail: TailRouting, now: float) -> list[tuple[Request, Replica, Request, Replica]]:
+    """What ``to_trade`` chooses for job "j", the plain way: every running request priced and sorted."""
+    rec, (_, work_left) = tail.records["j"], tail.work_left["j"]
+    limits = tail.policy.move_limits(rec) if tail.policy is not None else None
+    assert limits is not None and tail.tc.trade_margin is not None
+    runners, residents = [], []
+    for r in tail.pool.all():
+        on_tail = r.group == tail.group
+        for req in r.inflight.values():
+            m = req.msg
+            if (m.step != rec.step or req.migrating or req.deaths or req.client_aborted
+                    or (m.group is not None and not (on_tail and req.moves))):
+                continue
+            tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
+            if not on_tail and limits.priority(tokens, hinted(m)) is None:
+                continue
+            work = work_left(tokens, len(rec.by_session.get(m.session_id, ())))
+            (residents if on_tail else runners).append((work, req.seq, req, r))
+    runners.sort(key=lambda w: (-w[0], w[1]))
+    residents.sort(key=lambda w: (w[0], w[1]))
+    out = []
+    for (work, _, req, r), (least, _, out_req, t) in zip(runners, residents, strict=False):
+        if work <= least + tail.tc.trade_margin:
+            break
+        out.append((req, r, out_req, t))
+    return out
+
+
+def test_the_trades_are_those_a_scan_of_every_running_request_chooses(tmp_path: Path, files: FileWriter) -> None:
+    """``to_trade`` stops pricing a replica's requests without a hint or a move at the first that is not
+    a long runner (those dispatched after it have generated no more): on random fleets (hints, moved
+    requests, several dispatched at one instant, clients' aborts) it trades exactly what a scan of
+    every running request trades."""
+    rng = random.Random(3)
+    seqs = iter(range(1_000_000))
+    configs = [compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_tokens=100",
+                               f"tail.trade_margin={margin}"]) for margin in (0, 50, 400)]
+    for trial in range(150):
+        f = Fleet(tmp_path / f"t{trial}", files, cfg=rng.choice(configs))
+        f.tp = [*f.tp, replica(2, "throughput", 16), replica(3, "throughput", 16)]
+        for r in f.tp[2:]:
+            f.pool.add(r)
+            f.pool.set_ready(r)
+            r.speed.update(0.0, 0, 0)
+        rec = f.tail.records["j"]
+        for i in range(12):
+            rec.finished(f"s{i % 5}", "", rng.randint(20, 2000))
+        f.tail.step_begin("j", 1, 64)
+        f.tail.records["j"].finished("z", "", 10)
+        for k in range(f.fast.max_inflight):  # the tail group full
+            f.run(_random_request(f"res{trial}/{k}", next(seqs), rng, step=1), f.fast, rng.choice([0.0, 0.5]))
+        f.heartbeat(f.fast, 1.0, rng.randint(0, 400))
+        for r in f.tp:
+            t, generated = 0.0, 0
+            while r.has_room and rng.random() < 0.9:
+                t += rng.choice([0.0, 0.0, 0.5, 1.0])
+                req = _random_request(f"{r.replica_id}/{trial}/{t}/{len(r.inflight)}", next(seqs), rng, step=1)
+                req.client_aborted = rng.random() < 0.05
+                f.run(req, r, t)
+                generated += rng.randint(0, 400)
+                f.heartbeat(r, t + 0.25, generated)
+        now = rng.uniform(6.0, 15.0)
+        expected = _trades_by_scan(f.tail, now)
+        assert f.tail.to_trade(now) == expected, trial
 
 
 @pytest.mark.parametrize(("move", "kv"), [("recompute", 0), ("kv", 5), ("auto", 5)])

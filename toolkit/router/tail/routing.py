@@ -60,20 +60,29 @@ def reserved_group(tc: TailConfig) -> str | None:
 class _Run:
     """A replica's running requests of one job that have not moved and have no hint, in dispatch order:
     each has generated no more than the one before it (``SpeedMeter.per_request_at`` only grows), and
-    its priority to move is what it has generated (``MoveLimits.priority`` without a hint)."""
+    its priority to move is what it has generated (``MoveLimits.priority`` without a hint). Only those
+    that should move are kept: after the first that should not (:attr:`ended`), none should."""
 
-    __slots__ = ("r", "ran", "limits", "reqs", "at")
+    __slots__ = ("r", "ran", "limits", "reqs", "priorities", "at", "ended")
 
     def __init__(self, r: Replica, ran: float, limits: MoveLimits) -> None:
         self.r, self.ran, self.limits = r, ran, limits
         self.reqs: list[Request] = []
+        self.priorities: list[float] = []
         self.at = 0
+        self.ended = False
+
+    def add(self, req: Request) -> None:
+        p = self.limits.priority(self.r.speed.tokens_until(req.est_mark, self.ran))
+        if p is None:
+            self.ended = True
+        else:
+            self.reqs.append(req)
+            self.priorities.append(p)
 
     def next(self) -> float | None:
         """The priority of the next request of the run (None: it and all after it stay)."""
-        if self.at >= len(self.reqs):
-            return None
-        return self.limits.priority(self.r.speed.tokens_until(self.reqs[self.at].est_mark, self.ran))
+        return self.priorities[self.at] if self.at < len(self.reqs) else None
 
 
 def _oldest(runs: list[_Run], room: int) -> list[tuple[float, int, Request, Replica]]:
@@ -242,17 +251,18 @@ class TailRouting:
             for req in r.inflight.values():
                 m = req.msg
                 job_limit = limits.get(m.job)
-                if job_limit is None or job_limit[0] != m.step:
+                if job_limit is None or job_limit[0] != m.step or m.group is not None:
                     continue
-                if m.group is not None or not _can_move(req):
-                    continue
-                hint = hinted(m)
-                if not hint and not req.prefix_tokens:
+                if not m.expected_tokens and not req.prefix_tokens:  # no hint (``hinted``), no move yet
                     run = plain.get(m.job)
                     if run is None:
                         run = plain[m.job] = _Run(r, ran, job_limit[1])
-                    run.reqs.append(req)
+                    if not run.ended and _can_move(req):  # the rest of the run is priced only while it should move
+                        run.add(req)
                     continue
+                if not _can_move(req):
+                    continue
+                hint = hinted(m)
                 tokens = len(req.prefix_tokens) + r.speed.tokens_until(req.est_mark, ran)
                 priority = job_limit[1].priority(tokens, hint)
                 if priority is not None:
@@ -285,14 +295,21 @@ class TailRouting:
                 if not r.serving:
                     continue
                 on_tail = r.group == self.group
+                young = False  # a request of a _Run here is not a long runner: none after it is (dispatch order)
                 for req in r.inflight.values():
                     m = req.msg
-                    if (m.job != job or m.step != rec.step or not _can_move(req)
-                            or (m.group is not None and not (on_tail and req.moves))):
+                    if m.job != job or m.step != rec.step:
+                        continue
+                    if young and not req.prefix_tokens and not hinted(m):
+                        continue
+                    if not _can_move(req) or (m.group is not None and not (on_tail and req.moves)):
                         continue  # a request that named its group stays there; one moved there may go
                     tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
-                    if not on_tail and limits.priority(tokens, hinted(m)) is None:
-                        continue  # not a long runner
+                    if not on_tail:
+                        hint = hinted(m)
+                        if limits.priority(tokens, hint) is None:
+                            young = young or not (hint or req.prefix_tokens)
+                            continue  # not a long runner
                     work = work_left(tokens, len(rec.by_session.get(m.session_id, ())))
                     (residents if on_tail else runners).append((work, req.seq, req, r))
             runners.sort(key=lambda w: (-w[0], w[1]))
