@@ -39,6 +39,11 @@ def hinted(m: Generate) -> int:
     return min(m.expected_tokens, m.sampling.max_tokens + m.resumed_tokens)
 
 
+def _plain(req: Request) -> bool:
+    """``req`` has no length hint and has not moved: its priority to move is its age alone (``_Run``)."""
+    return not req.prefix_tokens and not hinted(req.msg)
+
+
 def _can_move(req: Request) -> bool:
     """``req`` may be aborted and go on elsewhere now: not already moving, not resent after a replica
     died, not given up by its client, and able to continue from its tokens (``can_continue``)."""
@@ -253,7 +258,7 @@ class TailRouting:
                 job_limit = limits.get(m.job)
                 if job_limit is None or job_limit[0] != m.step or m.group is not None:
                     continue
-                if not m.expected_tokens and not req.prefix_tokens:  # no hint (``hinted``), no move yet
+                if _plain(req):
                     run = plain.get(m.job)
                     if run is None:
                         run = plain[m.job] = _Run(r, ran, job_limit[1])
@@ -295,21 +300,20 @@ class TailRouting:
                 if not r.serving:
                     continue
                 on_tail = r.group == self.group
-                young = False  # a request of a _Run here is not a long runner: none after it is (dispatch order)
+                young = False  # a plain request here is not a long runner: none dispatched after it is
                 for req in r.inflight.values():
                     m = req.msg
                     if m.job != job or m.step != rec.step:
                         continue
-                    if young and not req.prefix_tokens and not hinted(m):
+                    plain = not on_tail and _plain(req)
+                    if plain and young:
                         continue
                     if not _can_move(req) or (m.group is not None and not (on_tail and req.moves)):
                         continue  # a request that named its group stays there; one moved there may go
                     tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
-                    if not on_tail:
-                        hint = hinted(m)
-                        if limits.priority(tokens, hint) is None:
-                            young = young or not (hint or req.prefix_tokens)
-                            continue  # not a long runner
+                    if not on_tail and limits.priority(tokens, hinted(m)) is None:
+                        young = young or plain
+                        continue  # not a long runner
                     work = work_left(tokens, len(rec.by_session.get(m.session_id, ())))
                     (residents if on_tail else runners).append((work, req.seq, req, r))
             runners.sort(key=lambda w: (-w[0], w[1]))
