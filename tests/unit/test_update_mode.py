@@ -204,7 +204,28 @@ def test_a_stream_that_fails_to_stage_changes_nothing_and_says_why(tmp_path: Pat
         await until(lambda: of(sent, P.WeightsUpdated), "the answer")
         [ack] = of(sent, P.WeightsUpdated)
         assert ack.version == 5 and "LinkBroken" in ack.error
-        assert eng.loads == [] and eng.discarded == 1 and srv.weights.held is None and srv.gate.is_open()
+        # The engine's failed stage left nothing staged: nothing to discard (vLLM refuses a second one).
+        assert eng.loads == [] and eng.discarded == 0 and srv.weights.held is None and srv.gate.is_open()
+        srv.ctx.term()
+
+    asyncio.run(main())
+
+
+def test_a_staged_stream_given_up_at_the_gate_is_discarded(tmp_path: Path) -> None:
+    async def main() -> None:
+        eng = StreamingEngine()
+        srv, sent = replica_with(eng, tmp_path, "drain")
+        srv.tasks["r1"] = asyncio.create_task(srv._generate(gen("r1")))
+        await until(lambda: eng.running == 1, "r1 in the engine")
+        srv.weights.stream(P.StreamWeights(5, b"", "127.0.0.1", 1))
+        eng.staged.set()
+        await until(lambda: not srv.gate.is_open(), "the gate closed, waiting for r1")
+        [task] = [t for t in srv._background if t.get_name() == "stream-5"]
+        task.cancel()  # the replica stops before r1 finished
+        await asyncio.gather(task, return_exceptions=True)
+        assert eng.discarded == 1 and eng.loads == [] and srv.weights.held is None and srv.weights.loading is None
+        eng.release.set()
+        await until(lambda: of(sent, P.Result), "r1's Result")
         srv.ctx.term()
 
     asyncio.run(main())

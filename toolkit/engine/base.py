@@ -91,7 +91,8 @@ class Engine(ABC):
     async def stage_stream(self, msg: StreamWeights) -> None:
         """Receive streamed update ``msg`` (its place in the chain: ``msg.rank``) into a staging area while
         the engine serves; raise if it fails (a delta against another version than the one it holds
-        included), the weights in service untouched. The replica calls :meth:`apply_stream` next."""
+        included), the weights in service untouched and nothing left staged. The replica calls
+        :meth:`apply_stream` next, which leaves nothing staged either, applied or not."""
         raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
 
     async def apply_stream(self, version: int) -> None:
@@ -101,7 +102,7 @@ class Engine(ABC):
         raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
 
     async def discard_stream(self) -> None:
-        """Drop what :meth:`stage_stream` staged (the replica gave the update up)."""
+        """Drop what :meth:`stage_stream` staged (the replica gave the update up before applying it)."""
         raise NotImplementedError(f"the {type(self).__name__} backend cannot take streamed weights")
 
     # ---- KV events: what the prefix cache holds, for the router's index (router.policy=kv_aware) --

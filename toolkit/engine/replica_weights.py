@@ -106,14 +106,20 @@ class ReplicaWeights:
         error = ""
         t0 = time.monotonic()
         try:
-            await self.engine.stage_stream(msg)
+            await self.engine.stage_stream(msg)  # a failed stage leaves nothing staged
             staged = time.monotonic()
+            applying = False
             try:
                 async with (self.gate.closed() if self.update_mode == "pause" else self.gate.exclusive()):
-                    await self.engine.apply_stream(msg.version)
+                    applying = True
+                    await self.engine.apply_stream(msg.version)  # staged or not, nothing is left staged
                     self.gate.switched(msg.version)
             except BaseException:
-                self.engine_failed()  # an apply that could not put the old weights back killed the engine
+                if applying:
+                    self.engine_failed()  # an apply that could not put the old weights back killed the engine
+                else:  # given up at the gate (cancelled: the replica stops): what was staged goes
+                    with contextlib.suppress(Exception):
+                        await self.engine.discard_stream()
                 raise
             self.held = P.UpdateWeights("", msg.version, msg.serial)
             logger.info("streamed weights version %d: staged in %.2fs, applied in %.2fs", msg.version,
@@ -121,8 +127,6 @@ class ReplicaWeights:
         except Exception as exc:
             logger.exception("streamed weights version %d failed", msg.version)
             error = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(Exception):
-                await self.engine.discard_stream()
         finally:
             if self.loading == ("", msg.version):
                 self.loading = None

@@ -373,9 +373,9 @@ class SimEngine(Engine):
         self._staged = manifest.version
 
     async def apply_stream(self, version: int) -> None:
-        if self._staged != version:
-            raise RuntimeError(f"version {version} is not staged (staged: {self._staged})")
-        self._staged = None
+        staged, self._staged = self._staged, None
+        if staged != version:
+            raise RuntimeError(f"version {version} is not staged (staged: {staged})")
         await self._switch_at_step(version)
 
     async def discard_stream(self) -> None:
