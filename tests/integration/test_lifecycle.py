@@ -61,3 +61,58 @@ def test_a_job_that_raises_says_why_in_its_log_and_in_launchs_message(tmp_path: 
     story = exit_story(comp, log)
     assert story.startswith("replica-x exited (") and "engine: worker 1 failed to start" in story
     assert story.count("ValueError: no such model: /models/none") >= 2  # its log, its output
+
+
+TERMINATED = """
+import asyncio, sys, time
+from toolkit.core.errors import Terminated
+from toolkit.core.lifecycle import run_until_terminated
+
+async def main(hang: bool) -> None:
+    print("up", flush=True)
+    try:
+        await asyncio.sleep(3600)
+    finally:
+        print("cleanup", flush=True)
+        await asyncio.sleep(0.5)  # the cleanup's awaits run (a second SIGTERM arrives meanwhile)
+        if hang:
+            time.sleep(3600)  # a cleanup that never ends
+        print("cleaned", flush=True)
+
+try:
+    run_until_terminated(main(sys.argv[1] == "hang"), grace_s=float(sys.argv[2]))
+except Terminated as exc:
+    print("terminated", exc.code, flush=True)
+    sys.exit(exc.code)
+"""
+
+
+def _signalled(tmp_path: Path, mode: str, grace_s: float) -> tuple[subprocess.Popen[str], str]:
+    import signal
+
+    script = tmp_path / "terminated.py"
+    script.write_text(TERMINATED)
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(grace_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline() == "cleanup\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return proc, out + err
+
+
+def test_sigterm_cancels_an_asyncio_main_whose_cleanup_runs_to_its_end_a_second_sigterm_ignored(tmp_path: Path) -> None:
+    proc, out = _signalled(tmp_path, "clean", 60)
+    assert proc.returncode == 143 and out.splitlines()[:2] == ["cleaned", "terminated 143"], out
+
+
+def test_a_cleanup_that_hangs_after_sigterm_writes_every_threads_stack_and_exits(tmp_path: Path) -> None:
+    proc, out = _signalled(tmp_path, "hang", 1.0)
+    assert proc.returncode == 1, out
+    assert "cleaned" not in out and "most recent call first" in out and "in main" in out, out

@@ -6,6 +6,8 @@ signalled). Teardown and tests stop exactly those processes; nothing is ever kil
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
 import gc
 import json
 import logging
@@ -16,13 +18,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from toolkit.core.errors import Terminated
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -158,6 +162,42 @@ def exit_on_sigterm() -> None:
         raise Terminated(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def run_until_terminated(main: Coroutine[Any, Any, T], grace_s: float) -> T:
+    """``asyncio.run(main)``, SIGTERM cancelling ``main`` at the loop's next turn and raising
+    :class:`~toolkit.core.errors.Terminated` once its cleanup (``finally`` blocks, at their awaits) is
+    done: never an exception raised at an arbitrary line of the loop's or a library's code. A cleanup
+    that hangs is bounded: ``grace_s`` after the signal every thread's stack goes to stderr (the
+    process's raw output, ``logs/<name>.out``) and the process exits with status 1."""
+    signalled = False
+    previous = signal.getsignal(signal.SIGTERM)
+
+    async def guarded() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on_sigterm() -> None:
+            nonlocal signalled
+            if signalled:  # a second SIGTERM must not interrupt the cleanup the first one started
+                return
+            signalled = True
+            faulthandler.dump_traceback_later(grace_s, exit=True)
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        return await main
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if signalled:
+            raise Terminated(128 + signal.SIGTERM) from None
+        raise
+    finally:
+        # The loop closed with its handler. Signalled: no later SIGTERM may cut the exit short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if signalled else previous)
 
 
 def watch_owner(owner: ProcessRef | None, interval_s: float = 1.0) -> None:

@@ -16,7 +16,8 @@ fail at once (``engine_dead``, and the router requeues them); then the engine re
 that cannot come back (``EngineGone``) ends the process, and the cluster backend starts a replacement.
 
 A drained replica (elastic scale-down) gets ``Shutdown`` from the router once it holds no request:
-it closes the engine and its sockets and the process exits 0.
+it closes the engine and its sockets and the process exits 0. SIGTERM (a preemption, the run's end)
+makes it tell the router it leaves, then close the same way, within ``STOP_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from toolkit.config import (
 from toolkit.config.entry import enter_component
 from toolkit.core import protocol as P
 from toolkit.core.errors import Terminated
-from toolkit.core.lifecycle import ProcessRef, stdout_file, write_pidfile
+from toolkit.core.lifecycle import ProcessRef, run_until_terminated, stdout_file, write_pidfile
 from toolkit.core.metrics import Endpoint
 from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.security import client_curve
@@ -59,6 +60,10 @@ from toolkit.engine.vllm_transfer import STREAM_ARGS
 from toolkit.model.tokenizer import chat_tokenizer_dir
 
 logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 20.0
+"""From SIGTERM, the time a replica has to leave the router and stop its engine (vLLM's own shutdown
+kills its engine core 5 s in); past it the replica writes every thread's stack to its output and exits."""
 
 
 class ReplicaServer:
@@ -341,7 +346,7 @@ def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None)
     rd, cfg = enter_component(run_dir, name, owner)
     engine = make_engine(engine_config(cfg, group))
     try:
-        asyncio.run(ReplicaServer(cfg, rd, group, index, engine).run())
+        run_until_terminated(ReplicaServer(cfg, rd, group, index, engine).run(), STOP_GRACE_S)
         atomic_write(rd.replica_stopped(name), "drained")  # run() returns at the router's Shutdown alone
     except (KeyboardInterrupt, SystemExit):
         logger.info("replica %s stopping", name)
