@@ -15,14 +15,14 @@ from toolkit.core.protocol import Generate, Sampling
 from toolkit.core.rundir import FileWriter, RunDir
 from toolkit.router.policy import ConsistentHash
 from toolkit.router.pool import BULK, ReplicaPool
-from toolkit.router.queue import Request
+from toolkit.router.queue import Request, hinted
 from toolkit.router.replica import Replica
 from toolkit.router.speed import SpeedMeter
 from toolkit.router.tail.age import AgePolicy
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.predict import PredictPolicy
-from toolkit.router.tail.routing import TailRouting, hinted, reserved_group
+from toolkit.router.tail.routing import TailRouting, reserved_group
 
 
 def tail_cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -127,10 +127,11 @@ def replica(n: int, group: str, slots: int) -> Replica:
     return Replica(f"{group}-{n}@h:{n}", f"id-{group}{n}".encode(), group, slots, 10_000, 1000)
 
 
-def request(rid: str, session: str, step: int = 0, group: str | None = None, seq: int = 0, hint: int = 0) -> Request:
-    msg = Generate(rid, job="j", session_id=session, step=step, prompt_token_ids=[1, 2, 3],
+def request(rid: str, session: str, step: int = 0, group: str | None = None, seq: int = 0, hint: int = 0,
+            job: str = "j") -> Request:
+    msg = Generate(rid, job=job, session_id=session, step=step, prompt_token_ids=[1, 2, 3],
                    sampling=Sampling(max_tokens=5000), group=group, expected_tokens=hint)
-    return Request(msg, b"", b"client", "j", seq, 0.0)
+    return Request(msg, b"", b"client", job, seq, 0.0)
 
 
 @pytest.fixture
@@ -198,13 +199,17 @@ def test_age_moves_the_oldest_long_runners_first_and_only_into_room(tmp_path: Pa
 
 def _scan_every_request(tail: TailRouting, pool: ReplicaPool, now: float) -> list[tuple[Request, Replica]]:
     """What ``to_move`` chooses, the plain way: every running request's priority, the ``room`` largest."""
-    limits = tail.policy.move_limits(tail.records["j"]) if tail.policy is not None else None
-    assert limits is not None
+    assert tail.policy is not None
     found = []
     for r in pool.all():
         if r.group == tail.group or not r.serving:
             continue
         for req in r.inflight.values():
+            rec = tail.records.get(req.msg.job)
+            if rec is None or rec.step != req.msg.step:
+                continue  # not its job's current step: nothing is known of it
+            limits = tail.policy.move_limits(rec)
+            assert limits is not None
             if req.msg.group is not None or req.migrating or req.deaths or req.client_aborted:
                 continue
             tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
@@ -216,8 +221,9 @@ def _scan_every_request(tail: TailRouting, pool: ReplicaPool, now: float) -> lis
 
 def _random_fleet(cfg, run_dir: RunDir, files: FileWriter, rng: random.Random,  # type: ignore[no-untyped-def]
                   slots: int) -> tuple[ReplicaPool, TailRouting, list[Replica]]:
-    """Four throughput replicas of ``slots`` and a tail replica of 1-6, ready, job "j" at step 0 with one
-    session finished; the pool, the tail routing and the throughput replicas."""
+    """Four throughput replicas of ``slots`` and a tail replica of 1-6, ready, jobs "j" and "k" at step 0
+    with one session finished each, of another length (their long turns differ without
+    ``tail.long_tokens``); the pool, the tail routing and the throughput replicas."""
     pool = ReplicaPool(cfg.router, 0, reserved_group(cfg.tail))
     tail = TailRouting(cfg.tail, run_dir, files, pool)
     tps = [replica(i, "throughput", slots) for i in range(4)]
@@ -225,15 +231,20 @@ def _random_fleet(cfg, run_dir: RunDir, files: FileWriter, rng: random.Random,  
         pool.add(r)
         pool.set_ready(r)
         r.speed.update(0.0, 0, 0)
-    tail.step_begin("j", 0, 64)
-    tail.records["j"].finished("z", "", 10)
+    for job, length in (("j", 100), ("k", 250)):  # their long turns (tail.long_min_finished=1)
+        tail.step_begin(job, 0, 64)
+        tail.records[job].finished("z", "", length)
     return pool, tail, tps
 
 
-def _random_request(rid: str, seq: int, rng: random.Random, step: int = 0) -> Request:
-    """A request of session ``rid``: mostly without a hint, sometimes one that moved here already."""
-    req = request(rid, rid, step=step, seq=seq, hint=rng.choice([0, 0, 0, 150, 3000]))
-    if rng.random() < 0.15:
+def _random_request(rid: str, seq: int, rng: random.Random, step: int = 0, plain_only: bool = False) -> Request:
+    """A request of session ``rid``: mostly without a hint, sometimes one that moved here already (neither
+    with ``plain_only``); mostly of job "j", some of job "k", some of a job or step the router knows
+    nothing of."""
+    job = rng.choice(["j"] * 6 + ["k"] * 3 + ["x"])
+    step = step if rng.random() < 0.9 else step + 1
+    req = request(rid, rid, step=step, seq=seq, hint=0 if plain_only else rng.choice([0, 0, 0, 150, 3000]), job=job)
+    if not plain_only and rng.random() < 0.15:
         req.prefix_tokens = list(range(rng.randint(1, 300)))  # moved here once already
     return req
 
@@ -243,7 +254,7 @@ def test_the_moves_are_those_a_scan_of_every_running_request_chooses(tmp_path: P
     on random fleets (requests dispatched at the same instant, hints, moved requests, rates that change
     between heartbeats, 1-6 slots of room) it picks exactly what scanning every request picks."""
     rng = random.Random(11)
-    cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_tokens=100"])
+    cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_min_finished=1"])
     for trial in range(200):
         pool, tail, tps = _random_fleet(cfg, RunDir(tmp_path / f"run{trial}"), files, rng, slots=16)
         seqs = iter(rng.sample(range(10_000), 64))
@@ -251,7 +262,7 @@ def test_the_moves_are_those_a_scan_of_every_running_request_chooses(tmp_path: P
             t, generated = 0.0, 0
             for k in range(rng.randint(0, 16)):
                 t += rng.choice([0.0, 0.0, 0.5, 1.0])  # several dispatched at the same instant
-                req = _random_request(f"{r.replica_id}/{k}", next(seqs), rng)
+                req = _random_request(f"{r.replica_id}/{k}", next(seqs), rng, plain_only=trial % 3 == 0)
                 pool.take_slot(r, req)
                 tail.dispatched(req, r, t)
                 generated += rng.randint(0, 400)
@@ -268,7 +279,7 @@ def test_the_moves_stay_those_of_a_scan_tick_after_tick_as_requests_come_go_and_
     (a cache of each replica's sorted requests between ticks was tried against it: it caught a stale
     cache and a missed abort)."""
     rng = random.Random(5)
-    cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_tokens=100"])
+    cfg = compose_config(["router.policy=consistent_hash", "tail.policy=age", "tail.long_min_finished=1"])
     seqs = iter(range(1_000_000))
     for trial in range(25):
         pool, tail, tps = _random_fleet(cfg, RunDir(tmp_path / f"run{trial}"), files, rng, slots=8)
@@ -284,7 +295,7 @@ def test_the_moves_stay_those_of_a_scan_tick_after_tick_as_requests_come_go_and_
                 r = rng.choice(tps)
                 if r.has_room:
                     k = next(seqs)
-                    req = _random_request(f"q{k}", k, rng)
+                    req = _random_request(f"q{k}", k, rng, plain_only=trial % 3 == 0)
                     pool.take_slot(r, req)
                     tail.dispatched(req, r, t)  # several at the same instant
                     live.append((req, r))
@@ -612,7 +623,7 @@ def _trades_by_scan(tail: TailRouting, now: float) -> list[tuple[Request, Replic
         on_tail = r.group == tail.group
         for req in r.inflight.values():
             m = req.msg
-            if (m.step != rec.step or req.migrating or req.deaths or req.client_aborted
+            if (m.job != "j" or m.step != rec.step or req.migrating or req.deaths or req.client_aborted
                     or (m.group is not None and not (on_tail and req.moves))):
                 continue
             tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)

@@ -18,7 +18,7 @@ from toolkit.core import protocol as P
 from toolkit.router.kv_admission import KvAdmission
 from toolkit.router.kv_index import KvIndex
 from toolkit.router.policy import Policy, make_policy
-from toolkit.router.queue import Request
+from toolkit.router.queue import Request, plain
 from toolkit.router.replica import Replica
 
 logger = logging.getLogger(__name__)
@@ -186,6 +186,8 @@ class ReplicaPool:
         r.inflight[req.request_id] = req
         if req.deaths:
             r.suspects += 1
+        if not plain(req):
+            r.marked += 1
         self._count_spare(r, -1)
 
     def release_slot(self, r: Replica, req: Request) -> bool:
@@ -194,6 +196,8 @@ class ReplicaPool:
             return False
         if req.deaths:
             r.suspects -= 1
+        if not plain(req):
+            r.marked -= 1
         self._count_spare(r, +1)
         return True
 

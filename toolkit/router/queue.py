@@ -68,6 +68,17 @@ class Request:
         admitted sessions' turns, so those go while it waits for room."""
 
 
+def hinted(m: Generate) -> int:
+    """``m``'s length hint for its whole turn (0: none), at most what its budget lets it generate."""
+    return min(m.expected_tokens, m.sampling.max_tokens + m.resumed_tokens)
+
+
+def plain(req: Request) -> bool:
+    """``req`` has no length hint and has not moved (fixed while it runs: a move changes it between two
+    runs). The tail's ticks price such a request by its age alone (``routing._Run``)."""
+    return not req.prefix_tokens and not hinted(req.msg)
+
+
 class JobQueue:
     __slots__ = ("name", "buckets", "size", "scan")
 

@@ -50,6 +50,8 @@ class Replica:
     inflight: dict[str, Request] = field(default_factory=dict)
     suspects: int = 0
     """Requests in flight here that were in flight at an engine death."""
+    marked: int = 0
+    """Requests in flight here with a length hint or a move behind them (not ``queue.plain``)."""
 
     # ---- written by membership (``membership.py``): liveness ---------------------------------------
     stats: ReplicaStats = field(default_factory=ReplicaStats)

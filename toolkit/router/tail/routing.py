@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Iterable, Iterator
+from itertools import chain, islice
 
 from toolkit.config import TailConfig
 from toolkit.core.errors import ConfigError, FieldError
@@ -19,7 +21,7 @@ from toolkit.core.protocol import Generate, StepProgress
 from toolkit.core.rundir import FileWriter, RunDir
 from toolkit.router.migration import can_continue
 from toolkit.router.pool import BULK, PoolKey, ReplicaPool
-from toolkit.router.queue import Request
+from toolkit.router.queue import Request, hinted, plain
 from toolkit.router.replica import Replica
 from toolkit.router.tail import TAIL_POLICIES
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord, TailPolicy
@@ -32,16 +34,6 @@ logger = logging.getLogger(__name__)
 TICK_S = 0.05
 """How often the router looks for running requests to move: a request on a busy replica makes ~100-300
 tokens a second, so a move comes within a few percent of a long turn of its threshold."""
-
-
-def hinted(m: Generate) -> int:
-    """``m``'s length hint for its whole turn (0: none), at most what its budget lets it generate."""
-    return min(m.expected_tokens, m.sampling.max_tokens + m.resumed_tokens)
-
-
-def _plain(req: Request) -> bool:
-    """``req`` has no length hint and has not moved: its priority to move is its age alone (``_Run``)."""
-    return not req.prefix_tokens and not hinted(req.msg)
 
 
 def _can_move(req: Request) -> bool:
@@ -63,42 +55,36 @@ def reserved_group(tc: TailConfig) -> str | None:
 
 
 class _Run:
-    """A replica's running requests of one job that have not moved and have no hint, in dispatch order:
-    each has generated no more than the one before it (``SpeedMeter.per_request_at`` only grows), and
-    its priority to move is what it has generated (``MoveLimits.priority`` without a hint). Only those
-    that should move are kept: after the first that should not (:attr:`ended`), none should."""
+    """A replica's running requests of one job (its current step) that have not moved and have no hint,
+    in dispatch order: each has generated no more than the one before it (``SpeedMeter.per_request_at``
+    only grows), and its priority to move is what it has generated (``MoveLimits.priority`` without a
+    hint). Priced one at a time as the merge takes them (:attr:`head`): after the first that should not
+    move, none should."""
 
-    __slots__ = ("r", "ran", "limits", "reqs", "priorities", "at", "ended")
+    __slots__ = ("r", "ran", "limits", "reqs", "head", "priority")
 
-    def __init__(self, r: Replica, ran: float, limits: MoveLimits) -> None:
-        self.r, self.ran, self.limits = r, ran, limits
-        self.reqs: list[Request] = []
-        self.priorities: list[float] = []
-        self.at = 0
-        self.ended = False
+    def __init__(self, r: Replica, ran: float, limits: MoveLimits, reqs: Iterator[Request]) -> None:
+        self.r, self.ran, self.limits, self.reqs = r, ran, limits, reqs
+        self.head: Request | None = None
+        """The next request of the run that should move (None: none is left)."""
+        self.priority = 0.0
+        self.pop()
 
-    def add(self, req: Request) -> None:
-        p = self.limits.priority(self.r.speed.tokens_until(req.est_mark, self.ran))
+    def pop(self) -> None:
+        """Go on to the next request (the head was taken)."""
+        req = next(self.reqs, None)
+        p = None if req is None else self.limits.priority(self.r.speed.tokens_until(req.est_mark, self.ran))
         if p is None:
-            self.ended = True
+            self.head = None
         else:
-            self.reqs.append(req)
-            self.priorities.append(p)
-
-    def next(self) -> float | None:
-        """The priority of the next request of the run (None: it and all after it stay)."""
-        return self.priorities[self.at] if self.at < len(self.reqs) else None
+            self.head, self.priority = req, p
 
 
 def _oldest(runs: list[_Run], room: int) -> list[tuple[float, int, Request, Replica]]:
     """Of the runs' requests, enough of those that should move, the most generated first, that no request
     left out could be among the ``room`` with the most (ties at the cut included): a merge of the runs
     that looks only at their heads, not at every running request."""
-    heap: list[tuple[float, int]] = []
-    for i, run in enumerate(runs):
-        p = run.next()
-        if p is not None:
-            heap.append((-p, i))
+    heap = [(-run.priority, i) for i, run in enumerate(runs) if run.head is not None]
     heapq.heapify(heap)
     out: list[tuple[float, int, Request, Replica]] = []
     while heap:
@@ -106,13 +92,21 @@ def _oldest(runs: list[_Run], room: int) -> list[tuple[float, int, Request, Repl
         if len(out) >= room and -neg < out[room - 1][0]:
             break
         run = runs[i]
-        req = run.reqs[run.at]
+        req = run.head
+        assert req is not None
         out.append((-neg, -req.seq, req, run.r))
-        run.at += 1
-        p = run.next()
-        if p is not None:
-            heapq.heappush(heap, (-p, i))
+        run.pop()
+        if run.head is not None:
+            heapq.heappush(heap, (-run.priority, i))
     return out
+
+
+def _movable(reqs: Iterable[Request], job: str, step: int) -> Iterator[Request]:
+    """Of ``reqs`` (a replica's, none with a hint or a move), those of ``job``'s ``step`` that may move."""
+    for req in reqs:
+        m = req.msg
+        if m.job == job and m.step == step and m.group is None and _can_move(req):
+            yield req
 
 
 class TailRouting:
@@ -252,27 +246,36 @@ class TailRouting:
             if r.group == self.group or not r.serving or not r.inflight:
                 continue
             ran = r.speed.per_request_at(now)
-            plain: dict[str, _Run] = {}  # this replica's, by job
-            for req in r.inflight.values():
-                m = req.msg
-                job_limit = limits.get(m.job)
-                if job_limit is None or job_limit[0] != m.step or m.group is not None:
+            # Requests with a hint or a move are each priced, up to the last of them; the others of each
+            # job wait in its run, taken lazily by the merge: those left after the last marked one are
+            # read straight from the replica's requests.
+            of_job: dict[str, list[Request]] = {}
+            marked = r.marked
+            seen = 0
+            if marked:
+                for req in r.inflight.values():
+                    seen += 1
+                    m = req.msg
+                    bare = plain(req)
+                    marked -= not bare
+                    job_limit = limits.get(m.job)
+                    if job_limit is not None and job_limit[0] == m.step and m.group is None and _can_move(req):
+                        if bare:
+                            of_job.setdefault(m.job, []).append(req)
+                        else:
+                            tokens = len(req.prefix_tokens) + r.speed.tokens_until(req.est_mark, ran)
+                            priority = job_limit[1].priority(tokens, hinted(m))
+                            if priority is not None:
+                                found.append((priority, -req.seq, req, r))
+                    if not marked:
+                        break
+            rest = len(r.inflight) - seen
+            for job, (step, limit) in limits.items():
+                before = of_job.get(job, ())
+                if not before and not rest:
                     continue
-                if _plain(req):
-                    run = plain.get(m.job)
-                    if run is None:
-                        run = plain[m.job] = _Run(r, ran, job_limit[1])
-                    if not run.ended and _can_move(req):  # the rest of the run is priced only while it should move
-                        run.add(req)
-                    continue
-                if not _can_move(req):
-                    continue
-                hint = hinted(m)
-                tokens = len(req.prefix_tokens) + r.speed.tokens_until(req.est_mark, ran)
-                priority = job_limit[1].priority(tokens, hint)
-                if priority is not None:
-                    found.append((priority, -req.seq, req, r))
-            runs.extend(plain.values())
+                after = _movable(islice(r.inflight.values(), seen, None), job, step) if rest else iter(())
+                runs.append(_Run(r, ran, limit, chain(before, after)))
         found.extend(_oldest(runs, room))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
         moves = [(req, r) for _, _, req, r in found]
@@ -305,14 +308,14 @@ class TailRouting:
                     m = req.msg
                     if m.job != job or m.step != rec.step:
                         continue
-                    plain = not on_tail and _plain(req)
-                    if plain and young:
+                    bare = not on_tail and plain(req)
+                    if bare and young:
                         continue
                     if not _can_move(req) or (m.group is not None and not (on_tail and req.moves)):
                         continue  # a request that named its group stays there; one moved there may go
                     tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                     if not on_tail and limits.priority(tokens, hinted(m)) is None:
-                        young = young or plain
+                        young = young or bare
                         continue  # not a long runner
                     work = work_left(tokens, len(rec.by_session.get(m.session_id, ())))
                     (residents if on_tail else runners).append((work, req.seq, req, r))
