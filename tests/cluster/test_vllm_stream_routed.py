@@ -150,7 +150,9 @@ def test_streamed_updates_reach_both_replicas_survive_a_dying_trainer_and_a_rest
             # streamer's dense copy of version 5 reached it.
             old = stack.replicas[("throughput", 1)]
             old.send_signal(signal.SIGTERM)
-            old.wait(60)
+            # 0: it left and closed its engine; 1: its cleanup hung and the watchdog (STOP_GRACE_S) ended
+            # it, every thread's stack in logs/replica-throughput-1.out.
+            assert old.wait(60) == 0
             stack.start_replica("throughput", 1)
             stack.wait_ready(300)
             assert any(rid.startswith("throughput-1@") and v == 5 for v, rid in streamer.caught_up), streamer.caught_up
