@@ -85,7 +85,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     steps = 4 if quick else 10
     # Tail routing off: its moves abort and continue requests too, which would hide what this counts
     # (requests the weight updates aborted).
-    base = ["engine.time_scale=0.5", "sessions_per_step=32", "rollout.update_mode=pause", "tail.policy=count"]
+    base = [f"engine.time_scale={0.2 if quick else 0.5}", "sessions_per_step=32", "rollout.update_mode=pause",
+            "tail.policy=count"]
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         root = Path(tmp)
         source = root / "checkpoint"  # the sim loads any directory: a stand-in checkpoint

@@ -61,7 +61,7 @@ def _against_off(results: dict[str, dict[str, float]], off: str = "off") -> dict
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    steps = 3 if quick else 40
+    steps = 1 if quick else 40
     out: dict[str, Any] = {"steps": steps, "sessions_per_step": SESSIONS}
     for max_tokens, key in ((2048, "designs"), (1024, "moderate_tail")):
         out[key] = _against_off({name: figures(o, steps, max_tokens) for name, o in DESIGNS.items()})
