@@ -36,6 +36,11 @@ TICK_S = 0.05
 tokens a second, so a move comes within a few percent of a long turn of its threshold."""
 
 
+def _may_move(req: Request, step: int) -> bool:
+    """``req`` is of ``step`` (its job's current one), did not name its group, and may move now."""
+    return req.msg.step == step and req.msg.group is None and _can_move(req)
+
+
 def _can_move(req: Request) -> bool:
     """``req`` may be aborted and go on elsewhere now: not already moving, not resent after a replica
     died, not given up by its client, and able to continue from its tokens (``can_continue``)."""
@@ -104,8 +109,7 @@ def _oldest(runs: list[_Run], room: int) -> list[tuple[float, int, Request, Repl
 def _movable(reqs: Iterable[Request], job: str, step: int) -> Iterator[Request]:
     """Of ``reqs`` (a replica's, none with a hint or a move), those of ``job``'s ``step`` that may move."""
     for req in reqs:
-        m = req.msg
-        if m.job == job and m.step == step and m.group is None and _can_move(req):
+        if req.msg.job == job and _may_move(req, step):
             yield req
 
 
@@ -259,7 +263,7 @@ class TailRouting:
                     bare = plain(req)
                     marked -= not bare
                     job_limit = limits.get(m.job)
-                    if job_limit is not None and job_limit[0] == m.step and m.group is None and _can_move(req):
+                    if job_limit is not None and _may_move(req, job_limit[0]):
                         if bare:
                             of_job.setdefault(m.job, []).append(req)
                         else:
@@ -274,7 +278,7 @@ class TailRouting:
                 before = of_job.get(job, ())
                 if not before and not rest:
                     continue
-                after = _movable(islice(r.inflight.values(), seen, None), job, step) if rest else iter(())
+                after = _movable(islice(r.inflight.values(), seen, None), job, step)
                 runs.append(_Run(r, ran, limit, chain(before, after)))
         found.extend(_oldest(runs, room))
         found = heapq.nlargest(room, found, key=lambda f: (f[0], f[1]))
@@ -308,14 +312,13 @@ class TailRouting:
                     m = req.msg
                     if m.job != job or m.step != rec.step:
                         continue
-                    bare = not on_tail and plain(req)
-                    if bare and young:
+                    if young and plain(req):  # only off the tail group is a request young
                         continue
                     if not _can_move(req) or (m.group is not None and not (on_tail and req.moves)):
                         continue  # a request that named its group stays there; one moved there may go
                     tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
                     if not on_tail and limits.priority(tokens, hinted(m)) is None:
-                        young = young or bare
+                        young = young or plain(req)
                         continue  # not a long runner
                     work = work_left(tokens, len(rec.by_session.get(m.session_id, ())))
                     (residents if on_tail else runners).append((work, req.seq, req, r))
