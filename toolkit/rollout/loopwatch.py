@@ -68,8 +68,8 @@ class LoopWatch:
             if reported:
                 continue
             reported = True
-            self.stalls += 1
             frame = sys._current_frames().get(self._loop_thread)
             where = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "(not found)\n"
             logger.error("the rank's event loop has stood still for %.0fs: every session of this rank waits "
                          "(an async agent or environment calling a blocking API?). It is in:\n%s", lag, where)
+            self.stalls += 1  # once logged: whoever waits on the count finds the report written
