@@ -184,7 +184,7 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"
     tokens = rng.integers(1, cfg.vocab_size, size=n).tolist()
-    logprobs = (-rng.exponential(0.7, size=n)).astype(np.float32).tolist()
+    logprobs = np.negative(rng.exponential(0.7, size=n).astype(np.float32)).tolist()
     return tokens, logprobs, finish
 
 

@@ -114,11 +114,8 @@ class TwinEngine:
     # ---- requests in ---------------------------------------------------------------------------------
     def submit(self, req: Generate) -> None:
         c = self.cfg
-        prompt = req.prompt_token_ids
-        if not prompt or len(prompt) > c.max_model_len or min(prompt) < 0 or max(prompt) >= c.vocab_size:
-            self._later(Result(request_id=req.request_id, status="client_error",
-                               error=f"prompt of {len(prompt)} tokens outside limits"))
-            return
+        # Its prompt is within this engine's limits: the router checks every request it dispatches
+        # against the limits its replica registered (``limit_error``), which are these.
         if req.sampling.structured is not None:
             self._later(Result(request_id=req.request_id, status="client_error",
                                error="the twin's engines plan no structured outputs"))

@@ -191,9 +191,10 @@ class Twin:
 def _quiet_gc() -> Iterator[None]:
     """The collector out of the way while a twin runs (what existed before is frozen out of every
     collection, the young generation collected less often: ~20% of a twin's time otherwise), and back
-    as it was after, so that a sweep's twins do not pile up in the frozen generation."""
+    as it was after, so that a sweep's twins do not pile up in the frozen generation. Nothing is
+    collected first: garbage frozen with the rest is collected after, and a full collection of a
+    process that imported the toolkit costs a short twin more than anything else it does once."""
     threshold = gc.get_threshold()
-    gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, *threshold[1:])
     try:

@@ -76,7 +76,7 @@ class ColumnBuilder:
     def add(self, s: Sample) -> None:
         for name, dtype in LIST_COLUMNS.items():
             part = getattr(s, name)
-            self._parts[name].append(np.asarray(part, dtype=dtype))
+            self._parts[name].append(np.fromiter(part, dtype=dtype, count=len(part)))
             self._lengths[name].append(len(part))
         for name in TEXT_COLUMNS:
             raw = _text(s, name).encode()
