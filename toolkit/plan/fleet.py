@@ -1,6 +1,11 @@
 """The twin's fleet around the router's own object: replicas of :class:`TwinEngine` that register,
 beat and answer as replica processes do, rank clients that speak as ``RouterClient`` does, and the
-links between them, which deliver each message as a callback of the virtual-time loop."""
+links between them, which deliver each message as a callback of the virtual-time loop.
+
+The router decodes every message it gets, as it does in its process. A message the router passes on
+unchanged (a rank's Generate to its replica, a replica's Result to its rank) reaches the twin's other
+end as the object that was encoded, not decoded again (:meth:`Wire.keep`): the values are the same,
+and decoding each twice would cost the twin more than its router's choices do."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import plan_output
 from toolkit.plan.engine import Plan, TwinEngine
 from toolkit.router.links import Links
+from toolkit.router.membership import PROBE_PREFIX
 from toolkit.router.server import Router
 from toolkit.router.tail.routing import TICK_S
 
@@ -38,6 +44,27 @@ class Wire(Links):
         self.replicas: dict[bytes, TwinReplica] = {}
         self.clients: dict[bytes, TwinClient] = {}
         self._dispatch_due = False
+        self._kept: dict[int, tuple[bytes, Any]] = {}
+        """``id(payload)`` -> (the payload, the message it encodes), for the end it is passed on to."""
+        self._of: dict[str, list[int]] = {}
+        """Request id -> the keys kept for it."""
+
+    def keep(self, request_id: str, payload: bytes, msg: Any) -> None:
+        """``payload`` encodes ``msg`` (of ``request_id``): whoever receives this very payload may take
+        ``msg`` (:meth:`take`). The entry holds the payload, so no other object has its id while it is kept."""
+        self._kept[id(payload)] = (payload, msg)
+        self._of.setdefault(request_id, []).append(id(payload))
+
+    def take(self, payload: bytes) -> Any:
+        """The message kept for ``payload`` (gone from the keep), or None: it is decoded then."""
+        kept = self._kept.pop(id(payload), None)
+        return kept[1] if kept is not None else None
+
+    def settle(self, request_id: str) -> None:
+        """``request_id`` has its answer: what was kept for it and not passed on (not dispatched, a moved
+        leg's Result that the router merged) goes. A key taken meanwhile and reused can only cost a decode."""
+        for key in self._of.pop(request_id, ()):
+            self._kept.pop(key, None)
 
     def _deliver(self, fn: Any, *args: Any) -> None:
         if self.latency_s > 0:
@@ -148,14 +175,17 @@ class TwinReplica:
     def _answer(self, res: P.Result) -> None:
         if self.alive:  # the KV events since the last batch ride in the Result's message, as a replica's do
             kv = self.kv.frames() if self.kv is not None else ()
-            self.wire.from_replica(self.ident, _T_RESULT, _enc.encode(res), *kv)
+            payload = _enc.encode(res)
+            if not res.request_id.startswith(PROBE_PREFIX):  # the router's own probe is not passed on
+                self.wire.keep(res.request_id, payload, res)
+            self.wire.from_replica(self.ident, _T_RESULT, payload, *kv)
 
     def receive(self, frames: tuple[bytes, ...]) -> None:
         if not self.alive:
             return
         mtype, payload = frames[0], frames[1]
         if mtype == _T_GENERATE:
-            self.engine.submit(_dec_generate.decode(payload))
+            self.engine.submit(self.wire.take(payload) or _dec_generate.decode(payload))
             return
         msg = P.decode(mtype, payload)
         if isinstance(msg, P.Abort):
@@ -193,11 +223,14 @@ class TwinClient:
     async def generate(self, msg: P.Generate) -> tuple[P.Result, P.Route | None]:
         fut: asyncio.Future[tuple[P.Result, P.Route | None]] = self.wire.loop.create_future()
         self.pending[msg.request_id] = fut
-        self._send(msg)
+        mtype, payload = P.encode(msg)
+        self.wire.keep(msg.request_id, payload, msg)
+        self.wire.from_client(self.ident, mtype, payload)
         try:
             return await fut
         finally:
             self.pending.pop(msg.request_id, None)
+            self.wire.settle(msg.request_id)
 
     async def abort(self, request_id: str) -> None:
         self._send(P.Abort(request_id))
@@ -213,7 +246,7 @@ class TwinClient:
 
     def receive(self, frames: tuple[bytes, ...]) -> None:
         if frames[0] == _T_RESULT:
-            res = _dec_result.decode(frames[1])
+            res = self.wire.take(frames[1]) or _dec_result.decode(frames[1])
             route = _dec_route.decode(frames[2]) if len(frames) > 2 else None
             fut = self.pending.get(res.request_id)
             if fut is not None and not fut.done():
