@@ -118,6 +118,28 @@ def test_a_config_the_twin_cannot_run_is_refused_naming_every_setting() -> None:
     assert "groups.throughput engine type" in text and "workload.agent" in text and "rollout.weights_dir" in text
 
 
+def test_a_message_passed_on_unchanged_arrives_as_what_was_encoded_and_nothing_stays_kept(monkeypatch) -> None:
+    """The wire hands a Generate or a Result the router passed on as the object encoded (not decoded
+    again): each equals its payload decoded, some are moved legs (merged by the router, so never taken),
+    and once the run is over nothing is kept, a replica lost mid-step included."""
+    cfg = config("sessions_per_step=48", "steps=2", "workload.max_tokens=1024", "seed=3")
+    taken: list[bool] = []
+    take = Wire.take
+
+    def checked(self: Wire, payload: bytes):
+        msg = take(self, payload)
+        if msg is not None:
+            taken.append(P.DECODERS[P.TYPE_OF[type(msg)]].decode(payload) == msg)
+        return msg
+
+    monkeypatch.setattr(Wire, "take", checked)
+    twin = Twin(cfg, events=lambda t: t.loop.call_at(0.3, t.replicas[-1].die))  # a throughput replica
+    run = twin.run()
+    assert run.router["requeued"] > 0 and run.router.get("migrated:age", 0) > 0
+    assert len(taken) > 1.8 * sum(s["requests"] for s in run.steps) and all(taken)
+    assert not twin.wire._kept and not twin.wire._of
+
+
 def test_the_twin_repeats_itself() -> None:
     cfg = config("sessions_per_step=16", "steps=2", "seed=5")
     a, b = Twin(cfg).run(), Twin(cfg).run()
