@@ -111,7 +111,9 @@ class Sample:
         self.extend_observation(extra)
         out = result.output_token_ids
         lps = list(result.logprobs) if len(result.logprobs) == len(out) else [math.nan] * len(out)
-        missing = sum(map(math.isnan, lps))  # NaN: an engine (or a moved request's leg) sent none
+        # NaN: an engine (or a moved request's leg) sent none. A NaN makes the sum NaN: only then are they
+        # counted, so a turn with every logprob is one C-level pass.
+        missing = sum(map(math.isnan, lps)) if math.isnan(sum(lps)) else 0
         if missing:
             # Unknown, not a made-up probability (0.0 would be certainty): NaN, and the row says so.
             note = f"turn {self.num_turns}: {missing} of {len(out)} tokens have no logprob from the engine (NaN)"
