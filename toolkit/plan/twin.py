@@ -31,7 +31,7 @@ from toolkit.rollout.guard import inline_call
 from toolkit.rollout.sessions import EnvSessions, rank_cap
 from toolkit.rollout.stepreport import closing_report, step_report
 from toolkit.router.server import Router
-from toolkit.session.columns import Columns
+from toolkit.session.columns import Columns, StatBuilder
 from toolkit.session.requests import RequestLog
 from toolkit.session.sample import Sample
 
@@ -80,7 +80,7 @@ class _Rank:
         self.sem = asyncio.Semaphore(rank_cap(cfg, rank, size))
         self.closer = CLOSERS[cfg.rollout.close](
             cfg, rank, size, samples_per_prompt(cfg), self._run, sorted(cfg.groups), RequestLog, 0,
-            lambda step, sid: client.session_done(cfg.job, step, sid))
+            lambda step, sid: client.session_done(cfg.job, step, sid), StatBuilder)  # it writes no rows
         self.sessions = EnvSessions(cfg, client, instantiate(cfg.workload.prompts), max_model_len,
                                     lambda: self.closer.open, inline_call)
 

@@ -60,18 +60,49 @@ def pack(samples: Iterable[Sample], group_names: list[str]) -> Columns:
     return builder.columns()
 
 
-class ColumnBuilder:
-    """Packs samples one at a time, so a rank can drop each finished sample's Python lists at once."""
+class StatBuilder:
+    """Packs the samples' scalar columns alone (:data:`STAT_COLUMNS`: what a step report reads), one sample
+    at a time: the fleet twin's ranks, which write no rows."""
 
     def __init__(self, group_names: list[str]) -> None:
         self.bit = {g: 1 << i for i, g in enumerate(group_names)}
-        self._parts: dict[str, list[np.ndarray]] = {name: [] for name in (*LIST_COLUMNS, *TEXT_COLUMNS, *NESTED_COLUMNS)}
-        self._lengths: dict[str, list[int]] = {name: [] for name in self._parts}
-        self._outer: dict[str, list[int]] = {name: [] for name in NESTED_COLUMNS}
         self._scalars: dict[str, list[Any]] = {name: [] for name in SCALAR_COLUMNS}
 
     def __len__(self) -> int:
         return len(self._scalars["index"])
+
+    def add(self, s: Sample) -> None:
+        row = {
+            "index": s.index, "reward": s.reward, "status": SAMPLE_STATUSES.index(s.status),
+            "prompt_length": s.prompt_length, "response_length": s.response_length,
+            "generated_tokens": s.generated_tokens, "num_turns": s.num_turns, "num_replicas": len(s.replicas),
+            "cached_tokens": s.cached_tokens, "groups_mask": sum(self.bit.get(g, 0) for g in s.groups),
+            "response_decoded": int(s.response_decoded), "branch": s.branch,
+            "started_step": s.started_step, "carried": s.carried, "staleness": s.staleness,
+        }
+        for name, value in row.items():
+            self._scalars[name].append(value)
+
+    def columns(self) -> Columns:
+        """The scalar columns of every sample added so far; the builder starts empty again."""
+        cols: Columns = {}
+        for name, dtype in SCALAR_COLUMNS.items():
+            cols[name] = np.asarray(self._scalars[name], dtype=dtype)
+            self._scalars[name].clear()
+        return cols
+
+
+class ColumnBuilder:
+    """Packs samples one at a time, so a rank can drop each finished sample's Python lists at once."""
+
+    def __init__(self, group_names: list[str]) -> None:
+        self._stats = StatBuilder(group_names)
+        self._parts: dict[str, list[np.ndarray]] = {name: [] for name in (*LIST_COLUMNS, *TEXT_COLUMNS, *NESTED_COLUMNS)}
+        self._lengths: dict[str, list[int]] = {name: [] for name in self._parts}
+        self._outer: dict[str, list[int]] = {name: [] for name in NESTED_COLUMNS}
+
+    def __len__(self) -> int:
+        return len(self._stats)
 
     def add(self, s: Sample) -> None:
         for name, dtype in LIST_COLUMNS.items():
@@ -87,16 +118,7 @@ class ColumnBuilder:
             self._parts[name].append(np.fromiter(itertools.chain.from_iterable(inner), dtype=dtype))
             self._lengths[name].extend(map(len, inner))
             self._outer[name].append(len(inner))
-        row = {
-            "index": s.index, "reward": s.reward, "status": SAMPLE_STATUSES.index(s.status),
-            "prompt_length": s.prompt_length, "response_length": s.response_length,
-            "generated_tokens": s.generated_tokens, "num_turns": s.num_turns, "num_replicas": len(s.replicas),
-            "cached_tokens": s.cached_tokens, "groups_mask": sum(self.bit.get(g, 0) for g in s.groups),
-            "response_decoded": int(s.response_decoded), "branch": s.branch,
-            "started_step": s.started_step, "carried": s.carried, "staleness": s.staleness,
-        }
-        for name, value in row.items():
-            self._scalars[name].append(value)
+        self._stats.add(s)
 
     def columns(self) -> Columns:
         """The columns of every sample added so far; the builder starts empty again, so the per-sample
@@ -111,10 +133,12 @@ class ColumnBuilder:
         for name, outer in self._outer.items():
             cols[f"{name}__turns"] = np.asarray(outer, dtype=np.int64)
             outer.clear()
-        for name, dtype in SCALAR_COLUMNS.items():
-            cols[name] = np.asarray(self._scalars[name], dtype=dtype)
-            self._scalars[name].clear()
+        cols.update(self._stats.columns())
         return cols
+
+
+Packer = ColumnBuilder | StatBuilder
+"""What a step's closer packs its landed samples with: every column (a rank), or the stats alone (the twin)."""
 
 
 def final_rows(cols: Columns) -> np.ndarray:

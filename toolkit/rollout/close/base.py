@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from toolkit.config import Config
-from toolkit.session.columns import ColumnBuilder
+from toolkit.session.columns import ColumnBuilder, Packer
 from toolkit.session.requests import OpenStep, RequestLog
 from toolkit.session.sample import Sample
 
@@ -31,7 +31,7 @@ STEP_COUNTERS = ("carried_in", "carried_out", "dropped_stale", "restarted_stale"
 class Landed:
     """What landed in a step on this rank."""
 
-    builder: ColumnBuilder
+    builder: Packer
     """The samples, packed as they landed."""
     log: RequestLog
     """The step's requests: every request answered while the step was open."""
@@ -50,7 +50,9 @@ def share(total: int, rank: int, size: int) -> int:
 class StepClose(ABC):
     def __init__(self, cfg: Config, rank: int, size: int, group_size: int, run: RunSession,
                  group_names: list[str], new_log: Callable[[], RequestLog], first_step: int,
-                 landed: SessionLanded) -> None:
+                 landed: SessionLanded, packer: Callable[[list[str]], Packer] = ColumnBuilder) -> None:
+        """``packer``: what the landed samples are packed with (every column, unless the caller writes no
+        rows: the twin's stats alone)."""
         self.cfg = cfg
         self.landed = landed
         self.rank, self.size = rank, size
@@ -61,7 +63,8 @@ class StepClose(ABC):
         self.new_log = new_log
         self.open = OpenStep(first_step, new_log())
         """The step sessions land in now; sessions read it at each request."""
-        self.builder = ColumnBuilder(group_names)
+        self.packer = packer
+        self.builder = packer(group_names)
         self.counts: Counter[str] = Counter()
 
     @abstractmethod
@@ -80,7 +83,7 @@ class StepClose(ABC):
 
     def _hand_over(self, step: int) -> Landed:
         landed = Landed(self.builder, self.open.log, self.counts)
-        self.builder, self.counts = ColumnBuilder(self.group_names), Counter()
+        self.builder, self.counts = self.packer(self.group_names), Counter()
         self.open.step, self.open.log = step + 1, self.new_log()
         return landed
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from toolkit.config import Config, GroupFilter, StaleAction
 from toolkit.rollout.close.base import Landed, RunSession, SessionLanded, StepClose, cancel_all, share
+from toolkit.session.columns import ColumnBuilder, Packer
 from toolkit.session.requests import RequestLog
 from toolkit.session.sample import Sample, session_id
 
@@ -27,8 +28,8 @@ Group = tuple[int, int, int]
 class CloseOnCount(StepClose):
     def __init__(self, cfg: Config, rank: int, size: int, group_size: int, run: RunSession,
                  group_names: list[str], new_log: Callable[[], RequestLog], first_step: int,
-                 landed: SessionLanded) -> None:
-        super().__init__(cfg, rank, size, group_size, run, group_names, new_log, first_step, landed)
+                 landed: SessionLanded, packer: Callable[[list[str]], Packer] = ColumnBuilder) -> None:
+        super().__init__(cfg, rank, size, group_size, run, group_names, new_log, first_step, landed, packer)
         self.counted_ids: list[tuple[int, str]] = []
         """Sessions that landed and counted, not yet told to the router (``landed``)."""
         r = cfg.rollout
