@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from toolkit import samples as api
 from toolkit.core.protocol import Result, join_versions
 from toolkit.model.tokenizer import ByteTokenizer
-from toolkit.session.columns import ColumnBuilder, final_rows, pack, to_table, write_parquet
+from toolkit.session.columns import (
+    STAT_COLUMNS,
+    ColumnBuilder,
+    StatBuilder,
+    final_rows,
+    pack,
+    to_table,
+    write_parquet,
+)
 from toolkit.session.sample import NonPrefixTurn, Sample, merge
 
 tokens = st.lists(st.integers(1, 30000), min_size=0, max_size=40)
@@ -55,6 +63,26 @@ def test_merge_invariants(sess) -> None:  # type: ignore[no-untyped-def]
     assert gen == [t for o, _ in turns for t in o]
     lps = [lp for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m]
     assert lps == [-0.5 - i for o, _ in turns for i in range(len(o))]
+
+
+@given(st.lists(sessions(), min_size=1, max_size=8))
+@settings(max_examples=40, deadline=None)
+def test_the_stats_alone_are_every_columns_scalars(batch) -> None:  # type: ignore[no-untyped-def]
+    """The twin's packer (the scalars a step report reads) gives what a rank's gives for them, twice over
+    (each ``columns()`` starts the builder empty again)."""
+    groups = ["tail", "throughput"]
+    whole, stats = ColumnBuilder(groups), StatBuilder(groups)
+    for _ in range(2):
+        for i, (p, t) in enumerate(batch):
+            s = build(i, p, t)
+            s.groups.update(g for g in groups if i % 2)
+            whole.add(s)
+            stats.add(s)
+        assert len(stats) == len(whole) == len(batch)
+        full, alone = whole.columns(), stats.columns()
+        assert list(alone) == list(STAT_COLUMNS)
+        for name in STAT_COLUMNS:
+            assert alone[name].dtype == full[name].dtype and alone[name].tolist() == full[name].tolist()
 
 
 @given(st.lists(sessions(), min_size=1, max_size=8))
