@@ -4,6 +4,9 @@ found within the load bound, and new sessions held to the budget while admitted 
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from toolkit.client import hash_prompt
 from toolkit.core import protocol as P
 from toolkit.core.blocks import Chains, block_hashes, chain_from
@@ -157,6 +160,64 @@ def test_the_longest_cached_prefix_within_the_bound_least_loaded_among_equals() 
     assert index.prefix_on(req, b) == 5 * BS and index.prefix_on(req, a) == 2 * BS
     # The last token is always computed: a prompt of exactly 2 cached blocks counts 1 of them.
     assert index.prefix_on(request("r3", ctx[: 2 * BS]), a) == BS
+
+
+def _longest_by_definition(rs: list[Replica], held: list[set[int]], hs: list[int], among: set[Replica],
+                           fits: set[Replica], with_room: bool, wait: bool) -> tuple[Replica | None, int]:
+    """``KvIndex.longest`` as its docstring defines it, replica by replica: a replica's prefix is the run of
+    blocks it holds from the first; the longest among those in ``among`` (with a slot free, unless ``wait``)
+    that fit wins, least loaded among equals, the first on ties."""
+    def depth(i: int) -> int:
+        n = 0
+        while n < len(hs) and hs[n] in held[i]:
+            n += 1
+        return n
+
+    free = {r for r in rs if r.has_room} if with_room else set(rs)
+    cands = [(depth(i), r) for i, r in enumerate(rs) if r in among and (wait or r in free)]
+
+    def least_loaded(pairs: list[tuple[int, Replica]]) -> tuple[Replica | None, int]:
+        deepest = max((d for d, _ in pairs), default=0)
+        if deepest == 0:
+            return None, 0
+        at = [r for d, r in pairs if d == deepest]
+        return min(at, key=lambda r: (len(r.inflight), rs.index(r))), deepest * BS
+
+    if wait:
+        home, _ = least_loaded(cands)
+        if home is not None and not home.has_room:
+            return None, WAIT
+    return least_loaded([(d, r) for d, r in cands if r in free and r in fits])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_longest_prefix_is_the_one_its_definition_gives(data: st.DataObject) -> None:
+    """Whatever the replicas hold (prefixes, gaps, nothing), their load and room, the replicas considered and
+    those that fit: ``longest`` (its shortcut through the last block's holders and its walk) answers as the
+    definition does."""
+    n = data.draw(st.integers(1, 5))
+    index, _, rs = indexed(*[f"r{i}" for i in range(n)])
+    ctx = list(range(3, 3 + data.draw(st.integers(1, 30))))
+    hs = block_hashes(ctx, BS)[: (len(ctx) - 1) // BS]
+    held: list[set[int]] = []
+    for r in rs:
+        shape = data.draw(st.sampled_from(["prefix", "any", "all"]))
+        if shape == "prefix":
+            mine = set(hs[: data.draw(st.integers(0, len(hs)))])
+        elif shape == "all":
+            mine = set(hs)
+        else:
+            mine = {h for h in hs if data.draw(st.booleans())}
+        held.append(mine)
+        index.apply(r, P.KvEvents(1, stored=sorted(mine)))
+        r.inflight = {f"{r.replica_id}-{k}": request("x", [1]) for k in range(data.draw(st.integers(0, r.max_inflight)))}
+        index.set_room(r, r.has_room)
+    among = {r for r in rs if data.draw(st.booleans())}
+    fits = {r for r in rs if data.draw(st.booleans())}
+    with_room, wait = data.draw(st.booleans()), data.draw(st.booleans())
+    got = index.longest(request("q", ctx), index.mask(among), lambda r: r in fits, with_room=with_room, wait=wait)
+    assert got == _longest_by_definition(rs, held, hs, among, fits, with_room, wait)
 
 
 def test_a_next_turn_hashes_only_its_new_tokens() -> None:

@@ -60,8 +60,7 @@ class KvRouting:
         if self.admission is not None:
             req.new_session = self.admission.is_new(req)
         if self.index is not None:
-            for bs in self.index.block_sizes:
-                self.index.hashes(req, bs)
+            self.index.arrived(req)
 
     def sent(self, req: Request, r: Replica, now: float) -> None:
         if self.admission is not None:

@@ -145,34 +145,33 @@ class KvIndex:
         self._seq[r] = msg.seq
 
     def _store(self, r: Replica, hashes: Iterable[int]) -> None:
+        # Block by block, no set built: a batch holds a block or two (a turn's new ones), and building
+        # sets for them cost more than the changes themselves.
         blocks = self._blocks[r.kv_slot]
-        new = set(hashes)
-        new -= blocks
-        if not new:
-            return
-        blocks |= new
         bit = 1 << r.kv_slot
         holders = self.holders
         get = holders.get
-        for h in new:
-            holders[h] = get(h, 0) | bit
-        self.events += len(new)
+        n = len(blocks)
+        for h in hashes:
+            if h not in blocks:
+                blocks.add(h)
+                holders[h] = get(h, 0) | bit
+        self.events += len(blocks) - n
 
     def _remove(self, r: Replica, hashes: Iterable[int]) -> None:
         blocks = self._blocks[r.kv_slot]
-        gone = blocks.intersection(hashes)
-        if not gone:
-            return
-        blocks -= gone
         keep = ~(1 << r.kv_slot)
         holders = self.holders
-        for h in gone:
-            m = holders[h] & keep
-            if m:
-                holders[h] = m
-            else:
-                del holders[h]
-        self.events += len(gone)
+        n = len(blocks)
+        for h in hashes:
+            if h in blocks:
+                blocks.discard(h)
+                m = holders[h] & keep
+                if m:
+                    holders[h] = m
+                else:
+                    del holders[h]
+        self.events += n - len(blocks)
 
     # ---- what routing reads ----------------------------------------------------------------------
     def mask(self, replicas: Iterable[Replica]) -> int:
@@ -190,6 +189,21 @@ class KvIndex:
     def size(self) -> int:
         """Distinct blocks held anywhere."""
         return len(self.holders)
+
+    def arrived(self, req: Request) -> None:
+        """``req`` came in: its prompt's block hashes at each indexed block size, kept on it (:meth:`hashes`),
+        so that a decision while it waits only reads the index. Its client's, where it sent them."""
+        msg = req.msg
+        bs = msg.block_size
+        sizes = self.block_sizes
+        if msg.block_hashes is not None and bs in sizes:
+            given = self._given(req, (msg.session_id, bs) if msg.session_id else None, bs)
+            if given is not None:
+                req.kv_hashes[bs] = given
+                if len(sizes) == 1:
+                    return
+        for b in sizes:
+            self.hashes(req, b)
 
     def hashes(self, req: Request, block_size: int) -> list[int]:
         """``req``'s prompt's block hashes at ``block_size`` (kept on it): its client's when it sent them
@@ -224,17 +238,17 @@ class KvIndex:
         given = msg.block_hashes
         assert given is not None
         k = msg.hashes_from
+        n = len(msg.prompt_token_ids) // block_size
         if k:
-            known = self._chains.get(key) if key is not None else None
-            if known is None or len(known) != k:
+            hashes = self._chains.join(key, k, given, n) if key is not None else None
+            if hashes is None:
                 return None
-            hashes = known + given
+        elif len(given) != n:
+            return None
         else:
             hashes = given
-        if len(hashes) != len(msg.prompt_token_ids) // block_size:
-            return None
-        if key is not None:
-            self._chains.put(key, hashes)
+            if key is not None:
+                self._chains.put(key, hashes)
         self.client_hashed += 1
         return hashes
 
@@ -251,15 +265,31 @@ class KvIndex:
         """Tokens of ``req``'s prompt (but its last) the index says ``r`` holds."""
         if r.kv_slot < 0:
             return 0
-        return len(self._walk(req, r.kv_block_size, 1 << r.kv_slot)) * r.kv_block_size
+        blocks = self._blocks[r.kv_slot]
+        hs = self._usable(req, r.kv_block_size)
+        if blocks.issuperset(hs):
+            return len(hs) * r.kv_block_size
+        n = 0
+        for h in hs:
+            if h not in blocks:
+                break
+            n += 1
+        return n * r.kv_block_size
 
-    def _walk(self, req: Request, bs: int, among: int) -> list[int]:
-        """Down ``req``'s usable blocks at ``bs`` (all but the last token's): entry ``d`` is the slots of
-        ``among`` holding blocks ``0..d``, until none does."""
+    def _usable(self, req: Request, bs: int) -> list[int]:
+        """``req``'s block hashes at ``bs`` that routing counts: all but a block ending on its last token."""
+        n = len(req.msg.prompt_token_ids)
+        hs = req.kv_hashes.get(bs)
+        if hs is None or len(hs) != n // bs:
+            hs = self.hashes(req, bs)
+        return hs if len(hs) * bs < n else hs[:-1]
+
+    def _walk(self, hs: list[int], among: int) -> list[int]:
+        """Down the blocks ``hs``: entry ``d`` is the slots of ``among`` holding blocks ``0..d``, until none does."""
         holders = self.holders
         levels = []
         m = among
-        for h in self.hashes(req, bs)[: (len(req.msg.prompt_token_ids) - 1) // bs]:
+        for h in hs:
             m &= holders.get(h, 0)
             if not m:
                 break
@@ -273,15 +303,43 @@ class KvIndex:
         tokens; (None, 0) when none holds its first block. The last token is always computed, so at
         most ``len - 1`` tokens count. ``wait``: (None, WAIT) when the replica holding the longest prefix
         of all ``among`` (room or not) has no slot free: the turn waits for it (the same walk)."""
-        best: Replica | None = None
-        best_tokens = 0
         room = self.room if with_room else -1
         if not wait:
             among &= room
+        if len(self.block_sizes) == 1:
+            # A turn whose whole prefix is cached somewhere (a session's next turn, mostly) is settled by
+            # the replicas holding its last block, each checked for the rest at C speed; what this does
+            # not settle, the walk below does, with the same answer.
+            for bs in self.block_sizes:
+                hs = self._usable(req, bs)
+                whole = self.holders.get(hs[-1], 0) & among if hs else 0
+                m = whole
+                while m:
+                    low = m & -m
+                    m ^= low
+                    if not self._blocks[low.bit_length() - 1].issuperset(hs):
+                        whole ^= low
+                if whole & (whole - 1) == 0:  # one replica, or none
+                    r = self._owner[whole.bit_length() - 1] if whole else None
+                    if r is not None:
+                        if wait and not r.has_room:
+                            return None, WAIT
+                        if fits(r):  # its room: in ``among & room`` unless waited for just above
+                            return r, len(hs) * bs
+                elif whole:
+                    if wait:
+                        held = self._best_of(whole, _anywhere)
+                        if held is not None and not held.has_room:
+                            return None, WAIT
+                    r = self._best_of(whole & room, fits)
+                    if r is not None:
+                        return r, len(hs) * bs
+        best: Replica | None = None
+        best_tokens = 0
         home: Replica | None = None
         home_tokens = 0
         for bs in self.block_sizes:
-            levels = self._walk(req, bs, among)
+            levels = self._walk(self._usable(req, bs), among)
             if wait and len(levels) * bs > home_tokens:
                 home, home_tokens = self._best_of(levels[-1], _anywhere), len(levels) * bs
             tried = 0

@@ -344,9 +344,10 @@ class Router:
     def on_backend(self, ident: bytes, mtype: bytes, payload: bytes, kv: bytes = b"", *_: bytes) -> None:
         """``kv``: a Result's replica's ``KvEvents`` since its last, in the same message (applied first)."""
         if mtype == _T_RESULT:
+            r = self.pool.known(ident)
             if kv:
                 try:
-                    self.kv.events(self.pool.known(ident), _dec_kv.decode(kv))
+                    self.kv.events(r, _dec_kv.decode(kv))
                 except Exception as exc:  # the batch is lost (the next one shows the gap), not the Result
                     logger.warning("dropped a malformed KV events batch: %s", exc)
                     self.stats["malformed"] += 1
@@ -354,7 +355,7 @@ class Router:
                 res = _dec_result.decode(payload)
             except Exception as exc:
                 raise P.ProtocolError(f"bad Result: {exc}") from exc
-            self._on_result(ident, res, payload)
+            self._on_result(r, res, payload)
             return
         msg = P.decode(mtype, payload)
         if isinstance(msg, P.Heartbeat):
@@ -377,8 +378,8 @@ class Router:
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
 
-    def _on_result(self, ident: bytes, res: P.Result, payload: bytes) -> None:
-        r = self.pool.known(ident)
+    def _on_result(self, r: Replica | None, res: P.Result, payload: bytes) -> None:
+        """``r``: the registered replica the Result came from (None: none is, by that identity)."""
         if res.request_id.startswith(PROBE_PREFIX):
             if r is not None:
                 self.membership.probe_answered(r, res)
