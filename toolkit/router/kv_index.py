@@ -319,14 +319,7 @@ class KvIndex:
                     m ^= low
                     if not self._blocks[low.bit_length() - 1].issuperset(hs):
                         whole ^= low
-                if whole & (whole - 1) == 0:  # one replica, or none
-                    r = self._owner[whole.bit_length() - 1] if whole else None
-                    if r is not None:
-                        if wait and not r.has_room:
-                            return None, WAIT
-                        if fits(r):  # its room: in ``among & room`` unless waited for just above
-                            return r, len(hs) * bs
-                elif whole:
+                if whole:
                     if wait:
                         held = self._best_of(whole, _anywhere)
                         if held is not None and not held.has_room:
