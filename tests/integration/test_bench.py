@@ -141,3 +141,6 @@ def test_kv_bench_reports_its_fields(tmp_path: Path) -> None:
     turns = r["router_throughput"]["turns"]
     assert r["router_throughput_ratio_events_on"] == turns["ratio_events_on"] > 0
     assert all(v > 0 for v in turns["rps"].values()) and all(v > 0 for v in turns["router_cpu_us_per_request"].values())
+    alone = r["router_cpu_in_process"]
+    assert set(alone["router_cpu_us_per_request"]) == {"events", "no_events", "consistent_hash"}
+    assert all(v > 0 for v in alone["router_cpu_us_per_request"].values()) and alone["cpu_ratio_events_on"] > 0

@@ -8,7 +8,8 @@ best ``rollout.max_concurrent_rollouts`` of a sweep (each with either ``router.a
 policy moving sessions, a replica restarted and one added mid-step: consistent hashing, ``kv_aware``,
 and an oracle (every turn to its longest cached prefix, whatever the load). Then the router's decision
 cost with the index at 512 replicas, and its throughput with events flowing against without
-(``bench router``'s setup). Method: docs/benchmarks.md#kv.
+(``bench router``'s setup), and the router's CPU with and without them alone on a core (``kv_router``).
+Method: docs/benchmarks.md#kv.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.bench import router as rb
+from toolkit.bench.kv_router import cpu_ratio
 from toolkit.bench.router import KV_BLOCK, _run_client, bench_config, decision_cost, instant_replicas
 from toolkit.bench.tail_arms import SESSIONS
 from toolkit.config import Config, compose_config, group_engine
@@ -200,6 +202,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                              policy="kv_aware", setup=_indexed)
     thr = {prompts: events_ratio(n=3000 if quick else 20000, window=1024, replicas=4, rounds=1 if quick else 7,
                                  prompts=prompts) for prompts in (("turns",) if quick else ("turns", "distinct", "same"))}
+    alone = cpu_ratio(n=3000 if quick else 20000, rounds=1 if quick else 7, prompts="turns")
     arms = {**a, **b}
     return {
         "arms": arms,
@@ -210,6 +213,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "decision_us_p99": round(p99, 2),
         "router_throughput_ratio_events_on": thr["turns"]["ratio_events_on"],
         "router_throughput": thr,
+        "router_cpu_in_process": alone,
         "steps_per_arm": steps,
         "warmup_steps": WARMUP,
         "kv_aware_setting": " ".join(KV_AWARE),
