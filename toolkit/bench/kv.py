@@ -121,7 +121,7 @@ def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) 
         try:
             for name, (policy, block) in EVENT_ARMS.items():
                 cfg = bench_config(replicas, max(1, 2 * window // replicas), policy, metrics=False)
-                stack = LocalStack(cfg, Path(tmp) / name)
+                stack = stacks[name] = LocalStack(cfg, Path(tmp) / name)  # stopped below whatever fails next
                 stack.start_router()
                 backend = stack.run_dir.wait_router_address(10)["backend"]
                 procs.append(mpc.Process(target=instant_replicas, daemon=True,
@@ -129,7 +129,6 @@ def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) 
                                                block, KV_BLOCK)))
                 procs[-1].start()
                 stack.wait_ready(30)
-                stacks[name] = stack
             names = list(EVENT_ARMS)
             for name in names:
                 _run_client(stacks[name].frontend, min(n, 2000), window, prompts, EVENT_ARMS[name][1])  # warm each

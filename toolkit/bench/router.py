@@ -267,7 +267,7 @@ def metrics_ratio(n: int, window: int, replicas: int, rounds: int, on_first: boo
         try:
             for on in (on_first, not on_first):
                 cfg = bench_config(replicas, max_inflight=max(1, 2 * window // replicas), metrics=on)
-                stack = LocalStack(cfg, Path(tmp) / f"run-{on}")
+                stack = stacks[on] = LocalStack(cfg, Path(tmp) / f"run-{on}")  # stopped below whatever fails next
                 stack.start_router()
                 backend = stack.run_dir.wait_router_address(10)["backend"]
                 procs.append(mpc.Process(target=instant_replicas, args=(backend, replicas, "bench",
@@ -275,7 +275,6 @@ def metrics_ratio(n: int, window: int, replicas: int, rounds: int, on_first: boo
                                          daemon=True))
                 procs[-1].start()
                 stack.wait_ready(30)
-                stacks[on] = stack
             scraper = threading.Thread(target=_scraper, args=(stacks[True].run_dir.root, stop), daemon=True)
             scraper.start()
             for on in (True, False):
