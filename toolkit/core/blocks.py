@@ -68,17 +68,6 @@ class Chains:
         if len(self._last) > self.keep:
             del self._last[next(iter(self._last))]
 
-    def join(self, key: Hashable, k: int, more: list[int], n: int) -> list[int] | None:
-        """``key``'s last chain, of ``k`` blocks, followed by ``more``, as ``key``'s last now (the newest);
-        None, and nothing changed, when its last is not ``k`` blocks long or the whole would not be ``n``."""
-        last = self._last
-        known = last.get(key)
-        if known is None or len(known) != k or k + len(more) != n:
-            return None
-        del last[key]
-        hashes = last[key] = known + more
-        return hashes
-
     def forget(self, key: Hashable) -> None:
         self._last.pop(key, None)
 

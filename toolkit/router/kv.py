@@ -60,7 +60,8 @@ class KvRouting:
         if self.admission is not None:
             req.new_session = self.admission.is_new(req)
         if self.index is not None:
-            self.index.arrived(req)
+            for bs in self.index.block_sizes:
+                self.index.hashes(req, bs)
 
     def sent(self, req: Request, r: Replica, now: float) -> None:
         if self.admission is not None:

@@ -190,21 +190,6 @@ class KvIndex:
         """Distinct blocks held anywhere."""
         return len(self.holders)
 
-    def arrived(self, req: Request) -> None:
-        """``req`` came in: its prompt's block hashes at each indexed block size, kept on it (:meth:`hashes`),
-        so that a decision while it waits only reads the index. Its client's, where it sent them."""
-        msg = req.msg
-        bs = msg.block_size
-        sizes = self.block_sizes
-        if msg.block_hashes is not None and bs in sizes:
-            given = self._given(req, (msg.session_id, bs) if msg.session_id else None, bs)
-            if given is not None:
-                req.kv_hashes[bs] = given
-                if len(sizes) == 1:
-                    return
-        for b in sizes:
-            self.hashes(req, b)
-
     def hashes(self, req: Request, block_size: int) -> list[int]:
         """``req``'s prompt's block hashes at ``block_size`` (kept on it): its client's when it sent them
         (:meth:`_given`), else hashed here, going on from its session's last prompt when this one extends it."""
@@ -238,17 +223,17 @@ class KvIndex:
         given = msg.block_hashes
         assert given is not None
         k = msg.hashes_from
-        n = len(msg.prompt_token_ids) // block_size
         if k:
-            hashes = self._chains.join(key, k, given, n) if key is not None else None
-            if hashes is None:
+            known = self._chains.get(key) if key is not None else None
+            if known is None or len(known) != k:
                 return None
-        elif len(given) != n:
-            return None
+            hashes = known + given
         else:
             hashes = given
-            if key is not None:
-                self._chains.put(key, hashes)
+        if len(hashes) != len(msg.prompt_token_ids) // block_size:
+            return None
+        if key is not None:
+            self._chains.put(key, hashes)
         self.client_hashed += 1
         return hashes
 
@@ -265,24 +250,24 @@ class KvIndex:
         """Tokens of ``req``'s prompt (but its last) the index says ``r`` holds."""
         if r.kv_slot < 0:
             return 0
-        blocks = self._blocks[r.kv_slot]
-        hs = self._usable(req, r.kv_block_size)
-        if blocks.issuperset(hs):
-            return len(hs) * r.kv_block_size
-        n = 0
-        for h in hs:
-            if h not in blocks:
-                break
-            n += 1
-        return n * r.kv_block_size
+        return len(self._walk(self._usable(req, r.kv_block_size), 1 << r.kv_slot)) * r.kv_block_size
 
     def _usable(self, req: Request, bs: int) -> list[int]:
         """``req``'s block hashes at ``bs`` that routing counts: all but a block ending on its last token."""
-        n = len(req.msg.prompt_token_ids)
-        hs = req.kv_hashes.get(bs)
-        if hs is None or len(hs) != n // bs:
-            hs = self.hashes(req, bs)
-        return hs if len(hs) * bs < n else hs[:-1]
+        hs = self.hashes(req, bs)
+        return hs if len(hs) * bs < len(req.msg.prompt_token_ids) else hs[:-1]
+
+    def _holding_all(self, hs: list[int], among: int) -> int:
+        """The slots of ``among`` holding every block of ``hs``: those holding its last block, each checked for
+        the rest with one set comparison (C speed, where the walk takes a Python step a block)."""
+        whole = self.holders.get(hs[-1], 0) & among if hs else 0
+        m = whole
+        while m:
+            low = m & -m
+            m ^= low
+            if not self._blocks[low.bit_length() - 1].issuperset(hs):
+                whole ^= low
+        return whole
 
     def _walk(self, hs: list[int], among: int) -> list[int]:
         """Down the blocks ``hs``: entry ``d`` is the slots of ``among`` holding blocks ``0..d``, until none does."""
@@ -306,19 +291,18 @@ class KvIndex:
         room = self.room if with_room else -1
         if not wait:
             among &= room
-        if len(self.block_sizes) == 1:
-            # A turn whose whole prefix is cached somewhere (a session's next turn, mostly) is settled by
-            # the replicas holding its last block, each checked for the rest at C speed; what this does
-            # not settle, the walk below does, with the same answer.
-            for bs in self.block_sizes:
-                hs = self._usable(req, bs)
-                whole = self.holders.get(hs[-1], 0) & among if hs else 0
-                m = whole
-                while m:
-                    low = m & -m
-                    m ^= low
-                    if not self._blocks[low.bit_length() - 1].issuperset(hs):
-                        whole ^= low
+        one_size = len(self.block_sizes) == 1
+        best: Replica | None = None
+        best_tokens = 0
+        home: Replica | None = None
+        home_tokens = 0
+        for bs in self.block_sizes:
+            hs = self._usable(req, bs)
+            if one_size:
+                # A turn whose whole prefix is cached somewhere (a session's next turn, mostly) is settled by
+                # the replicas holding all of it; what that does not settle, the walk does, with the same
+                # answer. (With several block sizes another size may hold more: the walks compare them.)
+                whole = self._holding_all(hs, among)
                 if whole:
                     if wait:
                         held = self._best_of(whole, _anywhere)
@@ -327,12 +311,7 @@ class KvIndex:
                     r = self._best_of(whole & room, fits)
                     if r is not None:
                         return r, len(hs) * bs
-        best: Replica | None = None
-        best_tokens = 0
-        home: Replica | None = None
-        home_tokens = 0
-        for bs in self.block_sizes:
-            levels = self._walk(self._usable(req, bs), among)
+            levels = self._walk(hs, among)
             if wait and len(levels) * bs > home_tokens:
                 home, home_tokens = self._best_of(levels[-1], _anywhere), len(levels) * bs
             tried = 0

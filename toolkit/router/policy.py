@@ -178,17 +178,6 @@ class ConsistentHash(Policy):
         load = len(r.inflight)
         return load < r.max_inflight and load < self.bound(r, group_load)
 
-    def fitter(self, group_load: int) -> Callable[[Replica], bool]:
-        """:meth:`fits` at ``group_load`` as one call (:meth:`bound` inline, computed in the same order)."""
-        share = self.load_factor * (group_load + 1)
-        capacity = self._capacity or self._total()
-
-        def fits(r: Replica) -> bool:
-            load = len(r.inflight)
-            return load < r.max_inflight and load < math.ceil(share * r.max_inflight / capacity)
-
-        return fits
-
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
                req: Request | None = None) -> Replica | None:
         if not self.replicas or not with_room:
@@ -258,9 +247,9 @@ class KvAware(Policy):
 
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
                req: Request | None = None) -> Replica | None:
-        among = self.among if req is not None and with_room else 0
-        if among and req is not None:
-            r, tokens = self.index.longest(req, among, self.hashing.fitter(group_load), wait=self.wait_for_home)
+        if req is not None and self.among and with_room:
+            r, tokens = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load),
+                                           wait=self.wait_for_home)
             if tokens == WAIT:
                 return None  # its prefix is cached on a full replica: wait for a slot rather than compute it again
             if r is not None:
