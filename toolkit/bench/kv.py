@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.bench import router as rb
-from toolkit.bench.kv_router import cpu_ratio
+from toolkit.bench.kv_router import EVENT_ARMS, cpu_ratio
 from toolkit.bench.router import KV_BLOCK, _run_client, bench_config, decision_cost, instant_replicas
 from toolkit.bench.tail_arms import SESSIONS
 from toolkit.config import Config, compose_config, group_engine
@@ -99,11 +99,6 @@ def churn_events(warmup_s: float) -> Any:
         return schedule
 
     return make
-
-
-EVENT_ARMS = {"events": ("kv_aware", KV_BLOCK), "no_events": ("kv_aware", 0), "consistent_hash": ("consistent_hash", 0)}
-"""Routers of the events bench: ``kv_aware`` with its replicas' events flowing, without (its index empty,
-it routes by consistent hashing), and consistent hashing (the feature off)."""
 
 
 def events_ratio(n: int, window: int, replicas: int, rounds: int, prompts: str) -> dict[str, Any]:

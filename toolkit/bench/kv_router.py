@@ -16,25 +16,30 @@ from typing import Any
 
 import msgspec
 
-from toolkit.bench.router import KV_BLOCK, KV_CAPACITY, OUTPUT_LEN, bench_config, prompt_of
-from toolkit.client import hash_prompt
+from toolkit.bench.router import (
+    KV_BLOCK,
+    _answer,
+    bench_config,
+    cache_events,
+    client_messages,
+    instant_cache,
+    instant_register,
+    session_done_before,
+)
 from toolkit.core import protocol as P
-from toolkit.core.blocks import Chains
 from toolkit.core.lifecycle import quiet_gc
 from toolkit.core.rundir import RunDir
-from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import PrefixCache
-from toolkit.router.kv_index import CHAINS_KEPT
 from toolkit.router.links import Links
 from toolkit.router.server import Router
 
-ARMS = {"events": ("kv_aware", KV_BLOCK), "no_events": ("kv_aware", 0), "consistent_hash": ("consistent_hash", 0)}
-"""As ``bench kv``'s events arms: ``kv_aware`` with events, without (its index empty), consistent hashing."""
+EVENT_ARMS = {"events": ("kv_aware", KV_BLOCK), "no_events": ("kv_aware", 0), "consistent_hash": ("consistent_hash", 0)}
+"""Routers of the events bench: ``kv_aware`` with its replicas' events flowing, without (its index empty,
+it routes by consistent hashing), and consistent hashing (the feature off)."""
 _T_GEN, _T_RES = P.TYPE_OF[P.Generate], P.TYPE_OF[P.Result]
 _T_RESYNC = P.TYPE_OF[P.KvResync]
 _enc = msgspec.msgpack.Encoder()
 _dec_gen = msgspec.msgpack.Decoder(P.Generate)
-_OUTPUT = list(range(1, OUTPUT_LEN + 1))
 
 
 class _Inbox(Links):
@@ -63,11 +68,9 @@ class _Fleet:
         self.caches: dict[bytes, PrefixCache] = {}
         for i in range(replicas):
             rid = f"bench-{i}@in-process"
-            cache = self.caches[rid.encode()] = PrefixCache(KV_BLOCK, KV_CAPACITY)
-            cache.log = KvEventLog()
-            self.call(self.router.on_backend, rid.encode(), *P.encode(P.Register(
-                rid, "bench", {"group": "bench"}, "instant", self.cfg.groups["bench"].max_inflight, 100000, 1 << 20,
-                kv_block_size=block, kv_capacity_tokens=KV_CAPACITY)))
+            self.caches[rid.encode()] = instant_cache(KV_BLOCK)
+            self.call(self.router.on_backend, rid.encode(),
+                      *P.encode(instant_register(rid, "bench", self.cfg.groups["bench"].max_inflight, block)))
         self.serve()
 
     def call(self, fn: Any, *args: Any) -> None:
@@ -84,11 +87,9 @@ class _Fleet:
                 cache = self.caches[ident]
                 assert cache.log is not None
                 if frames[0] == _T_GEN:
-                    req = _dec_gen.decode(frames[1])
-                    cache.insert(req.prompt_token_ids + _OUTPUT)
-                    kv = cache.log.frames()
-                    res = P.Result(req.request_id, "ok", _OUTPUT, [-0.5] * OUTPUT_LEN, "stop", ident.decode(), "bench")
-                    self.call(self.router.on_backend, ident, _T_RES, _enc.encode(res), *(kv if self.block else ()))
+                    kv = cache_events(cache, _dec_gen.decode(frames[1]))
+                    res = _answer(frames[1], ident.decode(), "bench")
+                    self.call(self.router.on_backend, ident, _T_RES, res, *(kv if self.block else ()))
                 elif frames[0] == _T_RESYNC:
                     self.call(self.router.on_backend, ident, *P.encode(cache.log.snapshot(list(cache.blocks))))
             self.call(self.router.dispatch)
@@ -100,14 +101,7 @@ class _Drive:
 
     def __init__(self, policy: str, block: int, n: int, prompts: str, window: int, replicas: int,
                  run_dir: RunDir) -> None:
-        chains = Chains(CHAINS_KEPT)
-        self.payloads = []
-        for i in range(n):
-            msg = P.Generate(f"c-{i}", "bench", f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}",
-                             0, prompt_of(i, prompts), P.Sampling(OUTPUT_LEN))
-            if block:
-                hash_prompt(chains, msg, block)  # as a RouterClient told the block size by its Routes does
-            self.payloads.append(_enc.encode(msg))
+        self.payloads = [_enc.encode(msg) for msg in client_messages(n, prompts, block, "c")]
         self.fleet = _Fleet(policy, block, replicas, window, run_dir)
         self.fleet.cpu_ns = 0
         self.n, self.prompts, self.window = n, prompts, window
@@ -121,10 +115,9 @@ class _Drive:
         fleet, router = self.fleet, self.fleet.router
         while self.sent < self.n and self.sent - fleet.links.answered < self.window:
             k = self.sent
-            if self.prompts == "turns" and k >= 997 * 8 and k % (997 * 8) < 997:
-                prev = k - 997 * 8  # a session's first turn: the one it follows is done, as a rank says
-                fleet.call(router.on_frontend, b"client",
-                           *P.encode(P.SessionDone("bench", 0, f"s{prev % 997}-{prev // (997 * 8)}")))
+            done_msg = session_done_before(k, self.prompts)
+            if done_msg is not None:
+                fleet.call(router.on_frontend, b"client", *P.encode(done_msg))
             fleet.call(router.on_frontend, b"client", _T_GEN, self.payloads[k])
             self.sent += 1
         fleet.call(router.dispatch)
@@ -132,11 +125,11 @@ class _Drive:
 
 
 def cpu_us(n: int, prompts: str, window: int = 1024, replicas: int = 4) -> dict[str, float]:
-    """Each arm of :data:`ARMS`'s router CPU microseconds per request for ``n`` requests, the arms' fleets
+    """Each arm of :data:`EVENT_ARMS`'s router CPU microseconds per request for ``n`` requests, the arms' fleets
     taking turns a cycle each (a slower spell of the machine falls on all of them alike)."""
     with tempfile.TemporaryDirectory(prefix="bench-kv-router-") as tmp:
         drives = {}
-        for name, (policy, block) in ARMS.items():
+        for name, (policy, block) in EVENT_ARMS.items():
             rd = RunDir(Path(tmp) / name)
             rd.make()
             drives[name] = _Drive(policy, block, n, prompts, window, replicas, rd)
@@ -157,7 +150,7 @@ def cpu_ratio(n: int, rounds: int, prompts: str) -> dict[str, Any]:
     ``no_events`` / ``events`` (events on vs off)."""
     runs = [cpu_us(n, prompts) for _ in range(rounds)]
     ratios = sorted(r["no_events"] / r["events"] for r in runs)
-    return {"router_cpu_us_per_request": {a: round(statistics.median(r[a] for r in runs), 2) for a in ARMS},
+    return {"router_cpu_us_per_request": {a: round(statistics.median(r[a] for r in runs), 2) for a in EVENT_ARMS},
             "cpu_ratio_events_on": round(ratios[len(ratios) // 2], 4),
             "cpu_ratio_events_on_range": [round(ratios[0], 4), round(ratios[-1], 4)],
             "rounds": rounds, "requests": n, "prompts": prompts}

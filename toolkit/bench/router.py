@@ -55,6 +55,48 @@ def _answer(payload: bytes, replica_id: str, group: str) -> bytes:
     return _enc.encode(res)
 
 
+def instant_register(rid: str, group: str, max_inflight: int, kv_block_size: int) -> P.Register:
+    """An instant replica's Register (``kv_block_size``: it reports KV events at that block size; 0: none)."""
+    return P.Register(rid, group, {"group": group}, "instant", max_inflight, 100000, 1 << 20,
+                      kv_block_size=kv_block_size, kv_capacity_tokens=KV_CAPACITY)
+
+
+def instant_cache(block: int) -> PrefixCache:
+    """An instant replica's prefix cache, logging its KV events."""
+    cache = PrefixCache(block, KV_CAPACITY)
+    cache.log = KvEventLog()
+    return cache
+
+
+def cache_events(cache: PrefixCache, req: P.Generate) -> list[bytes]:
+    """An instant replica serves ``req``: its prefix cache (with an event log) stores the prompt and the
+    answer's tokens; the events batch since the last, as the frame a Result carries (none if no change)."""
+    cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
+    assert cache.log is not None
+    return cache.log.frames()
+
+
+def client_messages(n: int, prompts: str, block_size: int = 0, prefix: str = "") -> list[P.Generate]:
+    """The client's ``n`` requests of ``prompt_of``'s ``prompts`` (ids ``prefix-i``); with ``block_size``,
+    each carries its prompt's block hashes, as a ``RouterClient`` told the block size by its Routes sends them."""
+    chains = Chains(CHAINS_KEPT)
+    msgs = [P.Generate(f"{prefix}-{i}", "bench", f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}",
+                       0, prompt_of(i, prompts), P.Sampling(OUTPUT_LEN)) for i in range(n)]
+    if block_size:
+        for msg in msgs:
+            hash_prompt(chains, msg, block_size)
+    return msgs
+
+
+def session_done_before(k: int, prompts: str) -> P.SessionDone | None:
+    """What the client says before request ``k``: with ``turns``, a session's first turn follows one that is
+    done (997 * 8 requests back), as a rank says it."""
+    if prompts == "turns" and k >= 997 * 8 and k % (997 * 8) < 997:
+        prev = k - 997 * 8
+        return P.SessionDone("bench", 0, f"s{prev % 997}-{prev // (997 * 8)}")
+    return None
+
+
 def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartbeat_s: float,
                      kv_block_size: int = 0, cache_block: int = 0) -> None:
     """``n`` replicas in one process that answer every Generate at once (a process target). With
@@ -77,20 +119,14 @@ def instant_replicas(backend: str, n: int, group: str, max_inflight: int, heartb
     block = kv_block_size or cache_block
 
     def register(s: zmq.Socket, rid: str) -> None:
-        s.send_multipart(P.encode(P.Register(rid, group, {"group": group}, "instant", max_inflight, 100000, 1 << 20,
-                                             kv_block_size=kv_block_size, kv_capacity_tokens=KV_CAPACITY)))
+        s.send_multipart(P.encode(instant_register(rid, group, max_inflight, kv_block_size)))
         if block:
-            caches[rid] = PrefixCache(block, KV_CAPACITY)
-            caches[rid].log = KvEventLog()
+            caches[rid] = instant_cache(block)
 
     def events(rid: str, payload: bytes) -> list[bytes]:
         """The KV events frame a Result carries (empty when nothing changed or the replica does not report
         them), as a replica sends it; the batch is taken (encoded) either way."""
-        cache = caches[rid]
-        req = _dec_gen.decode(payload)
-        cache.insert(req.prompt_token_ids + list(range(1, OUTPUT_LEN + 1)))
-        assert cache.log is not None
-        frames = cache.log.frames()
+        frames = cache_events(caches[rid], _dec_gen.decode(payload))
         return frames if kv_block_size else []
 
     for s, rid in socks:
@@ -197,14 +233,7 @@ def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same"
     """Keep ``window`` requests outstanding; report requests/s from first send to last result. With
     ``block_size``, each prompt carries its block hashes, as a ``RouterClient`` told it by a ``kv_aware``
     router sends them (computed before the clock starts, as the requests are)."""
-    chains = Chains(CHAINS_KEPT)
-    msgs = [P.Generate(f"{os.getpid()}-{i}", "bench",
-                       f"s{i % 997}-{i // (997 * 8)}" if prompts == "turns" else f"s{i % 997}", 0,
-                       prompt_of(i, prompts), P.Sampling(OUTPUT_LEN)) for i in range(n)]
-    if block_size:
-        for msg in msgs:
-            hash_prompt(chains, msg, block_size)
-    payloads = [_enc.encode(msg) for msg in msgs]
+    payloads = [_enc.encode(msg) for msg in client_messages(n, prompts, block_size, str(os.getpid()))]
     ctx = zmq.Context()
     s = make_socket(ctx, zmq.DEALER)
     s.connect(frontend)
@@ -213,10 +242,9 @@ def client(frontend: str, n: int, window: int, out_q: Any, prompts: str = "same"
     t0 = time.perf_counter()
     while done < n:
         while sent < n and sent - done < window:
-            if prompts == "turns" and sent >= 997 * 8 and sent % (997 * 8) < 997:
-                # A session's first turn: the one it follows (997 * 8 requests back) is done, as a rank says.
-                prev = sent - 997 * 8
-                s.send_multipart(P.encode(P.SessionDone("bench", 0, f"s{prev % 997}-{prev // (997 * 8)}")))
+            done_msg = session_done_before(sent, prompts)
+            if done_msg is not None:
+                s.send_multipart(P.encode(done_msg))
             s.send_multipart([t_gen, payloads[sent]])
             sent += 1
         s.recv_multipart()
