@@ -50,3 +50,11 @@ def test_a_log_gets_a_plain_line_per_interval_and_a_terminal_a_redrawn_one() -> 
     assert p.live is not None and "8/32 sessions" in tty.getvalue()
     p.step_done()
     assert p.live is None and "progress:" not in tty.getvalue()
+
+
+def test_a_status_fetched_before_a_step_s_report_prints_nothing_after_its_step_line() -> None:
+    out = io.StringIO()
+    p = Progress(Console(file=out, force_terminal=False, width=200), "rollout", 5, 0.0)
+    p.step_done(1)  # step 2/5's line was printed
+    p.update(status(32, 1000), 0)  # the router's status still showed it running when it was fetched
+    assert "progress:" not in out.getvalue()

@@ -31,11 +31,13 @@ class Progress:
         self._logged_at = 0.0
         self._tokens: tuple[float, int] | None = None  # (time, generated tokens) of the last status
         self.tokens_per_s = 0.0
+        self._ended = -1
+        """The last step whose line was printed: a status fetched before its report still shows it running."""
 
     def line(self, status: P.Status, restarts: int, now: float) -> tuple[str, P.StepProgress] | None:
         """The progress line of the job's current step, or None when it has not begun."""
         st = status.steps.get(self.job)
-        if st is None or st.step < 0 or not st.sessions:
+        if st is None or st.step < 0 or st.step <= self._ended or not st.sessions:
             return None
         generated = sum(g.generated_tokens for g in status.groups.values())
         if self._tokens is not None and now > self._tokens[0] and generated >= self._tokens[1]:
@@ -78,8 +80,11 @@ class Progress:
             self.live.start()
         self.live.update(grid, refresh=True)
 
-    def step_done(self) -> None:
-        """A step's report arrived: clear the display before its step line."""
+    def step_done(self, step: int | None = None) -> None:
+        """Step ``step``'s report arrived: clear the display before its step line; no progress line for it
+        after that one."""
+        if step is not None:
+            self._ended = max(self._ended, step)
         if self.live is not None:
             self.live.stop()
             self.live = None

@@ -187,7 +187,7 @@ class Run:
                 continue
             while self.next_step < cfg.steps and (rep := read_json(self.run_dir.step_report(self.next_step))):
                 self.step_reports.append(rep)
-                self.progress.step_done()
+                self.progress.step_done(self.next_step)
                 self.console.print(progress_line(rep, cfg.steps), soft_wrap=True)
                 if self.trackers is not None:
                     self.trackers.log(rep)
