@@ -23,9 +23,13 @@ def _ask(address: str, msg: P.Message, curve: ClientCurve | None, timeout_s: flo
     """Send one message on a fresh DEALER; the reply frames, or None if nothing came back."""
     ctx = zmq.Context.instance()
     s = make_socket(ctx, zmq.DEALER, curve=curve)
+    s.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         s.connect(address)
-        s.send_multipart(P.encode(msg))
+        try:
+            s.send_multipart(P.encode(msg))
+        except zmq.Again:  # not even queued (CI at 0892ab1 saw this send block for 300 s): nothing reached the router
+            return None
         return s.recv_multipart() if s.poll(int(timeout_s * 1000)) else None
     finally:
         s.close(0)
