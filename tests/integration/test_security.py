@@ -28,7 +28,11 @@ def _ask(address: str, msg: P.Message, curve: ClientCurve | None, timeout_s: flo
         s.connect(address)
         try:
             s.send_multipart(P.encode(msg))
-        except zmq.Again:  # not even queued (CI at 0892ab1 saw this send block for 300 s): nothing reached the router
+        except zmq.Again:
+            # Not even queued: nothing reached the router. A DEALER refused by the router's handshake can be
+            # left with no peer: CI at 0892ab1 blocked here 300 s, and a loop here blocked once in about 300
+            # tries, on a send right after the connect. libzmq ends a session whose handshake failed with a
+            # protocol error without reconnecting (session_base_t::engine_error), which would explain it.
             return None
         return s.recv_multipart() if s.poll(int(timeout_s * 1000)) else None
     finally:
