@@ -22,7 +22,7 @@ from toolkit.router.tail.age import AgePolicy
 from toolkit.router.tail.base import EVERYTHING, MoveLimits, StepRecord
 from toolkit.router.tail.count import CountPolicy
 from toolkit.router.tail.predict import PredictPolicy
-from toolkit.router.tail.routing import TailRouting, reserved_group
+from toolkit.router.tail.routing import TICK_REPLICAS, TICK_S, TailRouting, reserved_group
 
 
 def tail_cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -703,3 +703,17 @@ def test_auto_moves_carry_kv_only_when_every_engine_can_receive_it() -> None:
     assert moves_carry_kv(compose_config([]))  # the sim everywhere
     assert not moves_carry_kv(compose_config(["engine=vllm", "engine.model=/m"]))
     assert not moves_carry_kv(compose_config(["tail.move=recompute"]))
+
+
+def test_ticks_come_less_often_past_tick_replicas_in_proportion(tmp_path: Path, files: FileWriter) -> None:
+    """A tick prices every replica's oldest request: up to TICK_REPLICAS replicas it comes every TICK_S,
+    past them less often in proportion to the fleet, so that the ticks cost the router no more a second
+    than TICK_REPLICAS replicas make them cost."""
+    f = Fleet(tmp_path, files, "tail.policy=age")
+    assert f.tail.tick_s() == TICK_S  # three replicas
+    for n in range(3, TICK_REPLICAS):
+        f.pool.add(replica(n, "throughput", 4))
+    assert len(f.pool.all()) == TICK_REPLICAS and f.tail.tick_s() == TICK_S
+    for n in range(TICK_REPLICAS, 8 * TICK_REPLICAS):
+        f.pool.add(replica(n, "throughput", 4))
+    assert f.tail.tick_s() == pytest.approx(8 * TICK_S)

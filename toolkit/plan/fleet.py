@@ -22,7 +22,6 @@ from toolkit.plan.engine import Plan, TwinEngine
 from toolkit.router.links import Links
 from toolkit.router.membership import PROBE_PREFIX
 from toolkit.router.server import Router
-from toolkit.router.tail.routing import TICK_S
 
 _T_RESULT = P.TYPE_OF[P.Result]
 _T_GENERATE = P.TYPE_OF[P.Generate]
@@ -116,11 +115,11 @@ class Wire(Links):
         def move() -> None:
             router.move_long_runners()
             router.dispatch()
-            self.loop.call_later(TICK_S, move)
+            self.loop.call_later(router.tail.tick_s(), move)
 
         self.loop.call_later(sweep_every, sweep)
         if router.tail.active:
-            self.loop.call_later(TICK_S, move)
+            self.loop.call_later(router.tail.tick_s(), move)
 
 
 class TwinReplica:

@@ -34,7 +34,7 @@ from toolkit.router.migration import Migrations
 from toolkit.router.pool import ReplicaPool, limit_error
 from toolkit.router.queue import FairQueue, Request
 from toolkit.router.replica import Replica
-from toolkit.router.tail.routing import TICK_S, TailRouting, reserved_group
+from toolkit.router.tail.routing import TailRouting, reserved_group
 from toolkit.router.timeline import Timeline
 from toolkit.router.weights import WeightSync
 
@@ -133,7 +133,7 @@ class Router:
         poller.register(links.backend, zmq.POLLIN)
         sweep_every = min(self.rcfg.heartbeat_s / 2, 0.25)
         next_sweep = clock.monotonic() + sweep_every
-        next_move = clock.monotonic() + TICK_S if self.tail.active else float("inf")
+        next_move = clock.monotonic() + self.tail.tick_s() if self.tail.active else float("inf")
         while not should_stop():
             timeout_ms = max(0.0, (min(next_sweep, next_move) - clock.monotonic()) * 1000)
             events = dict(poller.poll(int(timeout_ms)))  # what pyzmq does with a float
@@ -152,7 +152,7 @@ class Router:
                 changed = True
             if now >= next_move:
                 self.move_long_runners()
-                next_move = clock.monotonic() + TICK_S
+                next_move = clock.monotonic() + self.tail.tick_s()
             if changed:  # else the dispatch after the backend drain has already seen this state
                 self.dispatch()
 

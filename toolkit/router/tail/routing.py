@@ -3,8 +3,8 @@
 It alone decides: ranks send requests without a group (unless their user names one), and it places
 each of them (a group, or :data:`BULK`: every group but the tail group). It owns the count flip
 (``flip.py``), the policy (``tail.policy``) and what each job's current step has revealed
-(:class:`StepRecord`); every :data:`TICK_S` the server asks it for the running requests to move to the
-tail group. Moves happen only into room: the tail group's spare slots less the moves on their way, so
+(:class:`StepRecord`); every tick (:meth:`TailRouting.tick_s`) the server asks it for the running
+requests to move to the tail group. Moves happen only into room: the tail group's spare slots less the moves on their way, so
 a moved request never waits in the queue while it could have gone on running.
 """
 
@@ -32,8 +32,13 @@ from toolkit.router.timeline import Timeline
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.05
-"""How often the router looks for running requests to move: a request on a busy replica makes ~100-300
-tokens a second, so a move comes within a few percent of a long turn of its threshold."""
+"""How often the router looks for running requests to move, in a fleet of up to :data:`TICK_REPLICAS`
+replicas: a request on a busy replica makes ~100-300 tokens a second, so a move comes within a few
+percent of a long turn of its threshold."""
+TICK_REPLICAS = 512
+"""Past this many replicas the ticks come less often, in proportion (:meth:`TailRouting.tick_s`): a tick
+prices the oldest request of every replica, 20-25 ms at 4,096 replicas, which every 50 ms would take a
+third of the router's time and hold back its dispatch."""
 
 
 def _may_move(req: Request, step: int) -> bool:
@@ -218,6 +223,11 @@ class TailRouting:
         return self.targets(req)[0]
 
     # ---- moves -----------------------------------------------------------------------------
+    def tick_s(self) -> float:
+        """Seconds to the next look for requests to move: :data:`TICK_S`, longer in proportion past
+        :data:`TICK_REPLICAS` replicas, so that the ticks take a bounded share of the router."""
+        return TICK_S * max(1.0, len(self.pool.all()) / TICK_REPLICAS)
+
     def room(self) -> int:
         """Spare slots of the tail group less the moves on their way there."""
         return self.pool.spare_slots(self.group) - len(self.inbound)
