@@ -314,9 +314,10 @@ class TailRouting:
             runners: list[tuple[float, int, Request, Replica]] = []
             residents: list[tuple[float, int, Request, Replica]] = []
             for r in self.pool.all():
-                if not r.serving:
+                if not r.serving or not r.inflight:
                     continue
                 on_tail = r.group == self.group
+                ran = r.speed.per_request_at(now)
                 young = False  # a plain request here is not a long runner: none dispatched after it is
                 for req in r.inflight.values():
                     m = req.msg
@@ -326,7 +327,7 @@ class TailRouting:
                         continue
                     if not _can_move(req) or (m.group is not None and not (on_tail and req.moves)):
                         continue  # a request that named its group stays there; one moved there may go
-                    tokens = len(req.prefix_tokens) + r.speed.tokens_since(req.est_mark, now)
+                    tokens = len(req.prefix_tokens) + r.speed.tokens_until(req.est_mark, ran)
                     if not on_tail and limits.priority(tokens, hinted(m)) is None:
                         young = young or plain(req)
                         continue  # not a long runner
