@@ -41,14 +41,14 @@ def test_a_log_gets_a_plain_line_per_interval_and_a_terminal_a_redrawn_one() -> 
     p.update(status(8, 1000), 0)
     p.update(status(9, 2000), 0)  # within the interval: nothing
     assert out.getvalue().count("progress: step 2/5") == 1
-    p.step_done()  # the next step's first status prints at once
+    p.step_done(0)  # step 1/5 ended: the next step's first status prints at once
     p.update(status(1, 3000), 0)
     assert out.getvalue().count("progress: step 2/5") == 2
     tty = io.StringIO()
     p = Progress(Console(file=tty, force_terminal=True, width=200), "rollout", 5, 30.0)
     p.update(status(8, 1000), 0)
     assert p.live is not None and "8/32 sessions" in tty.getvalue()
-    p.step_done()
+    p.step_done(0)
     assert p.live is None and "progress:" not in tty.getvalue()
 
 

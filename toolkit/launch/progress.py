@@ -80,15 +80,15 @@ class Progress:
             self.live.start()
         self.live.update(grid, refresh=True)
 
-    def step_done(self, step: int | None = None) -> None:
+    def step_done(self, step: int) -> None:
         """Step ``step``'s report arrived: clear the display before its step line; no progress line for it
         after that one."""
-        if step is not None:
-            self._ended = max(self._ended, step)
+        self._ended = max(self._ended, step)
+        self.close()
+
+    def close(self) -> None:
+        """Clear the display; the next status prints at once."""
         if self.live is not None:
             self.live.stop()
             self.live = None
         self._logged_at = 0.0
-
-    def close(self) -> None:
-        self.step_done()

@@ -4,8 +4,8 @@ It alone decides: ranks send requests without a group (unless their user names o
 each of them (a group, or :data:`BULK`: every group but the tail group). It owns the count flip
 (``flip.py``), the policy (``tail.policy``) and what each job's current step has revealed
 (:class:`StepRecord`); every tick (:meth:`TailRouting.tick_s`) the server asks it for the running
-requests to move to the tail group. Moves happen only into room: the tail group's spare slots less the moves on their way, so
-a moved request never waits in the queue while it could have gone on running.
+requests to move to the tail group. Moves happen only into room: the tail group's spare slots less the
+moves on their way, so a moved request never waits in the queue while it could have gone on running.
 """
 
 from __future__ import annotations
