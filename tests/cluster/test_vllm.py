@@ -13,6 +13,7 @@ the benchmark's measurement.
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ from toolkit.config import compose_config  # noqa: E402
 from toolkit.core import protocol as P  # noqa: E402
 from toolkit.core.lifecycle import read_pidfiles  # noqa: E402
 from toolkit.core.rundir import RunDir, atomic_write  # noqa: E402
+from toolkit.engine.vllm_setup import TCMALLOC  # noqa: E402
 from toolkit.launch.stack import LocalStack  # noqa: E402
 from toolkit.launch.validation import validate  # noqa: E402
 from toolkit.weights import publish  # noqa: E402
@@ -133,6 +135,9 @@ class TestReplica:
         assert probe.status == "ok" and len(probe.output_token_ids) == 1
         b.send(gen("first"))
         assert b.recv(P.Result, 60).status == "ok"
+        # engine.cpu_allocator=auto: the engine core runs on TCMalloc where the node has it (CI installs it).
+        maps = Path(f"/proc/{engine_core_pid(stack.run_dir)}/maps").read_text()
+        assert ("libtcmalloc" in maps) == any(ctypes.util.find_library(n) for n in TCMALLOC)
         # 12 requests with the same 70-token prompt, 4 running at most (max_num_seqs=4): 8 wait.
         b.beats.clear()
         for i in range(12):

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.config import ENGINES, ConfigError, VllmEngineConfig, compose_config, group_engine
+from toolkit.config import ENGINES, ConfigError, CpuAllocator, VllmEngineConfig, compose_config, group_engine
 from toolkit.engine.vllm import VllmEngine
 from toolkit.engine.vllm_lora import adapter_present
-from toolkit.engine.vllm_setup import cpu_thread_binding
+from toolkit.engine.vllm_setup import AllocatorMissing, allocator_preload, cpu_thread_binding
+from toolkit.launch.composition import check_overrides
 from toolkit.launch.validation import validate
 
 
@@ -71,6 +72,29 @@ def test_cpu_thread_binding_splits_the_cpus_between_workers() -> None:
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
     assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
     assert cpu_thread_binding(4, [0, 1]) is None  # vLLM then says what is wrong
+
+
+def test_the_cpu_allocator_is_tcmalloc_where_the_node_has_it_and_a_users_own_stays() -> None:
+    libs = {"tcmalloc_minimal": "libtcmalloc_minimal.so.4", "tcmalloc": "libtcmalloc.so.4"}
+    has, only_full, none = libs.get, {"tcmalloc": "libtcmalloc.so.4"}.get, {}.get
+    auto, tc, system = CpuAllocator.auto, CpuAllocator.tcmalloc, CpuAllocator.system
+    assert compose_config(["model=tiny"]).engine.cpu_allocator == auto
+    assert allocator_preload(auto, "", has) == allocator_preload(tc, "", has) == "libtcmalloc_minimal.so.4"
+    assert allocator_preload(auto, "", only_full) == "libtcmalloc.so.4"
+    assert allocator_preload(auto, "/t/libgomp.so", has) == "libtcmalloc_minimal.so.4:/t/libgomp.so"
+    # Already there (an engine restarted in the same replica, or the user's): unchanged, not twice.
+    assert allocator_preload(auto, "libtcmalloc_minimal.so.4", has) == "libtcmalloc_minimal.so.4"
+    assert allocator_preload(auto, "/x/libjemalloc.so.2", has) == "/x/libjemalloc.so.2"
+    assert allocator_preload(system, "/t/libgomp.so", has) == "/t/libgomp.so"
+    assert allocator_preload(auto, "", none) == ""  # with a warning in the replica's log
+    with pytest.raises(AllocatorMissing, match="libtcmalloc-minimal4.*auto or system"):
+        allocator_preload(tc, "", none)
+    with pytest.raises(AllocatorMissing, match="libjemalloc"):
+        allocator_preload(tc, "/x/libjemalloc.so.2", has)
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["model=tiny", "engine.cpu_allocator=jemalloc"])
+    assert {e.field: e.allowed for e in info.value.errors} == {
+        "engine.cpu_allocator": "one of ['auto', 'tcmalloc', 'system']"}
 
 
 def test_adapter_present_lists_the_directory_on_a_miss(tmp_path: Path) -> None:

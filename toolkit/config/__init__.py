@@ -25,6 +25,7 @@ from toolkit.config.backends import (
     VLLM_OWN_ARGS,
     Backend,
     ClusterConfig,
+    CpuAllocator,
     GroupConfig,
     ReplicaResources,
     SimEngineConfig,
@@ -61,7 +62,7 @@ from toolkit.core.rundir import RunDir, atomic_write
 
 __all__ = [
     "CONF_DIR", "VLLM_OWN_ARGS", "Affinity", "Backend", "Choice", "CloseMode", "ClusterConfig", "Config", "ConfigError",
-    "ConfigSchema", "DeltaMode", "GatewayConfig", "GroupConfig", "GroupFilter", "Move", "Output", "QueueOrder", "ReplicaResources",
+    "ConfigSchema", "CpuAllocator", "DeltaMode", "GatewayConfig", "GroupConfig", "GroupFilter", "Move", "Output", "QueueOrder", "ReplicaResources",
     "ReportConfig", "RolloutConfig", "RouterConfig", "RouterPolicyName", "SimEngineConfig",
     "SlurmClusterConfig", "StaleAction", "TailConfig", "TailPolicyName", "ToolParser", "UpdateMode", "VllmEngineConfig",
     "WandbMode", "WeightsConfig", "WeightsTransport", "WorkloadConfig", "compose_config", "engine_variants", "field_errors", "flip_count",

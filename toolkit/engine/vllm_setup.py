@@ -1,14 +1,29 @@
 """How a replica's vLLM is set up: its ``AsyncEngineArgs`` (the same on every node rank of a replica
-wider than a node), the CPU build's thread binding, and the stat logger that feeds heartbeats."""
+wider than a node), the CPU build's thread binding and allocator, and the stat logger that feeds
+heartbeats."""
 
 from __future__ import annotations
 
+import ctypes.util
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
-from toolkit.config import VllmEngineConfig
+from toolkit.config import CpuAllocator, VllmEngineConfig
+from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import ReplicaStats
 from toolkit.engine.nodes import NodeRole
+
+logger = logging.getLogger(__name__)
+
+TCMALLOC = ("tcmalloc_minimal", "tcmalloc")
+"""TCMalloc's libraries, as ``ctypes.util.find_library`` names them (the minimal one first, as vLLM's CPU
+platform picks its bundled copy)."""
+
+
+class AllocatorMissing(ToolkitError):
+    """``engine.cpu_allocator=tcmalloc`` on a node without TCMalloc."""
 
 
 def record(counters: ReplicaStats, scheduler_stats: Any, iteration_stats: Any) -> None:
@@ -84,8 +99,34 @@ def cpu_environment(c: VllmEngineConfig, role: NodeRole | None) -> None:
         workers = max(1, workers // role.nnodes)
         if role.one_host:
             os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ["LD_PRELOAD"] = allocator_preload(CpuAllocator(c.cpu_allocator), os.environ.get("LD_PRELOAD", ""))
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     bind = cpu_thread_binding(workers, cpus) if workers > 1 else (",".join(map(str, cpus)) if role else None)
     if bind is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+
+
+def allocator_preload(choice: CpuAllocator, preload: str,
+                      find: Callable[[str], str | None] = ctypes.util.find_library) -> str:
+    """``LD_PRELOAD`` for the engine processes under ``engine.cpu_allocator`` (``preload``: the current one).
+    The CPU build spawns its engine core and workers afresh, so a library named here is theirs; the
+    replica process itself keeps the allocator it started with."""
+    if choice == CpuAllocator.system or "tcmalloc" in preload:
+        return preload
+    if "malloc" in preload:  # the user's own allocator (jemalloc, mimalloc...): theirs to choose
+        if choice == CpuAllocator.tcmalloc:
+            raise AllocatorMissing(f"engine.cpu_allocator=tcmalloc, but LD_PRELOAD already has another allocator "
+                                   f"({preload}): take it out, or set engine.cpu_allocator to auto or system")
+        return preload
+    lib = next((found for name in TCMALLOC if (found := find(name))), None)
+    if lib is None:
+        if choice == CpuAllocator.tcmalloc:
+            raise AllocatorMissing("engine.cpu_allocator=tcmalloc, but this node has no TCMalloc (install "
+                                   "libtcmalloc-minimal4), or set engine.cpu_allocator to auto or system")
+        logger.warning("no TCMalloc on this node: the CPU engine runs on the system's malloc, which decodes and "
+                       "reloads weights slower (install libtcmalloc-minimal4; engine.cpu_allocator=system "
+                       "silences this)")
+        return preload
+    logger.info("engine processes on %s (engine.cpu_allocator=%s)", lib, choice)
+    return f"{lib}:{preload}" if preload else lib
