@@ -231,10 +231,9 @@ class VllmEngineConfig:
     messages, vLLM's output handling) the CPU it needs, as a GPU engine does. 0 = as they are."""
     cpu_allocator: CpuAllocator = CpuAllocator.auto
     """On vLLM's CPU build only: the engine processes' memory allocator. ``auto``: TCMalloc where the node
-    has it (Debian/Ubuntu ``libtcmalloc-minimal4``), as vLLM's CPU guide advises (glibc's malloc gives a
-    large tensor's pages back on free and faults them in again: a 1 GB model decodes about 1.4x slower and
-    reloads its weights about 1.6x slower), else the system's with a warning; ``tcmalloc``: a replica on a
-    node without it fails at start; ``system``: glibc's. An allocator already in ``LD_PRELOAD`` stays."""
+    has it (Debian/Ubuntu ``libtcmalloc-minimal4``), as vLLM's CPU guide advises (docs/engines.md has what
+    it saves), else the system's with a warning; ``tcmalloc``: a replica on a node without it fails at
+    start; ``system``: glibc's. An allocator already in ``LD_PRELOAD`` stays."""
     adapter_poll_s: float = bounded(0.5, gt=0)
     """How often a request whose LoRA adapter directory has no ``adapter_config.json`` yet looks again."""
     adapter_wait_s: float = bounded(600.0, ge=0)
