@@ -23,7 +23,7 @@ platform picks its bundled copy)."""
 
 
 class AllocatorMissing(ToolkitError):
-    """``engine.cpu_allocator=tcmalloc`` on a node without TCMalloc."""
+    """``engine.cpu_allocator=tcmalloc`` on a node without TCMalloc, or with another allocator preloaded."""
 
 
 def record(counters: ReplicaStats, scheduler_stats: Any, iteration_stats: Any) -> None:
