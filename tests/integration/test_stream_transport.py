@@ -191,3 +191,13 @@ def test_a_replica_of_two_workers_is_one_hop_and_each_worker_gets_exactly_its_sh
             want[name] = zlib.crc32(got.tobytes())
         assert lines[0]["crc"] == want and lines[0]["kept"] == 2 * half * 2 + 512 * 1024 * 2
         assert lines[1]["crc"] == deltas and lines[1]["kept"] == u3.manifest.total
+
+
+@pytest.mark.timeout(120)
+def test_the_weights_benchmarks_link_bound_delivers_every_rounds_bytes() -> None:
+    """``bench weights``' bound: each round's value reaches both receivers (which check it and fail
+    the bound if not), into buffers kept from round to round."""
+    from toolkit.bench.weights_trainer import link_bound
+
+    times = link_bound(3 << 20, 3)
+    assert len(times) == 3 and all(t > 0 for t in times)

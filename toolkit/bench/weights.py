@@ -6,7 +6,7 @@ A random Llama of about 1 GB in bf16 is built on the spot; the router and two re
 (``rollout.weights_transport=stream``); the trainer runs in its own process
 (``toolkit/bench/weights_trainer.py``) and alternates the arms run by run. ``update_s`` is the
 trainer's call to every replica serving the version. ``link_bound_s`` is a raw gloo broadcast of the
-same bytes from the trainer's process to two processes on this host. Method and results:
+same bytes from the trainer's process to two processes on this host, into buffers each keeps. Method and results:
 docs/benchmarks.md#weights.
 """
 

@@ -52,7 +52,11 @@ def load(run: RunDir, path: Path, version: int) -> None:
 
 def link_bound(nbytes: int, rounds: int, host: str = "127.0.0.1") -> list[float]:
     """Seconds of a raw gloo broadcast of ``nbytes`` from here to two receiver processes, ``rounds``
-    times (the first one faults the buffers' pages in, as the replicas' first update does)."""
+    times, every process's buffer written once before and kept (as the chain's staging buffers are).
+    Each round sends another value, which each receiver checks outside the timing."""
+    import torch
+
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
     store, port = Link.rendezvous(host, 3, 300)
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.bench.weights_trainer", "--receiver", str(rank),
                                "--port", str(port), "--bytes", str(nbytes), "--rounds", str(rounds)])
@@ -60,21 +64,32 @@ def link_bound(nbytes: int, rounds: int, host: str = "127.0.0.1") -> list[float]
     try:
         link = Link(host, port, 0, 3, 300, store=store)
         times = []
-        for _ in range(rounds):
+        for r in range(rounds):
+            buf.fill_(_round_value(r))
             link.barrier()
-            times.append(link.broadcast_raw(nbytes))
+            times.append(link.broadcast_raw(buf))
         link.close()
     finally:
-        for p in procs:
-            p.wait(120)
+        codes = [p.wait(120) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"a receiver of the link bound failed (exit codes {codes})")
     return times
 
 
+def _round_value(r: int) -> int:
+    return r % 255 + 1
+
+
 def receiver(rank: int, port: int, nbytes: int, rounds: int) -> None:
+    import torch
+
     link = Link("127.0.0.1", port, rank, 3, 300)
-    for _ in range(rounds):
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    for r in range(rounds):
         link.barrier()
-        link.broadcast_raw(nbytes)
+        link.broadcast_raw(buf)
+        if not bool((buf == _round_value(r)).all()):
+            raise SystemExit(f"rank {rank}: round {r} of the link bound did not receive the bytes sent")
     link.close()
 
 

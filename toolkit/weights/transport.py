@@ -238,16 +238,17 @@ class Link:
         return data.numpy().tobytes()
 
     # ---- every rank: the link's own bound ------------------------------------------------------
-    def broadcast_raw(self, nbytes: int, root_fill: int = 1) -> float:
-        """A plain gloo broadcast of ``nbytes`` from rank 0 to every rank: seconds it took here (the
-        link bound a benchmark compares the chain with)."""
+    def broadcast_raw(self, buf: Any) -> float:
+        """A plain gloo broadcast of the uint8 tensor ``buf`` from rank 0 to every rank: seconds it took
+        here (the link bound a benchmark compares the chain with). The caller keeps ``buf`` from round to
+        round, as the chain keeps its staging buffers: a fresh 1 GB tensor a round would add its page
+        faults (about as long as the transfer itself here) to the bound."""
         torch = _torch()
-        t = torch.full((nbytes,), root_fill, dtype=torch.uint8) if self.rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         t0 = time.perf_counter()
         with self._broken("a raw broadcast"):
-            work = self.pg.broadcast([t], opts)
+            work = self.pg.broadcast([buf], opts)
         self._wait(work, "a raw broadcast")
         return time.perf_counter() - t0
 
