@@ -241,8 +241,7 @@ class Link:
     def broadcast_raw(self, buf: Any) -> float:
         """A plain gloo broadcast of the uint8 tensor ``buf`` from rank 0 to every rank: seconds it took
         here (the link bound a benchmark compares the chain with). The caller keeps ``buf`` from round to
-        round, as the chain keeps its staging buffers: a fresh 1 GB tensor a round would add its page
-        faults (about as long as the transfer itself here) to the bound."""
+        round, as the chain keeps its staging buffers: a fresh tensor would add its page faults to the bound."""
         torch = _torch()
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
