@@ -64,3 +64,19 @@ def test_bad_frames_raise_protocol_error() -> None:
         P.decode(P.TYPE_OF[P.Generate], b"\x93garbage")
     with pytest.raises(P.ProtocolError):
         P.decode(P.TYPE_OF[P.Generate], msgspec.msgpack.encode(["id", "job", "s", "not-an-int"]))
+
+
+def test_the_routers_result_head_is_a_result_field_for_field() -> None:
+    """The router reads Results as ``ResultHead`` (tokens left encoded): the same fields in the same order,
+    so every Result decodes as one, and a head's token count is the Result's."""
+    assert P.ResultHead.__struct_fields__ == P.Result.__struct_fields__
+    head_dec = msgspec.msgpack.Decoder(P.ResultHead)
+    for n in (0, 1, 15, 16, 65_535, 65_536, 70_000):
+        res = P.Result("r", "ok", list(range(n)), [-0.5] * n, "length", "rep", "tail", 3, 2, "", [], [1, 2])
+        head = head_dec.decode(P.encode(res)[1])
+        assert (P.array_len(head.output_token_ids), P.array_len(head.logprobs)) == (n, n)
+        assert (head.request_id, head.status, head.cached_tokens, head.error) == ("r", "ok", 3, "")
+    # Trailing defaults omitted on the wire: an empty Raw counts none.
+    assert P.array_len(head_dec.decode(P.encode(P.Result("x", "timeout", error="late"))[1]).output_token_ids) == 0
+    with pytest.raises(P.ProtocolError, match="msgpack array"):
+        P.array_len(msgspec.Raw(msgspec.msgpack.encode("not an array")))

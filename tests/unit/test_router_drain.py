@@ -255,7 +255,7 @@ def test_a_move_to_a_tail_group_scaled_to_zero_continues_on_the_bulk(tail_router
     router.migrations.start(req, thr, "age", "tail")  # what move_long_runners does with a long runner
     router.elastic.drain(["tail-0"], migrate=False)  # tail=0 --finish: the tail replica holds nothing, it goes
     assert tail.shutdown_sent and router.pool.members("tail") == []
-    router._on_result(thr, P.Result("r1", "cancelled", [11, 12], [-1.0, -2.0], "abort", thr.replica_id), b"")
+    router.on_backend(thr.identity, *P.encode(P.Result("r1", "cancelled", [11, 12], [-1.0, -2.0], "abort", thr.replica_id)))
     assert req.msg.group == "tail" and req.named_group is None  # the router's choice, not its client's
     router.dispatch()
     assert req.replica == thr.replica_id and req.msg.prompt_token_ids == [1, 2, 3, 11, 12]

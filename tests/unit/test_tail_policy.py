@@ -485,7 +485,7 @@ def test_a_moved_request_waiting_for_room_expires_cleanly_and_frees_nothing_twic
     router, ctx, tp, tl = router_with_a_move(tmp_path)
     try:
         part = P.Result("long", "cancelled", list(range(5, 25)), [-0.1] * 20, "abort", "tp0", "throughput")
-        router._on_result(router.pool.known(b"tp0"), part, P._encoder.encode(part))  # continues, queued for the busy tail
+        router.on_backend(b"tp0", *P.encode(part))  # continues, queued for the busy tail
         req = router.live["long"]
         assert req.replica is None and router.queue.size == 1 and not tp.inflight
         req.msg = P.Generate("long", job="j", step=0, deadline=1.0, prompt_token_ids=req.msg.prompt_token_ids,
@@ -493,7 +493,7 @@ def test_a_moved_request_waiting_for_room_expires_cleanly_and_frees_nothing_twic
         router._expire(2.0)  # its deadline passed while it waited
         assert "long" not in router.live and router.queue.size == 0 and not router.tail.inbound
         done = P.Result("busy", "ok", [1], [-0.1], "stop", "tl0", "tail")
-        router._on_result(router.pool.known(b"tl0"), done, P._encoder.encode(done))
+        router.on_backend(b"tl0", *P.encode(done))
         router.dispatch()
         assert not tl.inflight and router.pool.spare_slots("tail") == 1  # nothing stale sent, no slot leaked
     finally:
@@ -538,7 +538,7 @@ def test_a_move_whose_abort_came_after_the_last_token_ends_ok_as_a_finished_turn
     try:
         # The engine had produced the whole budget when the Abort reached it: nothing is left to continue.
         part = P.Result("long", "cancelled", [5] * 500, [-0.1] * 500, "abort", "tp0", "throughput")
-        router._on_result(router.pool.known(b"tp0"), part, P._encoder.encode(part))
+        router.on_backend(b"tp0", *P.encode(part))
         res = P.decode_as(P.Result, router.answered.result("long") or b"")
         assert (res.status, res.finish_reason, len(res.output_token_ids), len(res.logprobs)) == ("ok", "length", 500, 500)
         assert "long" not in router.live and router.queue.size == 0 and not router.tail.inbound

@@ -417,7 +417,7 @@ def decision_cost(replicas: int = 512, queued: int = 50000, samples: int = 20000
                 continue
             rid = next(iter(r.inflight))  # its oldest request finishes
             res = P.Result(rid, "ok", [1], [-0.1], "stop", r.replica_id, "bench")
-            router._on_result(r, res, _enc.encode(res))
+            router.on_backend(r.identity, *P.encode(res))
             t0 = time.perf_counter_ns()
             router.dispatch()
             times.append(time.perf_counter_ns() - t0)

@@ -48,7 +48,8 @@ AFFINITY_SCAN = 64
 _T_GENERATE = P.TYPE_OF[P.Generate]
 _T_RESULT = P.TYPE_OF[P.Result]
 _dec_generate = P.DECODERS[_T_GENERATE]
-_dec_result = P.DECODERS[_T_RESULT]
+_dec_result = msgspec.msgpack.Decoder(P.Result)
+_dec_head = msgspec.msgpack.Decoder(P.ResultHead)
 _dec_kv = P.DECODERS[P.TYPE_OF[P.KvEvents]]
 _enc = P._encoder
 
@@ -352,10 +353,10 @@ class Router:
                     logger.warning("dropped a malformed KV events batch: %s", exc)
                     self.stats["malformed"] += 1
             try:
-                res = _dec_result.decode(payload)
+                head = _dec_head.decode(payload)
             except Exception as exc:
                 raise P.ProtocolError(f"bad Result: {exc}") from exc
-            self._on_result(r, res, payload)
+            self._on_result(r, head, payload)
             return
         msg = P.decode(mtype, payload)
         if isinstance(msg, P.Heartbeat):
@@ -378,37 +379,53 @@ class Router:
         else:
             raise P.ProtocolError(f"{type(msg).__name__} is not a backend message")
 
-    def _on_result(self, r: Replica | None, res: P.Result, payload: bytes) -> None:
-        """``r``: the registered replica the Result came from (None: none is, by that identity)."""
-        if res.request_id.startswith(PROBE_PREFIX):
+    def _on_result(self, r: Replica | None, head: P.ResultHead, payload: bytes) -> None:
+        """``r``: the registered replica the Result came from (None: none is, by that identity). The
+        Result is decoded whole only where the router reads or rewrites its tokens."""
+        if head.request_id.startswith(PROBE_PREFIX):
             if r is not None:
-                self.membership.probe_answered(r, res)
+                self.membership.probe_answered(r, self._result(payload))
             return
-        req = self.live.get(res.request_id)
+        req = self.live.get(head.request_id)
         if req is None or r is None or req.replica != r.replica_id:
             # A late answer from a replica the request was taken away from: the request already
             # has (or will get) its one Result elsewhere.
             self.stats["stale_results"] += 1
             return
-        self._release(r, req)
-        if res.status == "engine_dead":
-            self.membership.engine_died(r, res.error)
-            self._died_under(req, r.replica_id, res.error)
-            return
+        status = head.status
+        moved = bool(req.migrating) and status == "cancelled" and not req.client_aborted
+        # Decoded before anything changes: a Result that does not decode leaves the request as it was.
+        res = self._result(payload) if moved or req.prefix_tokens else None
         why, req.migrating = req.migrating, ""
-        if why and res.status == "cancelled" and not req.client_aborted:
-            if len(res.output_token_ids) < req.msg.sampling.max_tokens:
+        self._release(r, req)
+        if status == "engine_dead":
+            self.membership.engine_died(r, head.error)
+            self._died_under(req, r.replica_id, head.error)
+            return
+        n_out = P.array_len(head.output_token_ids)
+        if moved:
+            assert res is not None
+            if n_out < req.msg.sampling.max_tokens:
                 self.migrations.resume(req, res, why)
                 return
             # The Abort came after the budget's last token: nothing to continue, the request is done.
-            res = msgspec.structs.replace(res, status="ok", finish_reason="length")
+            status = "ok"
+            res = msgspec.structs.replace(res, status=status, finish_reason="length")
             payload = _enc.encode(res)
-        if res.status == "ok":
-            self.tail.finished(req, len(req.prefix_tokens) + len(res.output_token_ids))
-        self.kv.answered(req, len(req.prefix_tokens) + len(res.output_token_ids), clock.monotonic())
+        if status == "ok":
+            self.tail.finished(req, len(req.prefix_tokens) + n_out)
+        self.kv.answered(req, len(req.prefix_tokens) + n_out, clock.monotonic())
         if req.prefix_tokens:
+            assert res is not None
             payload = self.migrations.merged(req, res)
-        self._complete(req, payload, res.status)
+        self._complete(req, payload, status)
+
+    @staticmethod
+    def _result(payload: bytes) -> P.Result:
+        try:
+            return _dec_result.decode(payload)
+        except Exception as exc:
+            raise P.ProtocolError(f"bad Result: {exc}") from exc
 
     # ---- requests whose replica died ---------------------------------------------------------
     def _orphaned(self, r: Replica, reqs: list[Request], why: str, blame: bool = True) -> None:
