@@ -6,6 +6,7 @@ one-request case is also checked against times added up by hand from the sim's s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from toolkit.config import SimEngineConfig
 from toolkit.core.protocol import Generate, Result, Sampling
 from toolkit.engine.sim import SimEngine, plan_output, step_seconds
-from toolkit.plan.engine import TwinEngine
+from toolkit.plan.engine import MovedPlans, TwinEngine
 from toolkit.plan.loop import Stalled, VirtualLoop
 
 # Context reads matter (kv_bytes_per_token), prefill matters, and one step is ~10 ms.
@@ -148,3 +149,29 @@ def test_a_twin_waiting_on_nothing_that_will_happen_says_it_stalled() -> None:
             loop.run(loop.create_future())
     finally:
         loop.close()
+
+
+def test_a_moved_requests_plan_is_its_first_legs_rest_on_engines_of_the_same_config() -> None:
+    """``MovedPlans`` gives a continuation what ``plan_output`` computes for it, from the first leg's plan;
+    an engine of another config plans again; a finished request's plan is gone."""
+    calls: list[str] = []
+
+    def counted(cfg: SimEngineConfig, msg: Generate) -> tuple[list[int], list[float], str]:
+        calls.append(msg.request_id)
+        return plan_output(cfg, msg)
+
+    plans = MovedPlans(counted)
+    first = req(3, max_tokens=200)
+    tokens, logprobs, finish = plans(CFG, first)
+    k = 5
+    assert len(tokens) > k
+    cont = Generate(request_id="r3", session_id="s3", prompt_token_ids=first.prompt_token_ids + tokens[:k],
+                    sampling=Sampling(max_tokens=200 - k, seed=3), resumed_tokens=k)
+    same_config = dataclasses.replace(CFG)
+    assert plans(same_config, cont) == plan_output(CFG, cont) == (tokens[k:], logprobs[k:], finish)
+    assert calls == ["r3"]  # planned once
+    other = dataclasses.replace(CFG, vocab_size=999)
+    plans(other, cont)
+    plans.finished("r3")
+    plans(CFG, cont)
+    assert calls == ["r3", "r3", "r3"]  # another config, then a finished request: planned again

@@ -23,6 +23,32 @@ Plan = Callable[[SimEngineConfig, Generate], tuple[list[int], list[float], str]]
 """A request's tokens, logprobs and finish reason: the sim's ``plan_output``, or a replay's."""
 
 
+class MovedPlans:
+    """Each running request's plan, kept from its first leg until it finishes, so that a continuation
+    (``resumed_tokens``) on an engine of the same config takes the rest of it instead of planning again
+    (``plan_output`` plans a continuation as its first leg and cuts it: the same tokens). The twin's
+    engines share one; a request cancelled for good (not moved) stays in it as long as the twin."""
+
+    def __init__(self, plan: Plan = plan_output) -> None:
+        self.plan = plan
+        self._first: dict[str, tuple[SimEngineConfig, tuple[list[int], list[float], str]]] = {}
+
+    def __call__(self, cfg: SimEngineConfig, req: Generate) -> tuple[list[int], list[float], str]:
+        k = req.resumed_tokens
+        if k > 0:
+            kept = self._first.get(req.request_id)
+            if kept is not None and (kept[0] is cfg or kept[0] == cfg):
+                tokens, logprobs, finish = kept[1]
+                return tokens[k:], logprobs[k:], finish
+            return self.plan(cfg, req)
+        out = self._first[req.request_id] = (cfg, self.plan(cfg, req))
+        return out[1]
+
+    def finished(self, request_id: str) -> None:
+        """``request_id`` ended (not cancelled): no leg of it follows."""
+        self._first.pop(request_id, None)
+
+
 class _Seq:
     __slots__ = ("req", "tokens", "logprobs", "finish", "produced", "cached", "done", "hashes", "base", "end")
 
@@ -78,9 +104,9 @@ class _Stretch:
 
 class TwinEngine:
     def __init__(self, cfg: SimEngineConfig, loop: asyncio.AbstractEventLoop, answer: Answer,
-                 plan: Plan = plan_output) -> None:
+                 plan: Plan | MovedPlans = plan_output) -> None:
         self.cfg = cfg
-        self.plan = plan
+        self.plans = plan if isinstance(plan, MovedPlans) else MovedPlans(plan)
         self.loop = loop
         self.answer = answer
         """Takes each request's one Result."""
@@ -121,7 +147,7 @@ class TwinEngine:
                                error="the twin's engines plan no structured outputs"))
             return
         try:
-            tokens, logprobs, finish = self.plan(c, req)
+            tokens, logprobs, finish = self.plans(c, req)
         except ToolkitError as exc:
             self._later(Result(request_id=req.request_id, status="client_error", error=str(exc)))
             return
@@ -291,6 +317,8 @@ class TwinEngine:
             self._remember(seq.req.session_id, context, hashes)
         seq.done = True
         self.by_id.pop(seq.req.request_id, None)
+        if status != "cancelled":
+            self.plans.finished(seq.req.request_id)
         self.answer(Result(
             request_id=seq.req.request_id, status=status, output_token_ids=seq.tokens[:n],
             logprobs=seq.logprobs[:n] if seq.req.sampling.logprobs else [], finish_reason=finish,

@@ -18,7 +18,7 @@ from toolkit.config import Config, SimEngineConfig, kv_events_on
 from toolkit.core import protocol as P
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import plan_output
-from toolkit.plan.engine import Plan, TwinEngine
+from toolkit.plan.engine import MovedPlans, Plan, TwinEngine
 from toolkit.router.links import Links
 from toolkit.router.membership import PROBE_PREFIX
 from toolkit.router.server import Router
@@ -127,7 +127,7 @@ class TwinReplica:
     sends, with its engine stepping in virtual time. :meth:`die` stops it dead (a lost node)."""
 
     def __init__(self, cfg: Config, group: str, index: int, engine: SimEngineConfig, wire: Wire,
-                 plan: Plan = plan_output) -> None:
+                 plan: Plan | MovedPlans = plan_output) -> None:
         self.cfg = cfg
         self.group = group
         self.replica_id = f"{group}-{index}@twin"

@@ -23,7 +23,7 @@ from toolkit.core import clock
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.rundir import RunDir
 from toolkit.engine.sim import plan_output
-from toolkit.plan.engine import Plan
+from toolkit.plan.engine import MovedPlans, Plan
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop
 from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
@@ -110,7 +110,8 @@ class Twin:
         self.run_dir = run_dir
         self.latency_s = latency_s
         self.events = events
-        self.plan = plan
+        self.plan = MovedPlans(plan)
+        """Shared by the engines: a request that moves is planned once."""
         self.gaps = gaps or []
         self.loop = VirtualLoop()
         self.wire = Wire(self.loop, latency_s)
