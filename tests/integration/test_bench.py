@@ -122,6 +122,7 @@ def test_twin_bench_reports_its_fields(tmp_path: Path) -> None:
     assert set(r["workloads"]["tail"]["pairs"]) == {"off vs age+trade+kv"}
     assert isinstance(r["workloads"]["tail"]["order_same"], bool)
     assert r["twin_s_headline_12_steps"] > 0 and r["twin_s_65536_sessions_4096_replicas"] > 0
+    assert r["twin_s_headline_12_steps_runs"] == [r["twin_s_headline_12_steps"]]  # one run in quick mode
     assert 0 < r["decision_us_p50_4096"] <= r["decision_us_p99_4096"]
 
 
