@@ -164,8 +164,10 @@ class TwinEngine:
 
     def _landed(self, seq: _Seq) -> None:
         if not seq.done:
-            seq.cached = self.cache.match(seq.req.prompt_token_ids)
-            self.cache.insert(seq.req.prompt_token_ids[: seq.req.kv_tokens])
+            prompt = seq.req.prompt_token_ids
+            seq.hashes = self._hashes(seq.req.session_id, prompt)
+            seq.cached = self.cache.match(prompt, seq.hashes)
+            self.cache.insert(prompt[: seq.req.kv_tokens], seq.hashes[: seq.req.kv_tokens // self.cache.block_size])
             self._admit(seq)
 
     def _admit(self, seq: _Seq) -> None:
@@ -255,7 +257,8 @@ class TwinEngine:
             if seq.done:
                 continue
             prompt = seq.req.prompt_token_ids
-            seq.hashes = self._hashes(seq.req.session_id, prompt)
+            if not seq.hashes:  # (a request whose KV landed has them)
+                seq.hashes = self._hashes(seq.req.session_id, prompt)
             found = self.cache.match(prompt, seq.hashes)
             prefill += len(prompt) - found
             came = max(0, found - seq.cached) if seq.req.kv_tokens > 0 else 0
