@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -10,7 +11,7 @@ from tests.helpers.aio import run
 from tests.helpers.requests import gen
 from toolkit.config import SimEngineConfig
 from toolkit.core.protocol import Generate, Sampling
-from toolkit.engine.sim import PrefixCache, SimEngine, plan_output
+from toolkit.engine.sim import PLAN_FIELDS, PrefixCache, SimEngine, plan_output
 
 
 def test_step_time_matches_the_documented_model() -> None:
@@ -73,6 +74,26 @@ def test_a_moved_request_continues_its_planned_output() -> None:
                     sampling=Sampling(max_tokens=1000 - k, seed=3))
     rest = plan_output(cfg, cont)
     assert tokens[:k] + rest[0] == tokens and logprobs[:k] + rest[1] == logprobs and rest[2] == finish
+
+
+def test_a_plan_reads_only_the_plan_fields_of_its_engine() -> None:
+    """The twin hands a moved request the rest of its first leg's plan on an engine that agrees on
+    ``PLAN_FIELDS``: every other setting, changed, leaves every plan as it was; each of those changes one."""
+    base = SimEngineConfig(output_len_session_share=0.3, output_len_prompt_share=0.2, max_model_len=700)
+    reqs = [Generate(request_id=f"s{i}/0", session_id=f"s{i}", prompt_key=f"p{i % 2}",
+                     prompt_token_ids=[(5 * i + j) % 900 + 1 for j in range(150 + 40 * i)],
+                     sampling=Sampling(max_tokens=600, temperature=1.0)) for i in range(8)]
+    plans = [plan_output(base, r) for r in reqs]
+    changed = 0
+    for f in dataclasses.fields(base):
+        v = getattr(base, f.name)
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            continue
+        other = dataclasses.replace(base, **{f.name: v + "x" if isinstance(v, str) else type(v)(v * 0.5 + 1)})
+        same = [plan_output(other, r) for r in reqs] == plans
+        assert same == (f.name not in PLAN_FIELDS), f.name
+        changed += not same
+    assert changed == len(PLAN_FIELDS)
 
 
 def test_session_share_makes_a_sessions_turns_alike() -> None:

@@ -167,7 +167,7 @@ def test_a_moved_requests_plan_is_its_first_legs_rest_on_engines_of_the_same_con
     assert len(tokens) > k
     cont = Generate(request_id="r3", session_id="s3", prompt_token_ids=first.prompt_token_ids + tokens[:k],
                     sampling=Sampling(max_tokens=200 - k, seed=3), resumed_tokens=k)
-    same_config = dataclasses.replace(CFG)
+    same_config = dataclasses.replace(CFG, tensor_parallel_size=2)  # plans alike (a tail group's engine)
     assert plans(same_config, cont) == plan_output(CFG, cont) == (tokens[k:], logprobs[k:], finish)
     assert calls == ["r3"]  # planned once
     other = dataclasses.replace(CFG, vocab_size=999)

@@ -188,6 +188,11 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
     return tokens, logprobs, finish
 
 
+PLAN_FIELDS = ("max_model_len", "vocab_size", "output_len_median", "output_len_sigma", "output_len_session_share",
+               "output_len_prompt_share")
+"""The engine settings :func:`plan_output` reads: engines that agree on them plan every request alike."""
+
+
 def _plan_structured(cfg: SimEngineConfig, structured: Structured, tokenizer: Tokenizer | None,
                      rng: np.random.Generator, budget: int) -> tuple[list[int], list[float], str]:
     """The encoded instance, cut at ``budget``; its logprobs are drawn for the whole of it, so a cut

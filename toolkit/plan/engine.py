@@ -16,18 +16,23 @@ from collections.abc import Callable
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result
-from toolkit.engine.sim import PrefixCache, plan_output, step_seconds
+from toolkit.engine.sim import PLAN_FIELDS, PrefixCache, plan_output, step_seconds
 
 Answer = Callable[[Result], None]
 Plan = Callable[[SimEngineConfig, Generate], tuple[list[int], list[float], str]]
 """A request's tokens, logprobs and finish reason: the sim's ``plan_output``, or a replay's."""
 
 
+def _plans_alike(a: SimEngineConfig, b: SimEngineConfig) -> bool:
+    return all(getattr(a, f) == getattr(b, f) for f in PLAN_FIELDS)
+
+
 class MovedPlans:
     """Each running request's plan, kept from its first leg until it finishes, so that a continuation
-    (``resumed_tokens``) on an engine of the same config takes the rest of it instead of planning again
-    (``plan_output`` plans a continuation as its first leg and cuts it: the same tokens). The twin's
-    engines share one; a request cancelled for good (not moved) stays in it as long as the twin."""
+    (``resumed_tokens``) on an engine that plans alike (the same :data:`PLAN_FIELDS`, which is all that
+    ``plan_output`` and a replay's plan read) takes the rest of it instead of planning again (``plan_output``
+    plans a continuation as its first leg and cuts it: the same tokens). The twin's engines share one; a
+    request cancelled for good (not moved) stays in it as long as the twin."""
 
     def __init__(self, plan: Plan = plan_output) -> None:
         self.plan = plan
@@ -37,7 +42,7 @@ class MovedPlans:
         k = req.resumed_tokens
         if k > 0:
             kept = self._first.get(req.request_id)
-            if kept is not None and (kept[0] is cfg or kept[0] == cfg):
+            if kept is not None and (kept[0] is cfg or _plans_alike(kept[0], cfg)):
                 tokens, logprobs, finish = kept[1]
                 return tokens[k:], logprobs[k:], finish
             return self.plan(cfg, req)
