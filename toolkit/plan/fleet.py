@@ -2,10 +2,12 @@
 beat and answer as replica processes do, rank clients that speak as ``RouterClient`` does, and the
 links between them, which deliver each message as a callback of the virtual-time loop.
 
-The router decodes every message it gets, as it does in its process. A message the router passes on
-unchanged (a rank's Generate to its replica, a replica's Result to its rank) reaches the twin's other
-end as the object that was encoded, not decoded again (:meth:`Wire.keep`): the values are the same,
-and decoding each twice would cost the twin more than its router's choices do."""
+Every message is encoded as in a real run. The router decodes what it gets, as it does in its process,
+but a rank's Generate, which it takes as the rank's own object with its payload (``Router.submit``, what
+``on_frontend`` calls with the message it decodes). A message the router passes on unchanged (a rank's
+Generate to its replica, a replica's Result to its rank) reaches the twin's other end as the object that
+was encoded, not decoded again (:meth:`Wire.keep`): the values are the same, and decoding a turn's whole
+context again would cost the twin more than its router's choices do."""
 
 from __future__ import annotations
 
@@ -91,7 +93,12 @@ class Wire(Links):
 
     def _in(self, backend: bool, ident: bytes, mtype: bytes, payload: bytes, *more: bytes) -> None:
         assert self.router is not None
-        (self.router.on_backend if backend else self.router.on_frontend)(ident, mtype, payload, *more)
+        if backend:
+            self.router.on_backend(ident, mtype, payload, *more)
+        elif mtype == _T_GENERATE and id(payload) in self._kept:  # a rank's: what on_frontend would decode
+            self.router.submit(ident, self._kept[id(payload)][1], payload)
+        else:
+            self.router.on_frontend(ident, mtype, payload, *more)
         if not self._dispatch_due:
             self._dispatch_due = True
             self.loop.call_soon(self._dispatch)
