@@ -170,9 +170,10 @@ class Twin:
         groups = sorted(cfg.groups)
         wall = clock.wall() - t0
         cols = _concat([x.builder.columns() for x in landed])
-        self.sessions.append({(int(s), int(i)): (int(g), int(t)) for s, i, g, t in
-                              zip(cols["started_step"], cols["index"], cols["generated_tokens"], cols["num_turns"],
-                                  strict=True)})
+        started, index, generated, turns = (np.asarray(cols[k]).tolist() for k in
+                                            ("started_step", "index", "generated_tokens", "num_turns"))
+        self.sessions.append(dict(zip(zip(started, index, strict=True), zip(generated, turns, strict=True),
+                                      strict=True)))
         requests = _concat([x.log.columns(groups) for x in landed])
         closing = {"counts": np.array([x.counts[k] for x in landed for k in STEP_COUNTERS], dtype=np.int64),
                    "in_flight": np.array([g for x in landed for g in x.in_flight], dtype=np.int64).reshape(-1)}
