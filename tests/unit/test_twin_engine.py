@@ -175,3 +175,32 @@ def test_a_moved_requests_plan_is_its_first_legs_rest_on_engines_of_the_same_con
     plans.finished("r3")
     plans(CFG, cont)
     assert calls == ["r3", "r3", "r3"]  # another config, then a finished request: planned again
+
+
+def test_the_virtual_loops_timers_run_in_time_order_ties_as_set_and_cancelled_ones_never() -> None:
+    """Its own timer heap (``(when, n, handle)``): the clock jumps to each timer's time exactly; timers due at
+    the same time run in the order they were set; a cancelled one never runs, also once so many are
+    cancelled that the heap is rebuilt; ``call_soon`` callbacks run before a later timer."""
+    loop = VirtualLoop()
+    ran: list[tuple[float, object]] = []
+
+    def note(tag: object) -> None:
+        ran.append((loop.time(), tag))
+
+    async def main() -> None:
+        for i in range(300):  # 300 timers at 5 s, most of them cancelled: the heap is rebuilt
+            h = loop.call_at(5.0, note, ("tie", i))
+            if i % 3:
+                h.cancel()
+        loop.call_later(0.25, note, "a")
+        loop.call_at(7.5, note, "c")
+        loop.call_at(0.25, note, "b")  # the same time as "a", set after it
+        loop.call_soon(note, "now")
+        await asyncio.sleep(10)
+
+    loop.run(main())
+    loop.close()
+    ties = [(t, tag) for t, tag in ran if isinstance(tag, tuple)]
+    assert ties == [(5.0, ("tie", i)) for i in range(0, 300, 3)]
+    assert [x for x in ran if not isinstance(x[1], tuple)] == [(0.0, "now"), (0.25, "a"), (0.25, "b"), (7.5, "c")]
+    assert loop.now == 10.0

@@ -5,7 +5,9 @@ has no sockets and no threads."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import selectors
+from asyncio import base_events
 from typing import Any
 
 from toolkit.core.errors import ToolkitError
@@ -16,9 +18,6 @@ class Stalled(ToolkitError):
 
 
 class _Selector(selectors.BaseSelector):
-    def __init__(self, loop: VirtualLoop) -> None:
-        self.loop = loop
-
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         raise RuntimeError("a virtual-time loop has no file descriptors to watch")
 
@@ -26,10 +25,7 @@ class _Selector(selectors.BaseSelector):
         raise KeyError(fileobj)
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if timeout is None:
-            raise Stalled("the twin stalled: tasks wait, but no event is due (nothing would ever wake them)")
-        self.loop.now += max(0.0, timeout)
-        return []
+        raise RuntimeError("a virtual-time loop waits for nothing: its iteration moves its clock")
 
     def get_map(self) -> dict[Any, selectors.SelectorKey]:
         return {}
@@ -39,8 +35,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self.now = 0.0
         """Virtual seconds since the loop began."""
-        super().__init__(selector=_Selector(self))
+        super().__init__(selector=_Selector())
         self._clock_resolution = 1e-9
+        self._timers = 0
+        """Timers set so far: the order of those due at the same time."""
         self.failure: BaseException | None = None
         """The first exception a callback raised: it ends the run (:meth:`run`)."""
         self.set_exception_handler(self._failed)
@@ -61,6 +59,53 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.now
+
+    # asyncio's timers and loop iteration, with the heap holding (when, n, handle): compared in C, where
+    # TimerHandle compares in Python (a twin of thousands of replicas keeps tens of thousands of timers),
+    # and timers due at the same time run in the order they were set.
+    def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        self._timers += 1
+        heapq.heappush(self._scheduled, (when, self._timers, timer))
+        timer._scheduled = True
+        return timer
+
+    def _run_once(self) -> None:
+        scheduled: list[tuple[float, int, asyncio.TimerHandle]] = self._scheduled
+        n = len(scheduled)
+        if (n > base_events._MIN_SCHEDULED_TIMER_HANDLES
+                and self._timer_cancelled_count / n > base_events._MIN_CANCELLED_TIMER_HANDLES_FRACTION):
+            kept = []
+            for entry in scheduled:
+                if entry[2]._cancelled:
+                    entry[2]._scheduled = False
+                else:
+                    kept.append(entry)
+            heapq.heapify(kept)
+            self._scheduled = scheduled = kept
+            self._timer_cancelled_count = 0
+        else:
+            while scheduled and scheduled[0][2]._cancelled:
+                self._timer_cancelled_count -= 1
+                heapq.heappop(scheduled)[2]._scheduled = False
+        ready = self._ready
+        if not ready and not self._stopping:
+            if not scheduled:
+                raise Stalled("the twin stalled: tasks wait, but no event is due (nothing would ever wake them)")
+            # What the selector's wait would be: up to the next timer.
+            self.now += max(0.0, min(max(0, scheduled[0][0] - self.now), base_events.MAXIMUM_SELECT_TIMEOUT))
+        end = self.now + self._clock_resolution
+        while scheduled and scheduled[0][0] < end:
+            handle = heapq.heappop(scheduled)[2]
+            handle._scheduled = False
+            ready.append(handle)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
 
     # No self-pipe: nothing wakes the loop from another thread.
     def _make_self_pipe(self) -> None:
