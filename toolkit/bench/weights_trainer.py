@@ -54,7 +54,7 @@ def link_bound(nbytes: int, rounds: int, host: str = "127.0.0.1") -> list[float]
     """Seconds of a raw gloo broadcast of ``nbytes`` from here to two receiver processes, ``rounds``
     times, every process's buffer written once before and kept (as the chain's staging buffers are).
     Each round sends another value, which each receiver checks outside the timing."""
-    import torch
+    import torch  # the vllm extra's
 
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     store, port = Link.rendezvous(host, 3, 300)
@@ -81,7 +81,7 @@ def _round_value(r: int) -> int:
 
 
 def receiver(rank: int, port: int, nbytes: int, rounds: int) -> None:
-    import torch
+    import torch  # the vllm extra's
 
     link = Link("127.0.0.1", port, rank, 3, 300)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
@@ -95,7 +95,7 @@ def receiver(rank: int, port: int, nbytes: int, rounds: int) -> None:
 
 def train(model: Any, opt: Any, batches: int, seq: int, vocab: int, gen: Any) -> float:
     """``batches`` AdamW steps on random tokens (next-token loss): returns the last loss."""
-    import torch
+    import torch  # the vllm extra's
 
     loss = torch.tensor(0.0)
     for _ in range(batches):
@@ -108,7 +108,7 @@ def train(model: Any, opt: Any, batches: int, seq: int, vocab: int, gen: Any) ->
 
 
 def trainer(a: argparse.Namespace) -> None:
-    import torch
+    import torch  # the vllm extra's
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)

@@ -93,10 +93,11 @@ class Wire(Links):
 
     def _in(self, backend: bool, ident: bytes, mtype: bytes, payload: bytes, *more: bytes) -> None:
         assert self.router is not None
+        kept = self._kept.get(id(payload)) if not backend and mtype == _T_GENERATE else None
         if backend:
             self.router.on_backend(ident, mtype, payload, *more)
-        elif mtype == _T_GENERATE and id(payload) in self._kept:  # a rank's: what on_frontend would decode
-            self.router.submit(ident, self._kept[id(payload)][1], payload)
+        elif kept is not None:  # a rank's Generate: what on_frontend would decode
+            self.router.submit(ident, kept[1], payload)
         else:
             self.router.on_frontend(ident, mtype, payload, *more)
         if not self._dispatch_due:

@@ -48,7 +48,6 @@ AFFINITY_SCAN = 64
 _T_GENERATE = P.TYPE_OF[P.Generate]
 _T_RESULT = P.TYPE_OF[P.Result]
 _dec_generate = P.DECODERS[_T_GENERATE]
-_dec_result = msgspec.msgpack.Decoder(P.Result)
 _dec_head = msgspec.msgpack.Decoder(P.ResultHead)
 _dec_kv = P.DECODERS[P.TYPE_OF[P.KvEvents]]
 _enc = P._encoder
@@ -384,7 +383,7 @@ class Router:
         Result is decoded whole only where the router reads or rewrites its tokens."""
         if head.request_id.startswith(PROBE_PREFIX):
             if r is not None:
-                self.membership.probe_answered(r, self._result(payload))
+                self.membership.probe_answered(r, P.decode_as(P.Result, payload))
             return
         req = self.live.get(head.request_id)
         if req is None or r is None or req.replica != r.replica_id:
@@ -395,7 +394,7 @@ class Router:
         status = head.status
         moved = bool(req.migrating) and status == "cancelled" and not req.client_aborted
         # Decoded before anything changes: a Result that does not decode leaves the request as it was.
-        res = self._result(payload) if moved or req.prefix_tokens else None
+        res = P.decode_as(P.Result, payload) if moved or req.prefix_tokens else None
         why, req.migrating = req.migrating, ""
         self._release(r, req)
         if status == "engine_dead":
@@ -419,13 +418,6 @@ class Router:
             assert res is not None
             payload = self.migrations.merged(req, res)
         self._complete(req, payload, status)
-
-    @staticmethod
-    def _result(payload: bytes) -> P.Result:
-        try:
-            return _dec_result.decode(payload)
-        except Exception as exc:
-            raise P.ProtocolError(f"bad Result: {exc}") from exc
 
     # ---- requests whose replica died ---------------------------------------------------------
     def _orphaned(self, r: Replica, reqs: list[Request], why: str, blame: bool = True) -> None:
