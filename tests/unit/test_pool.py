@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from toolkit.config import compose_config
 from toolkit.core.protocol import Generate, ReplicaStats
-from toolkit.router.pool import ReplicaPool
+from toolkit.router.pool import ReplicaPool, limit_error
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
@@ -134,3 +134,22 @@ def test_the_limits_follow_replicas_that_join_and_leave_one_by_one() -> None:
     assert p.limits("throughput") == (100, 50)
     p.set_ready(rs[1])  # back
     assert p.limits("throughput") == (60, 50)
+
+
+def test_a_prompts_token_ids_are_checked_once_per_smaller_vocabulary() -> None:
+    """``limit_error`` names the id outside the vocabulary, and checks a prompt's ids again only for a
+    replica whose vocabulary is smaller than the one they passed."""
+    def req(ids: list[int]) -> Request:
+        return Request(Generate("r", prompt_token_ids=ids), b"", b"client", "j", 0, 0.0)
+
+    ok = req([0, 7, 49])
+    assert limit_error(ok, 100, 50) == "" and ok.ids_below == 50
+    assert limit_error(ok, 100, 80) == "" and ok.ids_below == 50  # a larger vocabulary: no second look
+    assert limit_error(ok, 100, 49) == "token id 49 outside the vocabulary [0, 49)"
+    assert ok.ids_below == 50
+    small = req([3, 4])
+    assert limit_error(small, 100, 50) == "" and limit_error(small, 100, 5) == "" and small.ids_below == 5
+    assert limit_error(req([5, -2, 60]), 100, 50) == "token id -2 outside the vocabulary [0, 50)"
+    high = req([5, 60, 2])
+    assert limit_error(high, 100, 50) == "token id 60 outside the vocabulary [0, 50)" and high.ids_below == 0
+    assert limit_error(req([1] * 101), 100, 50) == "prompt of 101 tokens is longer than max_model_len 100"

@@ -692,9 +692,13 @@ def test_a_continuation_brings_its_whole_context_as_kv_only_with_tail_move_kv(
     migrations = Migrations(moves_carry_kv(compose_config([f"tail.move={move}"])), lambda ident, msg: None, queue,
                             Timeline(RunDir(tmp_path / "run"), files))
     req = request("r", "s")
+    req.ids_below = 9  # its prompt's ids were checked against a vocabulary of 9
     migrations.resume(req, Result("r", status="cancelled", output_token_ids=[7, 8]), "age")
     assert req.msg.prompt_token_ids == [1, 2, 3, 7, 8] and req.msg.resumed_tokens == 2
     assert req.msg.kv_tokens == kv and queue.size == 1 and migrations.events == {"migrated:age": 1}
+    assert req.ids_below == 9  # within it: no second check
+    migrations.resume(req, Result("r", status="cancelled", output_token_ids=[9]), "age")
+    assert req.ids_below == 0  # checked again where the continuation goes
 
 
 def test_auto_moves_carry_kv_only_when_every_engine_can_receive_it() -> None:

@@ -21,7 +21,7 @@ T = TypeVar("T")
 class Request:
     __slots__ = (
         "request_id", "msg", "payload", "client", "job", "seq", "deaths", "replica",
-        "t_submit", "t_dispatch", "done", "dispatches", "lo", "hi",
+        "t_submit", "t_dispatch", "done", "dispatches", "ids_below",
         "migrating", "migrate_group", "client_aborted", "prefix_tokens", "prefix_logprobs", "prefix_versions",
         "prompt_len", "est_mark", "moves", "group", "first_cached", "named_group", "kv_hashes", "kv_found", "new_session",
     )
@@ -39,8 +39,9 @@ class Request:
         self.t_dispatch = 0.0
         self.done = False
         self.dispatches = 0
-        self.lo = 0
-        self.hi = 0
+        self.ids_below = 0
+        """Its prompt's token ids are known to be in ``[0, ids_below)`` (0: not known yet): checked once
+        against a vocabulary, they need no second look for a replica whose vocabulary is as large."""
         # Migration (a tail flip, a drained replica): why it was aborted ("" = it was not), the
         # group its continuation targets, and the tokens generated before it moved.
         self.migrating = ""

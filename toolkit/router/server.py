@@ -248,10 +248,8 @@ class Router:
         msg = req.msg
         if msg.group is not None and msg.group not in self.groups:
             return f"unknown group {msg.group!r}; groups: {sorted(self.groups)}"
-        ids = msg.prompt_token_ids
-        if not ids:
+        if not msg.prompt_token_ids:
             return "empty prompt"
-        req.lo, req.hi = min(ids), max(ids)
         limits = self.pool.limits(msg.group)
         return limit_error(req, *limits) if limits else ""
 
