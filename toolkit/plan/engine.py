@@ -318,8 +318,10 @@ class TwinEngine:
 
     def _finish(self, seq: _Seq, status: str, finish: str, computed: bool) -> None:
         n = seq.produced
+        whole = n == len(seq.tokens)  # (its plan's lists are not changed after: no copy of them)
+        out = seq.tokens if whole else seq.tokens[:n]
         if computed:
-            context = seq.req.prompt_token_ids + seq.tokens[:n]
+            context = seq.req.prompt_token_ids + out
             hashes = self.cache.hashes(context, seq.hashes or None)
             self.cache.insert(context, hashes)
             self._remember(seq.req.session_id, context, hashes)
@@ -328,8 +330,9 @@ class TwinEngine:
         if status != "cancelled":
             self.plans.finished(seq.req.request_id)
         self.answer(Result(
-            request_id=seq.req.request_id, status=status, output_token_ids=seq.tokens[:n],
-            logprobs=seq.logprobs[:n] if seq.req.sampling.logprobs else [], finish_reason=finish,
+            request_id=seq.req.request_id, status=status, output_token_ids=out,
+            logprobs=(seq.logprobs if whole else seq.logprobs[:n]) if seq.req.sampling.logprobs else [],
+            finish_reason=finish,
             cached_tokens=seq.cached, weight_version=0, weight_versions=[0]))
 
     # ---- what its heartbeats carry -------------------------------------------------------------------

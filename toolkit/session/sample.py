@@ -101,7 +101,7 @@ class Sample:
     def add_turn(self, prompt: list[int], result: Result) -> None:
         """Merge one generation whose request carried ``prompt``."""
         n = len(self.tokens)
-        if len(prompt) < n or prompt[:n] != self.tokens:
+        if len(prompt) < n or (prompt if len(prompt) == n else prompt[:n]) != self.tokens:
             at = next((i for i, (a, b) in enumerate(zip(prompt, self.tokens, strict=False)) if a != b), min(len(prompt), n))
             raise NonPrefixTurn(
                 f"turn {self.num_turns} of {self.session_id}: its prompt ({len(prompt)} tokens) does not extend "
