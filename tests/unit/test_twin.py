@@ -155,3 +155,18 @@ def test_steps_that_close_on_a_count_carry_the_rest_in_the_twin_too() -> None:
     # Every session landed at most once, in one step: some of them in a later step than they started in.
     landed = [key for step in run.sessions for key in step]
     assert len(landed) == len(set(landed)) and any(s < k for k, step in enumerate(run.sessions) for s, _ in step)
+
+
+def test_a_twin_freezes_what_survives_a_young_collection_and_leaves_the_collector_as_it_was() -> None:
+    import gc
+
+    from toolkit.plan.twin import _quiet_gc
+
+    threshold, callbacks = gc.get_threshold(), list(gc.callbacks)
+    with _quiet_gc():
+        frozen = gc.get_freeze_count()
+        kept = [[i] for i in range(1000)]  # survivors of the collection below
+        gc.collect(0)
+        assert gc.get_freeze_count() >= frozen + len(kept)
+        assert gc.get_threshold() == (50_000, *threshold[1:])
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold and gc.callbacks == callbacks
