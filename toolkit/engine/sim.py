@@ -27,6 +27,7 @@ from toolkit.config import SimEngineConfig
 from toolkit.core.blocks import block_hashes
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights, Structured
+from toolkit.core.tokens import id_list
 from toolkit.engine.base import Engine, EngineInfo
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.structured import instance_text
@@ -183,7 +184,7 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
     natural = int(output_len(cfg, z))
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"
-    tokens = rng.integers(1, cfg.vocab_size, size=n).tolist()
+    tokens = id_list(rng.integers(1, cfg.vocab_size, size=n), cfg.vocab_size)
     logprobs = np.negative(rng.exponential(0.7, size=n).astype(np.float32)).tolist()
     return tokens, logprobs, finish
 

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import pyarrow.parquet as pq
 
+from toolkit.core.tokens import id_list
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 
 # (argument, value, what is allowed): the problems ``check_spec`` reports; config.validate names the field.
@@ -73,7 +74,7 @@ class SyntheticPrompts(PromptSource):
         digest = hashlib.blake2b(f"{self.seed}/{step}/{p}".encode(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         n = int(rng.integers(self.min_len, self.max_len + 1))
-        body = rng.integers(1, self.vocab_size, size=max(0, n - len(self.system))).tolist()
+        body = id_list(rng.integers(1, self.vocab_size, size=max(0, n - len(self.system))), self.vocab_size)
         return Prompt(self.system + body, {"step": step, "index": index})
 
 
