@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import pytest
@@ -204,3 +205,28 @@ def test_the_virtual_loops_timers_run_in_time_order_ties_as_set_and_cancelled_on
     assert ties == [(5.0, ("tie", i)) for i in range(0, 300, 3)]
     assert [x for x in ran if not isinstance(x[1], tuple)] == [(0.0, "now"), (0.25, "a"), (0.25, "b"), (7.5, "c")]
     assert loop.now == 10.0
+
+
+def test_the_virtual_loops_own_callbacks_keep_call_soons_order_and_a_raise_ends_the_run() -> None:
+    """``soon`` (the twin's links and engines) and ``call_soon`` share one queue, in the order they were
+    called; a cancelled one never runs; one that raises ends ``run`` with its exception."""
+    loop = VirtualLoop()
+    ran: list[str] = []
+
+    async def main() -> None:
+        loop.soon(ran.append, "a")
+        loop.call_soon(ran.append, "b")
+        loop.soon(ran.append, "never").cancel()
+        loop.soon(ran.append, "c")
+        await asyncio.sleep(1)
+
+    loop.run(main())
+    assert ran == ["a", "b", "c"]
+
+    async def raises() -> None:
+        loop.soon(operator.truediv, 1, 0)
+        await asyncio.sleep(1)
+
+    with pytest.raises(ZeroDivisionError):
+        loop.run(raises())
+    loop.close()

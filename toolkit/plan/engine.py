@@ -17,6 +17,7 @@ from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result
 from toolkit.engine.sim import PLAN_FIELDS, PrefixCache, plan_output, step_seconds
+from toolkit.plan.loop import VirtualLoop
 
 Answer = Callable[[Result], None]
 Plan = Callable[[SimEngineConfig, Generate], tuple[list[int], list[float], str]]
@@ -108,7 +109,7 @@ class _Stretch:
 
 
 class TwinEngine:
-    def __init__(self, cfg: SimEngineConfig, loop: asyncio.AbstractEventLoop, answer: Answer,
+    def __init__(self, cfg: SimEngineConfig, loop: VirtualLoop, answer: Answer,
                  plan: Plan | MovedPlans = plan_output) -> None:
         self.cfg = cfg
         self.plans = plan if isinstance(plan, MovedPlans) else MovedPlans(plan)
@@ -165,7 +166,7 @@ class TwinEngine:
             self._admit(seq)
 
     def _later(self, res: Result) -> None:
-        self.loop.call_soon(self.answer, res)
+        self.loop.soon(self.answer, res)
 
     def _landed(self, seq: _Seq) -> None:
         if not seq.done:
@@ -180,7 +181,7 @@ class TwinEngine:
         if self._stretch is None:
             if not self._boundary_due:  # idle: the next step begins now (with whatever else arrives now)
                 self._boundary_due = True
-                self.loop.call_soon(self._boundary)
+                self.loop.soon(self._boundary)
         else:
             self._cut()
 

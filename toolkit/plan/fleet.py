@@ -21,6 +21,7 @@ from toolkit.core import protocol as P
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.sim import plan_output
 from toolkit.plan.engine import MovedPlans, Plan, TwinEngine
+from toolkit.plan.loop import VirtualLoop
 from toolkit.router.links import Links
 from toolkit.router.membership import PROBE_PREFIX
 from toolkit.router.server import Router
@@ -38,7 +39,7 @@ class Wire(Links):
     loop after ``latency_s`` (0: the next turn of the loop), and the router dispatches after each
     turn that brought it messages, as its own loop does after a drain."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, latency_s: float) -> None:
+    def __init__(self, loop: VirtualLoop, latency_s: float) -> None:
         self.loop = loop
         self.latency_s = latency_s
         self.router: Router | None = None
@@ -71,7 +72,7 @@ class Wire(Links):
         if self.latency_s > 0:
             self.loop.call_later(self.latency_s, fn, *args)
         else:
-            self.loop.call_soon(fn, *args)
+            self.loop.soon(fn, *args)
 
     # the router's side
     def to_replica(self, ident: bytes, *frames: bytes) -> None:
@@ -102,7 +103,7 @@ class Wire(Links):
             self.router.on_frontend(ident, mtype, payload, *more)
         if not self._dispatch_due:
             self._dispatch_due = True
-            self.loop.call_soon(self._dispatch)
+            self.loop.soon(self._dispatch)
 
     def _dispatch(self) -> None:
         self._dispatch_due = False

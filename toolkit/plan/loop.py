@@ -31,6 +31,31 @@ class _Selector(selectors.BaseSelector):
         return {}
 
 
+class _Call(asyncio.Handle):
+    """A callback of the twin's own machinery (:meth:`VirtualLoop.soon`): a plain call, with no context
+    copied for it and entered to run it (none of that machinery reads a context variable)."""
+
+    __slots__ = ()
+
+    def __init__(self, callback: Any, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self._callback = callback
+        self._args = args
+        self._cancelled = False
+        self._loop = loop
+        self._source_traceback = None
+        self._repr = None
+        self._context = None
+
+    def _run(self) -> None:
+        try:
+            self._callback(*self._args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self._loop.call_exception_handler(
+                {"message": f"Exception in callback {self._callback!r}", "exception": exc, "handle": self})
+
+
 class VirtualLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self.now = 0.0
@@ -59,6 +84,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.now
+
+    def soon(self, callback: Any, *args: Any) -> asyncio.Handle:
+        """``call_soon`` for the twin's own machinery (its links, its engines): the same turn of the loop
+        and order, without a copy of the context (asyncio's tasks, futures and the user's code keep
+        ``call_soon``)."""
+        self._check_closed()
+        handle = _Call(callback, args, self)
+        self._ready.append(handle)
+        return handle
 
     # asyncio's timers and loop iteration, with the heap holding (when, n, handle): compared in C, where
     # TimerHandle compares in Python (a twin of thousands of replicas keeps tens of thousands of timers),
