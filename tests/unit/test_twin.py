@@ -160,7 +160,7 @@ def test_steps_that_close_on_a_count_carry_the_rest_in_the_twin_too() -> None:
 def test_a_twin_freezes_what_survives_a_young_collection_and_leaves_the_collector_as_it_was() -> None:
     import gc
 
-    from toolkit.plan.twin import _quiet_gc
+    from toolkit.plan.twin import YOUNG_GC, _quiet_gc
 
     threshold, callbacks = gc.get_threshold(), list(gc.callbacks)
     with _quiet_gc():
@@ -168,5 +168,5 @@ def test_a_twin_freezes_what_survives_a_young_collection_and_leaves_the_collecto
         kept = [[i] for i in range(1000)]  # survivors of the collection below
         gc.collect(0)
         assert gc.get_freeze_count() >= frozen + len(kept)
-        assert gc.get_threshold() == (50_000, *threshold[1:])
+        assert gc.get_threshold() == (YOUNG_GC, *threshold[1:])
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold and gc.callbacks == callbacks

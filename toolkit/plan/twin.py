@@ -189,19 +189,25 @@ class Twin:
         return sum(r.engine.stats().active_s for r in self.replicas)
 
 
+YOUNG_GC = 10_000_000
+"""Container objects a twin allocates (net) between two collections."""
+
+
 @contextlib.contextmanager
 def _quiet_gc() -> Iterator[None]:
     """The collector out of the way while a twin runs, and back as it was after (so that a sweep's twins
-    do not pile up in the frozen generation): what existed before is frozen out of every collection, the
-    young generation is collected less often, and what survives a young collection is frozen too. A
-    twin's survivors (sessions, samples, caches) live to its end, so the older generations' passes
-    over them found next to nothing (1,529 objects in cycles in a step of 16,384 sessions) for 6% of
-    the twin's time; the young collections still take the short-lived cycles. Nothing is collected
-    first or after: a full collection of a process that imported the toolkit costs a short twin more
-    than anything else it does once, and what was frozen is collected later as any garbage."""
+    do not pile up in the frozen generation). A twin's objects (sessions, samples, caches, requests in
+    flight) live to its end, and a collection's passes over them found next to nothing: 1,529 objects in
+    cycles in a step of 16,384 sessions, for 6% of its time (young collections every 50,000 objects, and
+    every tenth of them the older generation). So what existed before is frozen out of every collection,
+    the young generation is collected only every :data:`YOUNG_GC` objects (a step of 65,536 sessions
+    runs without one), and what survives a collection is frozen too; garbage in cycles waits at most
+    that long. Nothing is collected first or after: a full collection of a process that
+    imported the toolkit costs a short twin more than anything else it does once, and what was frozen
+    is collected later as any garbage."""
     threshold = gc.get_threshold()
     gc.freeze()
-    gc.set_threshold(50_000, *threshold[1:])
+    gc.set_threshold(YOUNG_GC, *threshold[1:])
     gc.callbacks.append(_freeze_survivors)
     try:
         yield
