@@ -19,6 +19,10 @@ import pytest
 # platform.processor() runs `uname -p` once and caches the answer; libraries ask it for their headers
 # (the openai SDK does). Asked here, before any test, it starts no process during one.
 platform.processor()
+# matplotlib lists the system's fonts (`fc-list`) the first time its font manager loads on a machine
+# (then it keeps them in its cache): loaded here, a fresh machine's unit tier starts that process before
+# any test, not inside the first one that draws.
+import matplotlib.font_manager  # noqa: E402,F401
 
 _started = pytest.StashKey[list[str]]()
 UNIT = Path(__file__).resolve().parent

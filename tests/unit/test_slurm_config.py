@@ -163,6 +163,7 @@ def test_a_group_on_its_own_preemptible_partition(tmp_path: Path, monkeypatch: p
     validate(cfg)
     assert replica_resources(cfg, "tail").partition == "spot" and not replica_resources(cfg, "tail").requeue
     monkeypatch.setattr(slurm_mod, "need", lambda tool: tool)  # no Slurm needed to build the executors
+    monkeypatch.setattr(slurm_mod.submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # (submitit's srun check)
     c = cluster_pkg.make_cluster(cfg, RunDir(tmp_path), ProcessRef.self())
     assert isinstance(c, slurm_mod.SlurmCluster)
     tail = c._replica_executor("tail").parameters
