@@ -71,7 +71,7 @@ class Migrations:
         req.msg = cont
         req.replica = None  # queued again: a deadline or an abort now finds it in the queue
         req.payload = P._encoder.encode(cont)
-        if out and (min(out) < 0 or max(out) >= req.ids_below):
+        if req.ids_below and out and (min(out) < 0 or max(out) >= req.ids_below):
             req.ids_below = 0  # its replica's ids, checked again where it goes next
         req.moves += 1
         if why != "drain":
