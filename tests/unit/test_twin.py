@@ -169,4 +169,12 @@ def test_a_twin_freezes_what_survives_a_young_collection_and_leaves_the_collecto
         gc.collect(0)
         assert gc.get_freeze_count() >= frozen + len(kept)
         assert gc.get_threshold() == (YOUNG_GC, *threshold[1:])
+        young = [[i] for i in range(5000)]  # past the usual threshold, not collected
+        assert gc.get_count()[0] >= len(young)
+        runs: list[int] = []
+        gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "start" else None)
+    # The young generation went to the oldest, uncollected: the old threshold would collect it at once.
+    more = [[i] for i in range(10)]
+    gc.callbacks.pop()
+    assert runs == [] and len(more) + len(young) > 0
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold and gc.callbacks == callbacks
