@@ -201,6 +201,9 @@ def test_token_ids_from_the_users_code_are_ids_or_a_clear_error() -> None:
     import numpy as np
 
     assert guard.token_ids(np.array([3, 0, 7], dtype=np.int64), "obs") == [3, 0, 7]
+    ids = [5, 2**31 - 1, 0]
+    assert guard.token_ids(ids, "obs") == ids and guard.token_ids(ids, "obs") is not ids  # its own list
+    assert guard.token_ids((4, True), "obs") == [4, 1] and guard.token_ids(iter([9]), "obs") == [9]
     for bad, says in (([1.5], "must be a list of int token ids"), (["hi"], "must be a list of int token ids"),
                       ([1, -1], "holds token id -1, outside 0..2147483647"),
                       ([2**40], f"holds token id {2**40}, outside 0..2147483647"), (None, "must be a list")):

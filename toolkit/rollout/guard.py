@@ -10,8 +10,9 @@ import logging
 import operator
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import numpy as np
 
 from toolkit.core import clock
@@ -47,6 +48,8 @@ class BadTokens(ValueError):
 
 TOKEN_ID_LIMIT = 1 << 31
 """Token ids are stored as int32 (``columns.LIST_COLUMNS``)."""
+
+_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]]
 
 
 def token_ids(values: Any, what: str) -> list[int]:
