@@ -38,7 +38,7 @@ def record(lengths: list[int], step: int = 0) -> StepRecord:
 
 def test_the_quantile_is_of_the_finished_turns_so_far() -> None:
     rec = record([50, 10, 40, 20, 30])
-    assert rec.lengths == [10, 20, 30, 40, 50]
+    assert rec.lengths.sorted() == [10, 20, 30, 40, 50]
     assert (rec.quantile(0.0), rec.quantile(0.5), rec.quantile(0.9), rec.quantile(0.99)) == (10, 30, 50, 50)
 
 
@@ -542,7 +542,7 @@ def test_a_move_whose_abort_came_after_the_last_token_ends_ok_as_a_finished_turn
         res = P.decode_as(P.Result, router.answered.result("long") or b"")
         assert (res.status, res.finish_reason, len(res.output_token_ids), len(res.logprobs)) == ("ok", "length", 500, 500)
         assert "long" not in router.live and router.queue.size == 0 and not router.tail.inbound
-        assert router.tail.records["j"].lengths == [5, 500]  # the long turn counts for the step's quantile
+        assert router.tail.records["j"].lengths.sorted() == [5, 500]  # the long turn counts for the step's quantile
     finally:
         router.close()
         ctx.term()
@@ -721,3 +721,26 @@ def test_ticks_come_less_often_past_tick_replicas_in_proportion(tmp_path: Path, 
     for n in range(TICK_REPLICAS, 8 * TICK_REPLICAS):
         f.pool.add(replica(n, "throughput", 4))
     assert f.tail.tick_s() == pytest.approx(8 * TICK_S)
+
+
+def test_lengths_rank_like_a_sorted_list_as_they_grow() -> None:
+    import random
+
+    from toolkit.router.tail.lengths import Lengths
+
+    rng = random.Random(5)
+    lengths, ref = Lengths(), []
+    assert len(lengths) == 0 and not lengths and lengths.sorted() == []
+    for top in (3, 1000, 1024, 5000, 70_000):  # past the first size, then twice more
+        for _ in range(300):
+            v = rng.randint(0, top)
+            lengths.add(v)
+            ref.append(v)
+        ref.sort()
+        assert len(lengths) == len(ref) and lengths.sorted() == ref
+        assert [lengths.kth(k) for k in range(len(ref))] == ref
+    for bad in (-1, len(ref)):
+        with pytest.raises(IndexError):
+            lengths.kth(bad)
+    with pytest.raises(ValueError, match="not negative"):
+        lengths.add(-3)

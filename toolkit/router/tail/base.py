@@ -10,13 +10,13 @@ router (``routing.py``) acts on the answers, only while the tail group has room.
 
 from __future__ import annotations
 
-import bisect
 import math
 from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar
 
 from toolkit.config import TailConfig, TailPolicyName
+from toolkit.router.tail.lengths import Lengths
 
 
 class StepRecord:
@@ -28,8 +28,8 @@ class StepRecord:
         self.step = step
         self.last_long = last_long
         """The long-turn limit of the job's last step, over all its turns (``TailPolicy.long_hint``)."""
-        self.lengths: list[int] = []
-        """Output tokens of every turn the step finished, sorted."""
+        self.lengths = Lengths()
+        """Output tokens of every turn the step finished."""
         self.by_session: dict[str, list[int]] = {}
         """Finished turn lengths per session, in order."""
         self.by_prompt: dict[str, list[int]] = {}
@@ -40,7 +40,7 @@ class StepRecord:
         """A request of the step carried a length hint (until one does, no hint can move anything)."""
 
     def finished(self, session: str, prompt_key: str, tokens: int) -> None:
-        bisect.insort(self.lengths, tokens)
+        self.lengths.add(tokens)
         if session:
             self.by_session.setdefault(session, []).append(tokens)
         if prompt_key:
@@ -48,7 +48,7 @@ class StepRecord:
 
     def quantile(self, q: float) -> int:
         """The ``q``-quantile of the finished turn lengths (the nearest rank; needs one at least)."""
-        return self.lengths[min(len(self.lengths) - 1, int(q * len(self.lengths)))]
+        return self.lengths.kth(min(len(self.lengths) - 1, int(q * len(self.lengths))))
 
 
 class TailPolicy(ABC):

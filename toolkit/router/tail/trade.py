@@ -30,7 +30,7 @@ class WorkLeft:
     __slots__ = ("lengths", "suffix", "turns", "turns_suffix", "mean")
 
     def __init__(self, last: StepRecord) -> None:
-        self.lengths = list(last.lengths)  # sorted
+        self.lengths = last.lengths.sorted()
         self.suffix = [*accumulate(reversed(self.lengths))][::-1] + [0]
         """Sum of ``lengths[i:]``."""
         self.turns = sorted(len(v) for v in last.by_session.values())
