@@ -10,6 +10,7 @@ hooks for tests. The time model, its defaults and every knob: docs/engines.md#th
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -138,6 +139,24 @@ def _rng(key: int, *material: bytes) -> np.random.Generator:
     return _draws.gen
 
 
+LOGPROB_LEVELS = 4096
+
+
+@functools.lru_cache(maxsize=1)
+def _logprob_table() -> np.ndarray:
+    q = (np.arange(LOGPROB_LEVELS) + 0.5) / LOGPROB_LEVELS
+    return (0.7 * np.log1p(-q)).astype(np.float32).astype(object)
+
+
+def draw_logprobs(rng: np.random.Generator, n: int) -> list[float]:
+    """``n`` token logprobs: minus an exponential with mean 0.7, drawn as one of its
+    :data:`LOGPROB_LEVELS` quantiles (float32 values) and returned as shared float objects: a twin
+    holds millions of them, and a new float per token (``ndarray.tolist``) took a quarter of its memory."""
+    u = rng.random(n)
+    u *= LOGPROB_LEVELS
+    return _logprob_table()[u.astype(np.intp)].tolist()
+
+
 def output_len(cfg: SimEngineConfig, z: Any) -> Any:
     """The output length(s), before any cut, for standard normal draw(s) ``z`` (a float or an array):
     lognormal with median ``output_len_median`` and sigma ``output_len_sigma``, at least one token."""
@@ -185,8 +204,7 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"
     tokens = id_list(rng.integers(1, cfg.vocab_size, size=n), cfg.vocab_size)
-    logprobs = np.negative(rng.exponential(0.7, size=n).astype(np.float32)).tolist()
-    return tokens, logprobs, finish
+    return tokens, draw_logprobs(rng, n), finish
 
 
 PLAN_FIELDS = ("max_model_len", "vocab_size", "output_len_median", "output_len_sigma", "output_len_session_share",
@@ -205,7 +223,7 @@ def _plan_structured(cfg: SimEngineConfig, structured: Structured, tokenizer: To
     if tokens and (min(tokens) < 0 or max(tokens) >= cfg.vocab_size):
         raise ToolkitError(f"engine.tokenizer encodes the structured output with token ids outside "
                            f"engine.vocab_size {cfg.vocab_size} (ids {min(tokens)}..{max(tokens)})")
-    logprobs = (-rng.exponential(0.7, size=len(tokens))).astype(np.float32).tolist()
+    logprobs = draw_logprobs(rng, len(tokens))
     finish = "stop" if len(tokens) <= budget else "length"
     return tokens[:budget], logprobs[:budget], finish
 
