@@ -37,6 +37,21 @@ def test_outputs_are_deterministic_and_seeded_per_request() -> None:
     assert all(lp <= 0 for lp in logprobs)
 
 
+def test_logprobs_are_exponential_quantiles_shared_as_objects() -> None:
+    import numpy as np
+
+    from toolkit.engine.sim import LOGPROB_LEVELS, draw_logprobs
+
+    a = draw_logprobs(np.random.default_rng(3), 20_000)
+    b = draw_logprobs(np.random.default_rng(4), 20_000)
+    assert len(a) == 20_000 and all(type(x) is float and x < 0 for x in a)
+    assert len(set(a)) <= LOGPROB_LEVELS and float(np.mean(a)) == pytest.approx(-0.7, rel=0.03)
+    same = {x: x for x in a}
+    assert sum(x in same for x in b) > 19_000
+    assert all(same[x] is x for x in b if x in same)  # one object per value, however drawn
+    assert float(np.float32(a[0])) == a[0]  # float32 values, as an engine's are
+
+
 def test_draws_are_pinned_across_processes_and_a_sessions_share_changes_only_the_length() -> None:
     def plan(share: float) -> tuple[list[int], list[float], str]:
         req = Generate("p", session_id="s", prompt_token_ids=[5, 6, 7], sampling=Sampling(512))
