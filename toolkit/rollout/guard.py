@@ -56,6 +56,10 @@ def token_ids(values: Any, what: str) -> list[int]:
     """``values`` as token ids, or :class:`BadTokens` naming what is wrong: a float, a string or an id
     outside the int32 range would otherwise fail later, in the router (which could not even read the
     request) or in the rank's packing of the step, past any one session."""
+    try:  # a list of plain ints in range, the usual answer, in one C-level pass
+        return msgspec.convert(values, _IDS)
+    except msgspec.ValidationError:
+        pass  # anything else (numpy ints, bools, a bad id) as below, with its message
     try:
         ids = [operator.index(t) for t in values]
     except TypeError as exc:
