@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from toolkit.config import SimEngineConfig
+from toolkit.core.blocks import ROOT, chain_from
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result
 from toolkit.engine.sim import PLAN_FIELDS, PrefixCache, plan_output, step_seconds
@@ -307,12 +308,15 @@ class TwinEngine:
                 start = hashes
         return self.cache.hashes(tokens, start)
 
-    def _remember(self, session: str, tokens: list[int], hashes: list[int]) -> None:
+    def _remember(self, session: str, prompt: list[int], out: list[int], hashes: list[int]) -> None:
+        """``session``'s last context is ``prompt`` then ``out``, whose whole blocks hash to ``hashes``."""
         if not session:
             return
-        bs = self.cache.block_size
-        k = len(tokens) // bs
-        self._chains[session] = (len(tokens), tuple(tokens[(k - 1) * bs : k * bs]) if k else (), hashes)
+        bs, n = self.cache.block_size, len(prompt)
+        k = (n + len(out)) // bs
+        lo = (k - 1) * bs
+        last = prompt[lo : lo + bs] + out[max(0, lo - n) : max(0, lo + bs - n)] if k else []
+        self._chains[session] = (n + len(out), tuple(last), hashes)
         self._chains.move_to_end(session)
         while len(self._chains) > 4 * self.cfg.max_num_seqs:
             self._chains.popitem(last=False)
@@ -321,11 +325,13 @@ class TwinEngine:
         n = seq.produced
         whole = n == len(seq.tokens)  # (its plan's lists are not changed after: no copy of them)
         out = seq.tokens if whole else seq.tokens[:n]
-        if computed:
-            context = seq.req.prompt_token_ids + out
-            hashes = self.cache.hashes(context, seq.hashes or None)
-            self.cache.insert(context, hashes)
-            self._remember(seq.req.session_id, context, hashes)
+        if computed:  # its context (prompt and output) into the cache, without a copy of it whole
+            prompt, bs = seq.req.prompt_token_ids, self.cache.block_size
+            known = seq.hashes  # (its prompt's whole blocks', if it was looked up)
+            start = len(known) * bs
+            hashes = known + chain_from(known[-1] if known else ROOT, prompt[start:] + out, bs)
+            self.cache.insert([], hashes)  # (the hashes name its blocks)
+            self._remember(seq.req.session_id, prompt, out, hashes)
         seq.done = True
         self.by_id.pop(seq.req.request_id, None)
         if status != "cancelled":
