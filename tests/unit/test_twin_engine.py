@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -222,11 +223,25 @@ def test_the_virtual_loops_own_callbacks_keep_call_soons_order_and_a_raise_ends_
 
     loop.run(main())
     assert ran == ["a", "b", "c"]
+    ran.clear()
 
-    async def raises() -> None:
-        loop.soon(operator.truediv, 1, 0)
-        await asyncio.sleep(1)
+    async def timers() -> None:  # ``at``/``later`` and ``call_at``/``call_later``: one heap, ties in call order
+        t = loop.now
+        loop.later(2, ran.append, "2a")
+        loop.call_at(t + 2, ran.append, "2b")
+        loop.at(t + 1, ran.append, "1")
+        loop.later(1.5, ran.append, "never").cancel()
+        loop.at(t + 2, ran.append, "2c")
+        await asyncio.sleep(3)
 
-    with pytest.raises(ZeroDivisionError):
-        loop.run(raises())
+    loop.run(timers())
+    assert ran == ["1", "2a", "2b", "2c"]
+
+    for schedule in (lambda: loop.soon(operator.truediv, 1, 0), lambda: loop.later(0.5, operator.truediv, 1, 0)):
+        async def raises(schedule: Any = schedule) -> None:
+            schedule()
+            await asyncio.sleep(1)
+
+        with pytest.raises(ZeroDivisionError):
+            loop.run(raises())
     loop.close()

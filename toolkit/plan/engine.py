@@ -162,7 +162,7 @@ class TwinEngine:
         self.by_id[req.request_id] = seq
         if req.kv_tokens > 0:  # its KV crosses the link first, without holding up the running batch
             link_s = req.kv_tokens * c.kv_bytes_per_token / c.kv_link_bytes_per_s
-            self.loop.call_later(link_s * c.time_scale, self._landed, seq)
+            self.loop.later(link_s * c.time_scale, self._landed, seq)
         else:
             self._admit(seq)
 
@@ -221,7 +221,7 @@ class TwinEngine:
         prefill = st.prefill if j == 0 else 0  # the first step prefills
         nxt = _Stretch(st.start + st.elapsed(j), st.n, 0, 0.0, 0.0, 0.0, prefill, 1, fixed=under_way)
         self._stretch = nxt
-        nxt.timer = self.loop.call_at(nxt.start + under_way, self._end)
+        nxt.timer = self.loop.at(nxt.start + under_way, self._end)
 
     def _advance(self, st: _Stretch, j: int) -> None:
         """Count ``j`` finished steps of ``st``: every running sequence gained ``j`` tokens."""
@@ -294,7 +294,7 @@ class TwinEngine:
         p = (step_seconds(c, 0, prefill) - step_seconds(c, 0)) * c.time_scale
         st = _Stretch(now, n, ctx0, self._a, self._b, p, prefill, k)
         self._stretch = st
-        st.timer = self.loop.call_at(now + st.elapsed(k), self._end)
+        st.timer = self.loop.at(now + st.elapsed(k), self._end)
 
     def _hashes(self, session: str, tokens: list[int]) -> list[int]:
         """``tokens``' block hashes, going on from the session's last context where it extends it."""

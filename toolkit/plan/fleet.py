@@ -70,7 +70,7 @@ class Wire(Links):
 
     def _deliver(self, fn: Any, *args: Any) -> None:
         if self.latency_s > 0:
-            self.loop.call_later(self.latency_s, fn, *args)
+            self.loop.later(self.latency_s, fn, *args)
         else:
             self.loop.soon(fn, *args)
 
@@ -119,16 +119,16 @@ class Wire(Links):
         def sweep() -> None:
             router.sweep()
             router.dispatch()
-            self.loop.call_later(sweep_every, sweep)
+            self.loop.later(sweep_every, sweep)
 
         def move() -> None:
             router.move_long_runners()
             router.dispatch()
-            self.loop.call_later(router.tail.tick_s(), move)
+            self.loop.later(router.tail.tick_s(), move)
 
-        self.loop.call_later(sweep_every, sweep)
+        self.loop.later(sweep_every, sweep)
         if router.tail.active:
-            self.loop.call_later(router.tail.tick_s(), move)
+            self.loop.later(router.tail.tick_s(), move)
 
 
 class TwinReplica:
@@ -154,7 +154,7 @@ class TwinReplica:
     def start(self) -> None:
         self.alive = True
         self._register()
-        self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
+        self._beat = self.wire.loop.later(self.cfg.router.heartbeat_s, self._heartbeat)
 
     def _send(self, msg: P.Message) -> None:
         if self.alive:
@@ -178,7 +178,7 @@ class TwinReplica:
             return
         self._send_kv()
         self._send(P.Heartbeat(self.replica_id, self.engine.stats(), self.kv.seq if self.kv is not None else 0))
-        self._beat = self.wire.loop.call_later(self.cfg.router.heartbeat_s, self._heartbeat)
+        self._beat = self.wire.loop.later(self.cfg.router.heartbeat_s, self._heartbeat)
 
     def _answer(self, res: P.Result) -> None:
         if self.alive:  # the KV events since the last batch ride in the Result's message, as a replica's do
