@@ -98,11 +98,18 @@ class _Stretch:
         return j * self.a + self.b * (j * self.ctx0 + self.n * j * (j - 1) / 2) + self.p
 
     def done_by(self, t: float) -> int:
-        """Steps finished by time ``t``."""
+        """Steps finished by time ``t``: the most whose :meth:`elapsed` ends by then (a binary search, with
+        :meth:`elapsed`'s own arithmetic inlined: a stretch is cut at every arrival)."""
         lo, hi = 0, self.k
+        if hi <= 0:
+            return 0
+        start, limit = self.start, t + 1e-12
+        if self.fixed is not None:
+            return hi if start + self.fixed <= limit else 0
+        a, b, ctx0, n, p = self.a, self.b, self.ctx0, self.n, self.p
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.start + self.elapsed(mid) <= t + 1e-12:
+            if start + (mid * a + b * (mid * ctx0 + n * mid * (mid - 1) / 2) + p) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
@@ -141,8 +148,9 @@ class TwinEngine:
         session's next prompt extends its last context, so its hashes go on from there: hashing every
         prompt whole would cost the twin more than anything else it does per request."""
         scale = cfg.time_scale
-        self._a = step_seconds(cfg, 0) * scale
-        self._b = (step_seconds(cfg, 1) - step_seconds(cfg, 0)) * scale
+        self._s0 = step_seconds(cfg, 0)
+        self._a = self._s0 * scale
+        self._b = (step_seconds(cfg, 1) - self._s0) * scale
 
     # ---- requests in ---------------------------------------------------------------------------------
     def submit(self, req: Generate) -> None:
@@ -206,7 +214,7 @@ class TwinEngine:
         st = self._stretch
         if st is None:
             return
-        j = st.done_by(self.loop.time())
+        j = st.done_by(self.loop.now)
         if j >= st.k:  # it ends now: its end comes first
             assert st.timer is not None
             st.timer.cancel()
@@ -257,7 +265,7 @@ class TwinEngine:
         if self._stretch is not None:
             return
         c = self.cfg
-        now = self.loop.time()
+        now = self.loop.now
         prefill = 0
         while self.waiting and len(self.running) < c.max_num_seqs:
             seq = self.waiting.popleft()
@@ -291,7 +299,7 @@ class TwinEngine:
         while ends[0][2].done:  # aborted: it left the batch already
             heapq.heappop(ends)
         k = ends[0][0] - self.steps
-        p = (step_seconds(c, 0, prefill) - step_seconds(c, 0)) * c.time_scale
+        p = (step_seconds(c, 0, prefill) - self._s0) * c.time_scale if prefill else 0.0
         st = _Stretch(now, n, ctx0, self._a, self._b, p, prefill, k)
         self._stretch = st
         st.timer = self.loop.at(now + st.elapsed(k), self._end)
@@ -344,7 +352,7 @@ class TwinEngine:
 
     # ---- what its heartbeats carry -------------------------------------------------------------------
     def stats(self) -> ReplicaStats:
-        now = self.loop.time()
+        now = self.loop.now
         st = self._stretch
         j = st.done_by(now) if st is not None else 0
         n = st.n if st is not None else 0
