@@ -43,6 +43,9 @@ def test_one_session_ends_when_its_turn_and_the_probe_before_it_say(tmp_path) ->
     by_hand = probe + sum(step_seconds(e, p + i, p if i == 0 else 0) for i in range(n))
     assert step["wall_s"] == pytest.approx(by_hand, abs=1e-6)
     assert step["sessions_by_status"] == {"completed": 1}
+    # With a link latency every message takes it: the turn's Generate and Result cross two links each.
+    (slow,) = Twin(cfg, tmp_path / "slow", latency_s=0.05).run().steps
+    assert slow["generated_tokens"] == n and slow["wall_s"] >= by_hand + 4 * 0.05 - 1e-9
 
 
 def test_long_runners_move_to_the_tail_group_and_end_whole() -> None:

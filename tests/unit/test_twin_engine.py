@@ -210,19 +210,21 @@ def test_the_virtual_loops_timers_run_in_time_order_ties_as_set_and_cancelled_on
 
 def test_the_virtual_loops_own_callbacks_keep_call_soons_order_and_a_raise_ends_the_run() -> None:
     """``soon`` (the twin's links and engines) and ``call_soon`` share one queue, in the order they were
-    called; a cancelled one never runs; one that raises ends ``run`` with its exception."""
+    called; a cancelled handle never runs; one that raises ends ``run`` with its exception."""
     loop = VirtualLoop()
     ran: list[str] = []
 
     async def main() -> None:
         loop.soon(ran.append, "a")
         loop.call_soon(ran.append, "b")
-        loop.soon(ran.append, "never").cancel()
+        loop.call_soon(ran.append, "never").cancel()
         loop.soon(ran.append, "c")
+        loop.call_soon(loop.soon, ran.append, "e")  # a turn later
+        loop.soon(ran.append, "d")
         await asyncio.sleep(1)
 
     loop.run(main())
-    assert ran == ["a", "b", "c"]
+    assert ran == ["a", "b", "c", "d", "e"]
     ran.clear()
 
     async def timers() -> None:  # ``at``/``later`` and ``call_at``/``call_later``: one heap, ties in call order

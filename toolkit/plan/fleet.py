@@ -12,6 +12,8 @@ context again would cost the twin more than its router's choices do."""
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -50,6 +52,9 @@ class Wire(Links):
         """``id(payload)`` -> (the payload, the message it encodes), for the end it is passed on to."""
         self._of: dict[str, list[int]] = {}
         """Request id -> the keys kept for it."""
+        self._deliver: Callable[..., Any] = (functools.partial(loop.later, latency_s) if latency_s > 0
+                                             else loop.soon)
+        """``_deliver(fn, *args)``: ``fn(*args)`` on the loop, ``latency_s`` later (0: its next turn)."""
 
     def keep(self, request_id: str, payload: bytes, msg: Any) -> None:
         """``payload`` encodes ``msg`` (of ``request_id``): whoever receives this very payload may take
@@ -67,12 +72,6 @@ class Wire(Links):
         leg's Result that the router merged) goes. A key taken meanwhile and reused can only cost a decode."""
         for key in self._of.pop(request_id, ()):
             self._kept.pop(key, None)
-
-    def _deliver(self, fn: Any, *args: Any) -> None:
-        if self.latency_s > 0:
-            self.loop.later(self.latency_s, fn, *args)
-        else:
-            self.loop.soon(fn, *args)
 
     # the router's side
     def to_replica(self, ident: bytes, *frames: bytes) -> None:

@@ -31,13 +31,13 @@ class _Selector(selectors.BaseSelector):
         return {}
 
 
-class _Call(asyncio.Handle):
-    """A callback of the twin's own machinery (:meth:`VirtualLoop.soon`): a plain call, with no context
-    copied for it and entered to run it (none of that machinery reads a context variable)."""
+class _Timer(asyncio.TimerHandle):
+    """A timer of the twin's own machinery (:meth:`VirtualLoop.at`): a plain call, with no context copied
+    for it and entered to run it (none of that machinery reads a context variable)."""
 
     __slots__ = ()
 
-    def __init__(self, callback: Any, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, when: float, callback: Any, args: tuple[Any, ...], loop: VirtualLoop) -> None:
         self._callback = callback
         self._args = args
         self._cancelled = False
@@ -45,26 +45,11 @@ class _Call(asyncio.Handle):
         self._source_traceback = None
         self._repr = None
         self._context = None
-
-    def _run(self) -> None:
-        try:
-            self._callback(*self._args)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self._loop.call_exception_handler(
-                {"message": f"Exception in callback {self._callback!r}", "exception": exc, "handle": self})
-
-
-class _Timer(_Call, asyncio.TimerHandle):
-    """A timer of the twin's own machinery (:meth:`VirtualLoop.at`): a plain call, as :class:`_Call`."""
-
-    __slots__ = ()
-
-    def __init__(self, when: float, callback: Any, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> None:
-        _Call.__init__(self, callback, args, loop)
         self._when = when
         self._scheduled = False
+
+    def _run(self) -> None:
+        self._loop._call(self._callback, self._args)  # type: ignore[attr-defined]
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -96,15 +81,22 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self.now
 
-    def soon(self, callback: Any, *args: Any) -> asyncio.Handle:
+    def soon(self, callback: Any, *args: Any) -> None:
         """``call_soon`` for the twin's own machinery (its links, its engines): the same turn of the loop
-        and order, without a copy of the context (asyncio's tasks, futures and the user's code keep
-        ``call_soon``)."""
+        and order, as a plain call: no handle (it cannot be cancelled) and no copy of the context
+        (asyncio's tasks, futures and the user's code keep ``call_soon``)."""
         if self._closed:  # (asyncio's _check_closed, without its call)
             raise RuntimeError("Event loop is closed")
-        handle = _Call(callback, args, self)
-        self._ready.append(handle)
-        return handle
+        self._ready.append((callback, args))
+
+    def _call(self, callback: Any, args: tuple[Any, ...]) -> None:
+        """A callback of the twin's own, as asyncio runs a handle's (inlined in :meth:`_run_once` for soon's)."""
+        try:
+            callback(*args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": exc})
 
     # asyncio's timers and loop iteration, with the heap holding (when, n, handle): compared in C, where
     # TimerHandle compares in Python (a twin of thousands of replicas keeps tens of thousands of timers),
@@ -162,7 +154,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             ready.append(handle)
         for _ in range(len(ready)):
             handle = ready.popleft()
-            if not handle._cancelled:
+            if handle.__class__ is tuple:  # (soon's: callback, args)
+                try:
+                    handle[0](*handle[1])
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    self.call_exception_handler({"message": f"Exception in callback {handle[0]!r}",
+                                                 "exception": exc})
+            elif not handle._cancelled:
                 handle._run()
 
     # No self-pipe: nothing wakes the loop from another thread.
