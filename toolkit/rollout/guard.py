@@ -49,7 +49,12 @@ class BadTokens(ValueError):
 TOKEN_ID_LIMIT = 1 << 31
 """Token ids are stored as int32 (``columns.LIST_COLUMNS``)."""
 
-_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]]
+
+class _Ids(msgspec.Struct, array_like=True):
+    """Token ids as msgspec checks them (a Struct: its converter is found on the class, not by hashing a
+    ``list[Annotated[...]]`` type in Python at every call)."""
+
+    ids: list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]]
 
 
 def token_ids(values: Any, what: str) -> list[int]:
@@ -57,7 +62,7 @@ def token_ids(values: Any, what: str) -> list[int]:
     outside the int32 range would otherwise fail later, in the router (which could not even read the
     request) or in the rank's packing of the step, past any one session."""
     try:  # a list of plain ints in range, the usual answer, in one C-level pass
-        return msgspec.convert(values, _IDS)
+        return msgspec.convert((values,), _Ids).ids
     except msgspec.ValidationError:
         pass  # anything else (numpy ints, bools, a bad id) as below, with its message
     try:
