@@ -132,7 +132,8 @@ async def inline_call(fn: Callable[..., Any], *args: Any) -> Any:
     """:func:`user_call` on the loop's own thread (the fleet twin's: a thread would return at a virtual
     time nobody chose). A call that hangs holds the loop."""
     try:
-        return await maybe_await(fn(*args))
+        value = fn(*args)
+        return (await value) if inspect.isawaitable(value) else value  # (maybe_await's, without its coroutine)
     except Exception as exc:
         raise UserCodeFailed(f"raised {type(exc).__name__}: {exc}") from exc
 
