@@ -107,6 +107,8 @@ class ConsistentHash(Policy):
 
     VNODES = 64
     WALK = 64
+    STARTS_KEPT = 1 << 18
+    """Sessions whose place on the ring is kept (all are forgotten past it: a step's are found again)."""
     REWEIGHT_CHANGE = 0.2
 
     def __init__(self, replicas: list[Replica], load_factor: float = 1.25, wait_for_home: bool = False) -> None:
@@ -118,6 +120,9 @@ class ConsistentHash(Policy):
         self._capacity = 0
         """The replicas' slots in all (0: to be summed, at the next :meth:`bound`)."""
         self._stale = True
+        self._starts: dict[str, int] = {}
+        """Each session's place on the ring (the bisection of its hash) while the ring stands: a
+        session's later turns neither hash again nor search a ring of VNODES x n points."""
         self._points: dict[tuple[str, int], list[int]] = {}
         """Each replica's ring points by (replica id, virtual nodes)."""
         self.weights: dict[str, float] = {}
@@ -150,6 +155,7 @@ class ConsistentHash(Policy):
         self._points = known  # only the replicas of this ring: gone ones are forgotten
         self._ring = [p for p, _ in points]
         self._owners = [self.replicas[i] for _, i in points]
+        self._starts.clear()
         self._stale = False
 
     def reweight(self) -> None:
@@ -189,7 +195,11 @@ class ConsistentHash(Policy):
             return self._best_with_room(with_room, group_load)
         if self._stale:
             self._rebuild()
-        start = bisect.bisect(self._ring, _hash64(session_id))
+        start = self._starts.get(session_id)
+        if start is None:
+            if len(self._starts) >= self.STARTS_KEPT:
+                self._starts.clear()
+            start = self._starts[session_id] = bisect.bisect(self._ring, _hash64(session_id))
         size = len(self._ring)
         if self.wait_for_home:
             home = self._owners[start % size]
