@@ -110,7 +110,7 @@ class Sample:
         extra = prompt[n:]
         self.extend_observation(extra)
         out = result.output_token_ids
-        lps = list(result.logprobs) if len(result.logprobs) == len(out) else [math.nan] * len(out)
+        lps = result.logprobs if len(result.logprobs) == len(out) else [math.nan] * len(out)  # (read, not kept)
         # NaN: an engine (or a moved request's leg) sent none. A NaN makes the sum NaN: only then are they
         # counted, so a turn with every logprob is one C-level pass.
         missing = sum(map(math.isnan, lps)) if math.isnan(sum(lps)) else 0
