@@ -43,7 +43,6 @@ class Wire(Links):
 
     def __init__(self, loop: VirtualLoop, latency_s: float) -> None:
         self.loop = loop
-        self.latency_s = latency_s
         self.router: Router | None = None
         self.replicas: dict[bytes, TwinReplica] = {}
         self.clients: dict[bytes, TwinClient] = {}

@@ -32,8 +32,9 @@ class _Selector(selectors.BaseSelector):
 
 
 class _Timer(asyncio.TimerHandle):
-    """A timer of the twin's own machinery (:meth:`VirtualLoop.at`): a plain call, with no context copied
-    for it and entered to run it (none of that machinery reads a context variable)."""
+    """A timer of the twin's own machinery (:meth:`VirtualLoop.at`): :meth:`VirtualLoop._run_once` runs
+    it as a plain call, with no context copied for it and entered (none of that machinery reads a
+    context variable)."""
 
     __slots__ = ()
 
@@ -47,9 +48,6 @@ class _Timer(asyncio.TimerHandle):
         self._context = None
         self._when = when
         self._scheduled = False
-
-    def _run(self) -> None:
-        self._loop._call(self._callback, self._args)  # type: ignore[attr-defined]
 
     def cancel(self) -> None:
         """As TimerHandle's (the loop counts it among the cancelled while it is in the heap), in one call."""
@@ -96,15 +94,6 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         if self._closed:  # (asyncio's _check_closed, without its call)
             raise RuntimeError("Event loop is closed")
         self._ready.append((callback, args))
-
-    def _call(self, callback: Any, args: tuple[Any, ...]) -> None:
-        """A callback of the twin's own, as asyncio runs a handle's (inlined in :meth:`_run_once` for soon's)."""
-        try:
-            callback(*args)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException as exc:
-            self.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": exc})
 
     # asyncio's timers and loop iteration, with the heap holding (when, n, handle): compared in C, where
     # TimerHandle compares in Python (a twin of thousands of replicas keeps tens of thousands of timers),
@@ -162,16 +151,22 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             ready.append(handle)
         for _ in range(len(ready)):
             handle = ready.popleft()
-            if handle.__class__ is tuple:  # (soon's: callback, args)
-                try:
-                    handle[0](*handle[1])
-                except (SystemExit, KeyboardInterrupt):
-                    raise
-                except BaseException as exc:
-                    self.call_exception_handler({"message": f"Exception in callback {handle[0]!r}",
-                                                 "exception": exc})
-            elif not handle._cancelled:
+            kind = handle.__class__
+            if kind is tuple:  # soon's (callback, args)
+                callback, args = handle
+            elif handle._cancelled:
+                continue
+            elif kind is _Timer:
+                callback, args = handle._callback, handle._args
+            else:  # asyncio's own handles: in their context
                 handle._run()
+                continue
+            try:  # the twin's own: a plain call, failing as asyncio's handles do
+                callback(*args)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:
+                self.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": exc})
 
     # No self-pipe: nothing wakes the loop from another thread.
     def _make_self_pipe(self) -> None:
