@@ -77,10 +77,16 @@ class PrefixCache:
         deque(map(blocks.move_to_end, hits), maxlen=0)  # each hit the most recent, in order (a loop in C)
         return len(hits) * self.block_size
 
-    def insert(self, tokens: list[int], hashes: list[int] | None = None) -> None:
+    def insert(self, tokens: list[int]) -> None:
+        """Each whole block of ``tokens`` becomes the most recent, in order (:meth:`store`)."""
+        self.store(self.hashes(tokens))
+
+    def store(self, hashes: list[int]) -> None:
+        """The blocks named by ``hashes`` (a chain from :meth:`hashes`) become the most recent, in order;
+        the least recent beyond the capacity go."""
         blocks, log = self.blocks, self.log
         new = []
-        for h in (hashes if hashes is not None else self.hashes(tokens)):
+        for h in hashes:
             if h in blocks:
                 blocks.move_to_end(h)
             else:

@@ -98,18 +98,11 @@ class _Stretch:
         return j * self.a + self.b * (j * self.ctx0 + self.n * j * (j - 1) / 2) + self.p
 
     def done_by(self, t: float) -> int:
-        """Steps finished by time ``t``: the most whose :meth:`elapsed` ends by then (a binary search, with
-        :meth:`elapsed`'s own arithmetic inlined: a stretch is cut at every arrival)."""
+        """Steps finished by time ``t``."""
         lo, hi = 0, self.k
-        if hi <= 0:
-            return 0
-        start, limit = self.start, t + 1e-12
-        if self.fixed is not None:
-            return hi if start + self.fixed <= limit else 0
-        a, b, ctx0, n, p = self.a, self.b, self.ctx0, self.n, self.p
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if start + (mid * a + b * (mid * ctx0 + n * mid * (mid - 1) / 2) + p) <= limit:
+            if self.start + self.elapsed(mid) <= t + 1e-12:
                 lo = mid
             else:
                 hi = mid - 1
@@ -182,7 +175,7 @@ class TwinEngine:
             prompt = seq.req.prompt_token_ids
             seq.hashes = self._hashes(seq.req.session_id, prompt)
             seq.cached = self.cache.match(prompt, seq.hashes)
-            self.cache.insert(prompt[: seq.req.kv_tokens], seq.hashes[: seq.req.kv_tokens // self.cache.block_size])
+            self.cache.store(seq.hashes[: seq.req.kv_tokens // self.cache.block_size])
             self._admit(seq)
 
     def _admit(self, seq: _Seq) -> None:
@@ -338,7 +331,7 @@ class TwinEngine:
             known = seq.hashes  # (its prompt's whole blocks', if it was looked up)
             start = len(known) * bs
             hashes = known + chain_from(known[-1] if known else ROOT, prompt[start:] + out, bs)
-            self.cache.insert([], hashes)  # (the hashes name its blocks)
+            self.cache.store(hashes)
             self._remember(seq.req.session_id, prompt, out, hashes)
         seq.done = True
         self.by_id.pop(seq.req.request_id, None)
