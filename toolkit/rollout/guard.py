@@ -10,13 +10,14 @@ import logging
 import operator
 import threading
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from toolkit.core import clock
 from toolkit.core.errors import Terminated, ToolkitError
+from toolkit.core.tokens import ids_below
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
 
@@ -50,19 +51,12 @@ TOKEN_ID_LIMIT = 1 << 31
 """Token ids are stored as int32 (``columns.LIST_COLUMNS``)."""
 
 
-class _Ids(msgspec.Struct, array_like=True):
-    """Token ids as msgspec checks them (a Struct: its converter is found on the class, not by hashing a
-    ``list[Annotated[...]]`` type in Python at every call)."""
-
-    ids: list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]]
-
-
 def token_ids(values: Any, what: str) -> list[int]:
     """``values`` as token ids, or :class:`BadTokens` naming what is wrong: a float, a string or an id
     outside the int32 range would otherwise fail later, in the router (which could not even read the
     request) or in the rank's packing of the step, past any one session."""
     try:  # a list of plain ints in range, the usual answer, in one C-level pass
-        return msgspec.convert((values,), _Ids).ids
+        return msgspec.convert((values,), ids_below(TOKEN_ID_LIMIT)).ids
     except msgspec.ValidationError:
         pass  # anything else (numpy ints, bools, a bad id) as below, with its message
     try:
