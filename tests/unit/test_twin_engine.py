@@ -17,7 +17,7 @@ from toolkit.config import SimEngineConfig
 from toolkit.core.protocol import Generate, Result, Sampling
 from toolkit.engine.sim import SimEngine, plan_output, step_seconds
 from toolkit.plan.engine import MovedPlans, TwinEngine
-from toolkit.plan.loop import Stalled, VirtualLoop
+from toolkit.plan.loop import FAR_S, Stalled, VirtualLoop
 
 # Context reads matter (kv_bytes_per_token), prefill matters, and one step is ~10 ms.
 CFG = SimEngineConfig(step_overhead_s=0.002, weight_bytes=16e9, hbm_bandwidth=2e12, kv_bytes_per_token=4e6,
@@ -206,6 +206,33 @@ def test_the_virtual_loops_timers_run_in_time_order_ties_as_set_and_cancelled_on
     assert ties == [(5.0, ("tie", i)) for i in range(0, 300, 3)]
     assert [x for x in ran if not isinstance(x[1], tuple)] == [(0.0, "now"), (0.25, "a"), (0.25, "b"), (7.5, "c")]
     assert loop.now == 10.0
+
+
+def test_timers_set_far_ahead_run_in_the_same_order_as_near_ones() -> None:
+    """Timers due ``FAR_S`` or more past when they were set wait in a heap of their own: they still run at
+    their time, ties with near ones in the order they were all set (a far one set first runs first), a
+    cancelled one never, and a loop with nothing else to do jumps to the first of them, a day at a time."""
+    loop = VirtualLoop()
+    ran: list[tuple[float, str]] = []
+
+    def note(tag: str) -> None:
+        ran.append((loop.time(), tag))
+
+    async def main() -> None:
+        loop.call_at(100.0, note, "far first")  # far: set 100 s ahead
+        loop.call_at(100.0 + FAR_S, note, "far, cancelled").cancel()
+        loop.at(100.0, note, "far second")
+        await asyncio.sleep(50.0)
+        loop.at(100.0, note, "near, set last")  # 50 s ahead: near, and the same time as the far ones
+        loop.later(1.0, note, "near")
+        await asyncio.sleep(60.0)
+        loop.call_later(3 * 86400.0, note, "days")  # far, with nothing else due before it
+        await asyncio.sleep(3 * 86400.0 + 1.0)
+
+    loop.run(main())
+    loop.close()
+    assert ran == [(51.0, "near"), (100.0, "far first"), (100.0, "far second"), (100.0, "near, set last"),
+                   (110.0 + 3 * 86400.0, "days")]
 
 
 def test_the_virtual_loops_own_callbacks_keep_call_soons_order_and_a_raise_ends_the_run() -> None:

@@ -12,6 +12,9 @@ from typing import Any
 
 from toolkit.core.errors import ToolkitError
 
+FAR_S = 60.0
+"""Virtual seconds: a timer set to fire this far ahead or more waits in the far heap (``VirtualLoop._far``)."""
+
 
 class Stalled(ToolkitError):
     """Nothing is ready and no timer is set: whatever waits would wait forever."""
@@ -66,6 +69,11 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._clock_resolution = 1e-9
         self._timers = 0
         """Timers set so far: the order of those due at the same time."""
+        self._far: list[tuple[float, int, asyncio.TimerHandle]] = []
+        """Timers due :data:`FAR_S` or more past the time they were set (every session's timeout): a heap
+        of their own, taken into the near one as the clock comes within ``FAR_S`` of them, so that
+        the timers that fire (engine steps, heartbeats) are popped from a heap of thousands, not of
+        every session's timeout (65,536 in a step of as many sessions)."""
         self.failure: BaseException | None = None
         """The first exception a callback raised: it ends the run (:meth:`run`)."""
         self.set_exception_handler(self._failed)
@@ -116,23 +124,24 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         if self._closed:
             raise RuntimeError("Event loop is closed")
         self._timers += 1
-        heapq.heappush(self._scheduled, (timer._when, self._timers, timer))
+        when = timer._when
+        heapq.heappush(self._scheduled if when < self.now + FAR_S else self._far, (when, self._timers, timer))
         timer._scheduled = True
         return timer
 
     def _run_once(self) -> None:
+        # Invariant: every near timer is due before now + FAR_S (it was set so, and the clock only goes
+        # on) and, once the far ones so due are taken in, every far timer is due after: the near heap's
+        # first is the first of all (ties: the order they were set in, kept in each entry).
+        far = self._far
+        if far and far[0][0] < self.now + FAR_S:
+            self._take_far()
         scheduled: list[tuple[float, int, asyncio.TimerHandle]] = self._scheduled
-        n = len(scheduled)
+        n = len(scheduled) + len(far)
         if (n > base_events._MIN_SCHEDULED_TIMER_HANDLES
                 and self._timer_cancelled_count / n > base_events._MIN_CANCELLED_TIMER_HANDLES_FRACTION):
-            kept = []
-            for entry in scheduled:
-                if entry[2]._cancelled:
-                    entry[2]._scheduled = False
-                else:
-                    kept.append(entry)
-            heapq.heapify(kept)
-            self._scheduled = scheduled = kept
+            self._scheduled = scheduled = self._drop_cancelled(scheduled)
+            self._far = far = self._drop_cancelled(far)
             self._timer_cancelled_count = 0
         else:
             while scheduled and scheduled[0][2]._cancelled:
@@ -140,10 +149,19 @@ class VirtualLoop(asyncio.SelectorEventLoop):
                 heapq.heappop(scheduled)[2]._scheduled = False
         ready = self._ready
         if not ready and not self._stopping:
-            if not scheduled:
-                raise Stalled("the twin stalled: tasks wait, but no event is due (nothing would ever wake them)")
+            if scheduled:
+                first = scheduled[0][0]
+            else:
+                while far and far[0][2]._cancelled:
+                    self._timer_cancelled_count -= 1
+                    heapq.heappop(far)[2]._scheduled = False
+                if not far:
+                    raise Stalled("the twin stalled: tasks wait, but no event is due (nothing would ever wake them)")
+                first = far[0][0]
             # What the selector's wait would be: up to the next timer.
-            self.now += max(0.0, min(max(0, scheduled[0][0] - self.now), base_events.MAXIMUM_SELECT_TIMEOUT))
+            self.now += max(0.0, min(max(0, first - self.now), base_events.MAXIMUM_SELECT_TIMEOUT))
+            if far and far[0][0] < self.now + FAR_S:  # (those now due within FAR_S: the invariant again)
+                self._take_far()
         end = self.now + self._clock_resolution
         while scheduled and scheduled[0][0] < end:
             handle = heapq.heappop(scheduled)[2]
@@ -167,6 +185,23 @@ class VirtualLoop(asyncio.SelectorEventLoop):
                 raise
             except BaseException as exc:
                 self.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": exc})
+
+    def _take_far(self) -> None:
+        """Far timers due before now + :data:`FAR_S` into the near heap."""
+        far, near, edge = self._far, self._scheduled, self.now + FAR_S
+        while far and far[0][0] < edge:
+            heapq.heappush(near, heapq.heappop(far))
+
+    @staticmethod
+    def _drop_cancelled(heap: list[tuple[float, int, asyncio.TimerHandle]]) -> list[tuple[float, int, asyncio.TimerHandle]]:
+        kept = []
+        for entry in heap:
+            if entry[2]._cancelled:
+                entry[2]._scheduled = False
+            else:
+                kept.append(entry)
+        heapq.heapify(kept)
+        return kept
 
     # No self-pipe: nothing wakes the loop from another thread.
     def _make_self_pipe(self) -> None:
