@@ -25,6 +25,7 @@ from toolkit.core.rundir import FileWriter, RunDir, atomic_write
 from toolkit.core.security import server_curve
 from toolkit.core.sockets import recv_frames
 from toolkit.router.answered import Answered
+from toolkit.router.deadlines import Deadlines
 from toolkit.router.elastic import Elastic, EmptyGroups
 from toolkit.router.kv import KvRouting
 from toolkit.router.links import Links, ZmqLinks
@@ -91,7 +92,7 @@ class Router:
         self.metrics: RouterMetrics | None = RouterMetrics() if cfg.report.metrics else None
         self._timer: DecisionTimer | None = self.metrics.timer(self._decide) if self.metrics else None
         self._seq = 0
-        self._deadlines = 0
+        self.deadlines = Deadlines()
         self.frontend_addr = ""
         self.backend_addr = ""
         self.endpoint: Endpoint | None = None
@@ -239,7 +240,7 @@ class Router:
         self.kv.submitted(req)
         self.live[rid] = req
         if msg.deadline:
-            self._deadlines += 1
+            self.deadlines.add(req)
         self.queue.push(req)
         self.stats["submitted"] += 1
 
@@ -441,7 +442,7 @@ class Router:
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes, status: str = "ok") -> None:
         if self.live.pop(req.request_id, None) is not None and req.msg.deadline:
-            self._deadlines -= 1
+            self.deadlines.done(self.live)
         self.tail.forget(req)
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
                         dispatches=req.dispatches, moves=req.moves, kv_block_size=self._kv_block_size())
@@ -466,7 +467,7 @@ class Router:
         wall = clock.wall()
         self.empty_groups.check(wall)
         self.weights.answer_clients()  # an answer may wait for weights.json
-        if self._deadlines > 0:
+        if self.deadlines:
             self._expire(wall)
         if self.kv.on:
             self.kv.sweep(clock.monotonic(), self.live.values())
@@ -476,7 +477,7 @@ class Router:
             self._timer.arm()
 
     def _expire(self, wall: float) -> None:
-        for req in [q for q in self.live.values() if q.msg.deadline and q.msg.deadline < wall]:
+        for req in self.deadlines.due(wall, self.live):
             if req.replica is None:
                 self.queue.discard(req)
             else:
