@@ -15,7 +15,7 @@ from toolkit.client import RouterClient, send_drain
 from toolkit.config import Config
 from toolkit.core import protocol as P
 from toolkit.core.protocol import Generate
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 
 FAST = ["router.heartbeat_s=0.2", "router.missed_heartbeats=5"]
 

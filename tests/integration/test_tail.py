@@ -15,7 +15,7 @@ from tests.helpers.procs import wait_for
 from tests.helpers.requests import gen as request
 from toolkit.client import RouterClient
 from toolkit.core.protocol import Generate, Sampling
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 
 FAST = ["engine.time_scale=0.05", "router.heartbeat_s=0.2"]
 # The count flip alone (the seed's behaviour): every group serves a step until its flip.

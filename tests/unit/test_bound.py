@@ -8,7 +8,7 @@ import pytest
 
 from toolkit.config import compose_config, group_engine
 from toolkit.core.protocol import GroupStatus, Result
-from toolkit.engine.sim import step_seconds
+from toolkit.engine.step_model import step_seconds
 from toolkit.rollout.bound import step_bound
 from toolkit.session.requests import RequestLog
 

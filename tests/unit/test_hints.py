@@ -10,7 +10,7 @@ import pytest
 from toolkit.config import compose_config
 from toolkit.core.errors import ConfigError
 from toolkit.core.protocol import Generate, Sampling, Structured
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 from toolkit.launch.validation import validate
 from toolkit.rollout.hints import HintFailed, LengthHint, SimOracle, ask
 

@@ -11,7 +11,7 @@ from toolkit.client import hash_prompt
 from toolkit.core import protocol as P
 from toolkit.core.blocks import Chains, block_hashes, chain_from
 from toolkit.engine.kv_events import KvEventLog
-from toolkit.engine.sim import PrefixCache
+from toolkit.engine.prefix_cache import PrefixCache
 from toolkit.router.kv_admission import KvAdmission
 from toolkit.router.kv_index import WAIT, KvIndex
 from toolkit.router.policy import KvAware

@@ -11,7 +11,9 @@ from tests.helpers.aio import run
 from tests.helpers.requests import gen
 from toolkit.config import SimEngineConfig
 from toolkit.core.protocol import Generate, Sampling
-from toolkit.engine.sim import PLAN_FIELDS, PrefixCache, SimEngine, plan_output
+from toolkit.engine.plans import PLAN_FIELDS, plan_output
+from toolkit.engine.prefix_cache import PrefixCache
+from toolkit.engine.sim import SimEngine
 
 
 def test_step_time_matches_the_documented_model() -> None:
@@ -40,7 +42,7 @@ def test_outputs_are_deterministic_and_seeded_per_request() -> None:
 def test_logprobs_are_exponential_quantiles_shared_as_objects() -> None:
     import numpy as np
 
-    from toolkit.engine.sim import LOGPROB_LEVELS, draw_logprobs
+    from toolkit.engine.plans import LOGPROB_LEVELS, draw_logprobs
 
     a = draw_logprobs(np.random.default_rng(3), 20_000)
     b = draw_logprobs(np.random.default_rng(4), 20_000)

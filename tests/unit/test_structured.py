@@ -13,7 +13,8 @@ from tests.helpers.aio import run
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, Sampling, Structured
-from toolkit.engine.sim import SimEngine, plan_output
+from toolkit.engine.plans import plan_output
+from toolkit.engine.sim import SimEngine
 from toolkit.engine.structured import instance_text, schema_instance
 from toolkit.model.tokenizer import ByteTokenizer
 

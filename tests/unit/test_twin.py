@@ -14,7 +14,7 @@ from toolkit.core import clock
 from toolkit.core import protocol as P
 from toolkit.core.errors import ConfigError
 from toolkit.core.rundir import RunDir
-from toolkit.engine.sim import step_seconds
+from toolkit.engine.step_model import step_seconds
 from toolkit.launch.validation import validate
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop

@@ -15,7 +15,9 @@ import pytest
 
 from toolkit.config import SimEngineConfig
 from toolkit.core.protocol import Generate, Result, Sampling
-from toolkit.engine.sim import SimEngine, plan_output, step_seconds
+from toolkit.engine.plans import plan_output
+from toolkit.engine.sim import SimEngine
+from toolkit.engine.step_model import step_seconds
 from toolkit.plan.engine import MovedPlans, TwinEngine
 from toolkit.plan.loop import FAR_S, Stalled, VirtualLoop
 

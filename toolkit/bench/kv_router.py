@@ -29,7 +29,7 @@ from toolkit.bench.router import (
 from toolkit.core import protocol as P
 from toolkit.core.lifecycle import quiet_gc
 from toolkit.core.rundir import RunDir
-from toolkit.engine.sim import PrefixCache
+from toolkit.engine.prefix_cache import PrefixCache
 from toolkit.router.links import Links
 from toolkit.router.server import Router
 

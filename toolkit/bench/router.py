@@ -32,7 +32,7 @@ from toolkit.core.blocks import Chains
 from toolkit.core.rundir import RunDir
 from toolkit.core.sockets import make_socket
 from toolkit.engine.kv_events import KvEventLog
-from toolkit.engine.sim import PrefixCache
+from toolkit.engine.prefix_cache import PrefixCache
 from toolkit.launch.stack import LocalStack
 from toolkit.router.server import Router
 

@@ -1,7 +1,7 @@
 """The sim engine in virtual time, stepping by stretches: between two events (a request arrives or is
 aborted, one finishes) every running sequence gains one token a step and the context grows by the
-batch each step, so the stretch's duration is a sum in closed form over ``toolkit.engine.sim``'s own
-step model. The engine decides like the sim does: it admits waiting requests at step boundaries up to
+batch each step, so the stretch's duration is a sum in closed form over the sim's own
+step model (``toolkit.engine.step_model``). The engine decides like the sim does: it admits waiting requests at step boundaries up to
 ``max_num_seqs``, plans each request's tokens with ``plan_output``, looks prompts up in the same
 ``PrefixCache``, and lands a moved request's KV after its link time. A twin replica runs thousands of
 steps in a few events."""
@@ -17,7 +17,9 @@ from toolkit.config import SimEngineConfig
 from toolkit.core.blocks import ROOT, chain_from
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result
-from toolkit.engine.sim import PLAN_FIELDS, PrefixCache, plan_output, step_seconds
+from toolkit.engine.plans import PLAN_FIELDS, plan_output
+from toolkit.engine.prefix_cache import PrefixCache
+from toolkit.engine.step_model import step_seconds
 from toolkit.plan.loop import VirtualLoop
 
 Answer = Callable[[Result], None]

@@ -21,7 +21,7 @@ import msgspec
 from toolkit.config import Config, SimEngineConfig, kv_events_on
 from toolkit.core import protocol as P
 from toolkit.engine.kv_events import KvEventLog
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 from toolkit.plan.engine import MovedPlans, Plan, TwinEngine
 from toolkit.plan.loop import VirtualLoop
 from toolkit.router.links import Links

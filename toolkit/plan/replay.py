@@ -20,7 +20,7 @@ from toolkit.config import Config, SimEngineConfig, compose_config
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate
 from toolkit.core.rundir import RunDir
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 from toolkit.rollout.envs import Environment, EnvStep
 from toolkit.rollout.prompts import Prompt, PromptSource
 

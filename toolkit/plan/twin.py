@@ -23,7 +23,7 @@ from toolkit.config import Config, SimEngineConfig, group_engine, samples_per_pr
 from toolkit.core import clock
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.rundir import RunDir
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 from toolkit.plan.engine import MovedPlans, Plan
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop

@@ -23,7 +23,7 @@ its calls (its tools, its harness: from one answer to its next call), which no s
 environments, tools, the step's bookkeeping) left the step from that floor.
 
 Where the bound's speeds come from (``bound.source``): for the ``sim``, its own time model (``model``,
-``toolkit/engine/sim.py:step_seconds``); for other engines, what the router measured from heartbeats
+``toolkit/engine/step_model.py:step_seconds``); for other engines, what the router measured from heartbeats
 (``measured``): a request alone decodes at the highest per-request rate seen on any replica, the fleet
 at the sum of its replicas' highest rates. Measured rates include the prefills they ran, and a replica
 seen only busy understates what one request gets alone there, so a measured bound is an estimate, not
@@ -38,7 +38,7 @@ import numpy as np
 
 from toolkit.config import Config, SimEngineConfig, group_engine
 from toolkit.core.protocol import GroupStatus
-from toolkit.engine.sim import step_seconds
+from toolkit.engine.step_model import step_seconds
 from toolkit.session.columns import Columns
 
 

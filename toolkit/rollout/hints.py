@@ -21,7 +21,7 @@ import numpy as np
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.protocol import MAX_EXPECTED_TOKENS, Generate
-from toolkit.engine.sim import plan_output
+from toolkit.engine.plans import plan_output
 
 
 class LengthHint(ABC):
@@ -48,7 +48,7 @@ def ask(hint: LengthHint, request: Generate) -> int:
 
 
 class SimOracle(LengthHint):
-    """The sim's own plan of each request (``toolkit.engine.sim.plan_output``), off by ``exp(sigma * e)``
+    """The sim's own plan of each request (``toolkit.engine.plans.plan_output``), off by ``exp(sigma * e)``
     with ``e`` standard normal and fixed per request id (so every run of a bench misses the same way).
 
     ``engine`` is the run's sim engine config (``${engine}`` in a config); every group plans the same

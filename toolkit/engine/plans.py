@@ -1,0 +1,135 @@
+"""What a sim engine answers a request: its tokens, logprobs and finish reason, a pure function of the
+request (:func:`plan_output`), drawn from a generator seeded by the prompt, so a request gets the same
+ones in every process, on any replica and after a move. Output lengths are lognormal, correlated within
+a session and between a prompt's siblings as configured (docs/engines.md#the-sim-engine)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import threading
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from toolkit.config import SimEngineConfig
+from toolkit.core.errors import ToolkitError
+from toolkit.core.protocol import Generate, Structured
+from toolkit.core.tokens import id_list
+from toolkit.engine.structured import instance_text
+from toolkit.model.tokenizer import Tokenizer
+
+
+class _Draws(threading.local):
+    """This thread's one PCG64 generator, put in the state a request's material names (:func:`_rng`):
+    setting a state costs 2 us where a new seeded generator costs 18 (numpy's SeedSequence)."""
+
+    def __init__(self) -> None:
+        self.bits = np.random.PCG64()
+        self.gen = np.random.Generator(self.bits)
+        self.state: dict[str, Any] = self.bits.state
+
+
+_draws = _Draws()
+
+
+def _rng(key: int, *material: bytes) -> np.random.Generator:
+    """This thread's generator, seeded by ``key`` (an int) and ``material``: the same draws for the same
+    seed in every process. Valid until the next call on this thread."""
+    d = hashlib.blake2b(b"|".join((key.to_bytes(8, "little", signed=True), *material)), digest_size=32).digest()
+    st = _draws.state
+    st["state"]["state"] = int.from_bytes(d[:16], "little")
+    st["state"]["inc"] = int.from_bytes(d[16:], "little") | 1  # a PCG stream's increment is odd
+    _draws.bits.state = st
+    return _draws.gen
+
+
+LOGPROB_LEVELS = 4096
+
+
+@functools.lru_cache(maxsize=1)
+def _logprob_table() -> np.ndarray:
+    q = (np.arange(LOGPROB_LEVELS) + 0.5) / LOGPROB_LEVELS
+    return (0.7 * np.log1p(-q)).astype(np.float32).astype(object)
+
+
+def draw_logprobs(rng: np.random.Generator, n: int) -> list[float]:
+    """``n`` token logprobs: minus an exponential with mean 0.7, drawn as one of its
+    :data:`LOGPROB_LEVELS` quantiles (float32 values) and returned as shared float objects: a twin
+    holds millions of them, and a new float per token (``ndarray.tolist``) took a quarter of its memory."""
+    u = rng.random(n)
+    u *= LOGPROB_LEVELS
+    return _logprob_table()[u.astype(np.intp)].tolist()
+
+
+def output_len(cfg: SimEngineConfig, z: Any) -> Any:
+    """The output length(s), before any cut, for standard normal draw(s) ``z`` (a float or an array):
+    lognormal with median ``output_len_median`` and sigma ``output_len_sigma``, at least one token."""
+    if isinstance(z, float):
+        return max(1, math.ceil(cfg.output_len_median * math.exp(cfg.output_len_sigma * z)))
+    return np.maximum(1, np.ceil(cfg.output_len_median * np.exp(cfg.output_len_sigma * np.asarray(z))))
+
+
+def plan_output(cfg: SimEngineConfig, req: Generate,
+                tokenizer: Tokenizer | None = None) -> tuple[list[int], list[float], str]:
+    """The tokens, logprobs and finish reason this request will get: a pure function of the request.
+
+    A request that moved (``resumed_tokens``) gets the rest of what it was planned to say where it
+    started: the same total length and tokens, so moving it changes where it runs, not what it is.
+    A structured request needs ``tokenizer`` (``engine.tokenizer``); ToolkitError for one it cannot serve.
+    """
+    k = req.resumed_tokens
+    if k > 0:
+        origin = msgspec.structs.replace(
+            req, prompt_token_ids=req.prompt_token_ids[:-k], resumed_tokens=0,
+            sampling=msgspec.structs.replace(req.sampling, max_tokens=req.sampling.max_tokens + k))
+        tokens, logprobs, finish = plan_output(cfg, origin, tokenizer)
+        return tokens[k:], logprobs[k:], finish
+    prompt = req.prompt_token_ids
+    seed = str(req.sampling.seed).encode()
+    share, pshare = cfg.output_len_session_share, cfg.output_len_prompt_share
+    correlated = (share > 0 or pshare > 0) and req.session_id and req.sampling.structured is None
+    if correlated:  # drawn first: the request's own generator below is the same one, seeded again
+        shared = float(_rng(0, req.session_id.encode(), seed).standard_normal())
+        of_prompt = float(_rng(0, b"prompt", (req.prompt_key or req.session_id).encode(), seed).standard_normal())
+    # The prompt by Python's hash of its tuple: the same in every process (no hash seed enters ints and
+    # tuples of them; core/blocks.py relies on it too), and a quarter of the cost of hashing its bytes.
+    material = [seed]
+    if req.sampling.seed is None and req.sampling.temperature > 0 and req.prompt_key:
+        material.append(req.session_id.encode())  # siblings sample apart (the same prompt, other sessions)
+    rng = _rng(hash(tuple(prompt)), *material)
+    budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
+    if req.sampling.structured is not None:
+        return _plan_structured(cfg, req.sampling.structured, tokenizer, rng, budget)
+    z = float(rng.standard_normal())
+    if correlated:
+        z = (math.sqrt(pshare) * of_prompt + math.sqrt(share) * shared
+             + math.sqrt(max(0.0, 1 - share - pshare)) * z)
+    natural = int(output_len(cfg, z))
+    n = min(natural, budget)
+    finish = "stop" if natural <= budget else "length"
+    tokens = id_list(rng.integers(1, cfg.vocab_size, size=n), cfg.vocab_size)
+    return tokens, draw_logprobs(rng, n), finish
+
+
+PLAN_FIELDS = ("max_model_len", "vocab_size", "output_len_median", "output_len_sigma", "output_len_session_share",
+               "output_len_prompt_share")
+"""The engine settings :func:`plan_output` reads: engines that agree on them plan every request alike."""
+
+
+def _plan_structured(cfg: SimEngineConfig, structured: Structured, tokenizer: Tokenizer | None,
+                     rng: np.random.Generator, budget: int) -> tuple[list[int], list[float], str]:
+    """The encoded instance, cut at ``budget``; its logprobs are drawn for the whole of it, so a cut
+    (or a continuation elsewhere) keeps the same prefix."""
+    if tokenizer is None:
+        raise ToolkitError("a structured request (sampling.structured) needs a tokenizer on a sim engine: "
+                           "set engine.tokenizer (as workload.tokenizer)")
+    tokens = list(tokenizer.encode(instance_text(structured, rng)))
+    if tokens and (min(tokens) < 0 or max(tokens) >= cfg.vocab_size):
+        raise ToolkitError(f"engine.tokenizer encodes the structured output with token ids outside "
+                           f"engine.vocab_size {cfg.vocab_size} (ids {min(tokens)}..{max(tokens)})")
+    logprobs = draw_logprobs(rng, len(tokens))
+    finish = "stop" if len(tokens) <= budget else "length"
+    return tokens[:budget], logprobs[:budget], finish
