@@ -17,7 +17,6 @@ import numpy as np
 from toolkit.config import SimEngineConfig
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, Structured
-from toolkit.core.tokens import id_list
 from toolkit.engine.structured import instance_text
 from toolkit.model.tokenizer import Tokenizer
 
@@ -46,22 +45,45 @@ def _rng(key: int, *material: bytes) -> np.random.Generator:
     return _draws.gen
 
 
-LOGPROB_LEVELS = 4096
+POOL = 1 << 16
+"""Token ids (and logprobs) in a vocabulary's pools: a request's output is a window of them (:func:`draw_output`)."""
 
 
-@functools.lru_cache(maxsize=1)
-def _logprob_table() -> np.ndarray:
-    q = (np.arange(LOGPROB_LEVELS) + 0.5) / LOGPROB_LEVELS
-    return (0.7 * np.log1p(-q)).astype(np.float32).astype(object)
+@functools.lru_cache(maxsize=4)
+def _pools(vocab_size: int) -> tuple[list[int], list[float]]:
+    """:data:`POOL` token ids in ``[1, vocab_size)`` and as many logprobs (minus an exponential with mean
+    0.7, float32 values, as an engine's are), drawn once from a fixed seed: the same in every process. Each
+    window's objects were made one after the other, so they lie together in memory: a request's tokens
+    are read again where they go (hashed into the prefix cache, encoded, merged into a sample), and
+    those of a twin of thousands of sessions, spread over the heap, cost a cache miss a token."""
+    g = np.random.Generator(np.random.PCG64(vocab_size))
+    ids = g.integers(1, vocab_size, size=POOL).tolist()
+    return ids, (-g.exponential(0.7, size=POOL)).astype(np.float32).tolist()
 
 
-def draw_logprobs(rng: np.random.Generator, n: int) -> list[float]:
-    """``n`` token logprobs: minus an exponential with mean 0.7, drawn as one of its
-    :data:`LOGPROB_LEVELS` quantiles (float32 values) and returned as shared float objects: a twin
-    holds millions of them, and a new float per token (``ndarray.tolist``) took a quarter of its memory."""
-    u = rng.random(n)
-    u *= LOGPROB_LEVELS
-    return _logprob_table()[u.astype(np.intp)].tolist()
+def _window(pool: list[Any], start: int, n: int) -> list[Any]:
+    """``n`` items of ``pool`` from ``start``, round past its end."""
+    out = pool[start : start + n]
+    while len(out) < n:
+        out += pool[: n - len(out)]
+    return out
+
+
+def draw_output(rng: np.random.Generator, vocab_size: int, n: int) -> tuple[list[int], list[float]]:
+    """``n`` token ids in ``[1, vocab_size)`` and their logprobs, from one draw of ``rng``: a first token and
+    where in the pools (:func:`_pools`) the rest and the logprobs begin. Two requests start alike only if
+    that draw is the same (1 in ``POOL * (vocab_size - 1)``): siblings of one prompt sample apart, and a
+    twin's prefix cache finds none of their blocks in common. Both lists share the pools' objects: a twin
+    holds millions of tokens (a new int per token, ``ndarray.tolist``: 1.32 GB at the peak of a
+    16,384-session step, against 0.99)."""
+    if n <= 0:
+        return [], []
+    x = int(rng.integers(0, POOL * (vocab_size - 1)))
+    start = x % POOL
+    ids, logprobs = _pools(vocab_size)
+    tokens = _window(ids, start, n)
+    tokens[0] = 1 + x // POOL
+    return tokens, _window(logprobs, start, n)
 
 
 def output_len(cfg: SimEngineConfig, z: Any) -> Any:
@@ -110,8 +132,8 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
     natural = int(output_len(cfg, z))
     n = min(natural, budget)
     finish = "stop" if natural <= budget else "length"
-    tokens = id_list(rng.integers(1, cfg.vocab_size, size=n), cfg.vocab_size)
-    return tokens, draw_logprobs(rng, n), finish
+    tokens, logprobs = draw_output(rng, cfg.vocab_size, n)
+    return tokens, logprobs, finish
 
 
 PLAN_FIELDS = ("max_model_len", "vocab_size", "output_len_median", "output_len_sigma", "output_len_session_share",
@@ -130,6 +152,6 @@ def _plan_structured(cfg: SimEngineConfig, structured: Structured, tokenizer: To
     if tokens and (min(tokens) < 0 or max(tokens) >= cfg.vocab_size):
         raise ToolkitError(f"engine.tokenizer encodes the structured output with token ids outside "
                            f"engine.vocab_size {cfg.vocab_size} (ids {min(tokens)}..{max(tokens)})")
-    logprobs = draw_logprobs(rng, len(tokens))
+    logprobs = draw_output(rng, cfg.vocab_size, len(tokens))[1]
     finish = "stop" if len(tokens) <= budget else "length"
     return tokens[:budget], logprobs[:budget], finish
