@@ -39,23 +39,20 @@ def test_outputs_are_deterministic_and_seeded_per_request() -> None:
     assert all(lp <= 0 for lp in logprobs)
 
 
-def test_outputs_are_windows_of_the_pools_with_a_first_token_of_their_own() -> None:
+def test_outputs_and_their_logprobs_are_windows_from_one_place() -> None:
     import numpy as np
 
-    from toolkit.engine.plans import POOL, _pools, draw_output
+    from toolkit.core.draws import POOL, id_pool
+    from toolkit.engine.plans import _logprob_pool, draw_output
 
-    ids, lps = _pools(32000)
+    lps = _logprob_pool()
     tokens, logprobs = draw_output(np.random.default_rng(3), 32000, 20_000)
     assert len(tokens) == len(logprobs) == 20_000 and all(0 < t < 32000 for t in tokens)
     assert all(type(x) is float and x <= 0 for x in logprobs) and float(np.mean(logprobs)) == pytest.approx(-0.7, rel=0.03)
     assert float(np.float32(logprobs[0])) == logprobs[0]  # float32 values, as an engine's are
     start = next(i for i in range(POOL) if lps[i : i + 50] == logprobs[:50])
-    assert tokens[1:] == (ids + ids)[start + 1 : start + 20_000]  # the rest: the pool's, from where the logprobs begin
-    assert all(a is b for a, b in zip(logprobs, lps[start:], strict=False))  # its objects, not copies
-    long, long_lps = draw_output(np.random.default_rng(4), 32000, POOL + 10)  # round past the pools' end
-    assert len(long) == len(long_lps) == POOL + 10 and long_lps[POOL:] == long_lps[:10]
-    firsts = {draw_output(np.random.default_rng(i), 32000, 16)[0][0] for i in range(200)}
-    assert len(firsts) > 190  # the first token drawn apart: two outputs start alike 1 in POOL * 31999
+    assert tokens[2:] == (id_pool(32000) * 2)[start + 2 : start + 20_000]  # ids and logprobs: one place
+    assert all(a is b for a, b in zip(logprobs, lps[start:], strict=False))  # the pool's objects, not copies
     assert draw_output(np.random.default_rng(5), 32000, 0) == ([], [])
 
 
@@ -67,7 +64,7 @@ def test_draws_are_pinned_across_processes_and_a_sessions_share_changes_only_the
     tokens, _, _ = plan(0.0)
     # Pinned: nothing per process enters the seed (Python's hash of a tuple of ints has no hash seed;
     # the strings go through blake2b), so a real run and its twin, in any processes, draw the same.
-    assert (len(tokens), tokens[:4]) == (481, [9311, 19682, 262, 20286])
+    assert (len(tokens), tokens[:4]) == (481, [27349, 26549, 14253, 5875])
     correlated = plan(0.5)  # its session's and prompt's draws seed the same generator first
     assert len(correlated[0]) != len(tokens)
     assert correlated[0] == tokens[: len(correlated[0])]

@@ -1,7 +1,5 @@
-"""Token id lists, made and checked in C. Ids drawn with numpy become a list whose ints are shared: one
-int object per id of the vocabulary, made once, instead of a new one per token (``ndarray.tolist``; a
-twin of thousands of sessions holds millions of them). Ids from elsewhere are checked against a bound
-by msgspec in one pass (:func:`ids_below`)."""
+"""Token ids from elsewhere (a client, an environment) checked against a bound by msgspec, in C and in
+one pass (:func:`ids_below`)."""
 
 from __future__ import annotations
 
@@ -9,18 +7,6 @@ import functools
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
-
-
-@functools.lru_cache(maxsize=4)
-def _ints(vocab_size: int) -> np.ndarray:
-    return np.arange(vocab_size).astype(object)
-
-
-def id_list(ids: np.ndarray, vocab_size: int) -> list[int]:
-    """``ids.tolist()``, for ids in ``[0, vocab_size)`` (the caller drew them there: a negative id would
-    index from the end)."""
-    return _ints(vocab_size)[ids].tolist()
 
 
 @functools.lru_cache(maxsize=16)

@@ -6,84 +6,37 @@ a session and between a prompt's siblings as configured (docs/engines.md#the-sim
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-import threading
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from toolkit.config import SimEngineConfig
+from toolkit.core.draws import POOL, id_window, seeded, window
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, Structured
 from toolkit.engine.structured import instance_text
 from toolkit.model.tokenizer import Tokenizer
 
 
-class _Draws(threading.local):
-    """This thread's one PCG64 generator, put in the state a request's material names (:func:`_rng`):
-    setting a state costs 2 us where a new seeded generator costs 18 (numpy's SeedSequence)."""
-
-    def __init__(self) -> None:
-        self.bits = np.random.PCG64()
-        self.gen = np.random.Generator(self.bits)
-        self.state: dict[str, Any] = self.bits.state
-
-
-_draws = _Draws()
-
-
-def _rng(key: int, *material: bytes) -> np.random.Generator:
-    """This thread's generator, seeded by ``key`` (an int) and ``material``: the same draws for the same
-    seed in every process. Valid until the next call on this thread."""
-    d = hashlib.blake2b(b"|".join((key.to_bytes(8, "little", signed=True), *material)), digest_size=32).digest()
-    st = _draws.state
-    st["state"]["state"] = int.from_bytes(d[:16], "little")
-    st["state"]["inc"] = int.from_bytes(d[16:], "little") | 1  # a PCG stream's increment is odd
-    _draws.bits.state = st
-    return _draws.gen
-
-
-POOL = 1 << 16
-"""Token ids (and logprobs) in a vocabulary's pools: a request's output is a window of them (:func:`draw_output`)."""
-
-
-@functools.lru_cache(maxsize=4)
-def _pools(vocab_size: int) -> tuple[list[int], list[float]]:
-    """:data:`POOL` token ids in ``[1, vocab_size)`` and as many logprobs (minus an exponential with mean
-    0.7, float32 values, as an engine's are), drawn once from a fixed seed: the same in every process. Each
-    window's objects were made one after the other, so they lie together in memory: a request's tokens
-    are read again where they go (hashed into the prefix cache, encoded, merged into a sample), and
-    those of a twin of thousands of sessions, spread over the heap, cost a cache miss a token."""
-    g = np.random.Generator(np.random.PCG64(vocab_size))
-    ids = g.integers(1, vocab_size, size=POOL).tolist()
-    return ids, (-g.exponential(0.7, size=POOL)).astype(np.float32).tolist()
-
-
-def _window(pool: list[Any], start: int, n: int) -> list[Any]:
-    """``n`` items of ``pool`` from ``start``, round past its end."""
-    out = pool[start : start + n]
-    while len(out) < n:
-        out += pool[: n - len(out)]
-    return out
+@functools.lru_cache(maxsize=1)
+def _logprob_pool() -> list[float]:
+    """:data:`POOL` logprobs: minus an exponential with mean 0.7, float32 values as an engine's are, from a
+    fixed seed, their objects together as :func:`~toolkit.core.draws.id_pool`'s."""
+    return (-np.random.Generator(np.random.PCG64(0x10C9)).exponential(0.7, size=POOL)).astype(np.float32).tolist()
 
 
 def draw_output(rng: np.random.Generator, vocab_size: int, n: int) -> tuple[list[int], list[float]]:
-    """``n`` token ids in ``[1, vocab_size)`` and their logprobs, from one draw of ``rng``: a first token and
-    where in the pools (:func:`_pools`) the rest and the logprobs begin. Two requests start alike only if
-    that draw is the same (1 in ``POOL * (vocab_size - 1)``): siblings of one prompt sample apart, and a
-    twin's prefix cache finds none of their blocks in common. Both lists share the pools' objects: a twin
-    holds millions of tokens (a new int per token, ``ndarray.tolist``: 1.32 GB at the peak of a
-    16,384-session step, against 0.99)."""
+    """``n`` tokens and their logprobs from one draw of ``rng`` (:func:`~toolkit.core.draws.id_window`; the
+    logprobs from the same place of their pool). Two outputs start alike 1 in ``POOL * (vocab_size - 1) ** 2``:
+    siblings of one prompt sample apart, and no two share a cached block. Both lists hold the pools'
+    objects: a twin holds millions of tokens (a new int per token, ``ndarray.tolist``: 1.32 GB at the peak
+    of a 16,384-session step, against 0.99)."""
     if n <= 0:
         return [], []
-    x = int(rng.integers(0, POOL * (vocab_size - 1)))
-    start = x % POOL
-    ids, logprobs = _pools(vocab_size)
-    tokens = _window(ids, start, n)
-    tokens[0] = 1 + x // POOL
-    return tokens, _window(logprobs, start, n)
+    tokens, start = id_window(rng, vocab_size, n)
+    return tokens, window(_logprob_pool(), start, n)
 
 
 def output_len(cfg: SimEngineConfig, z: Any) -> Any:
@@ -114,14 +67,14 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
     share, pshare = cfg.output_len_session_share, cfg.output_len_prompt_share
     correlated = (share > 0 or pshare > 0) and req.session_id and req.sampling.structured is None
     if correlated:  # drawn first: the request's own generator below is the same one, seeded again
-        shared = float(_rng(0, req.session_id.encode(), seed).standard_normal())
-        of_prompt = float(_rng(0, b"prompt", (req.prompt_key or req.session_id).encode(), seed).standard_normal())
+        shared = float(seeded(0, req.session_id.encode(), seed).standard_normal())
+        of_prompt = float(seeded(0, b"prompt", (req.prompt_key or req.session_id).encode(), seed).standard_normal())
     # The prompt by Python's hash of its tuple: the same in every process (no hash seed enters ints and
     # tuples of them; core/blocks.py relies on it too), and a quarter of the cost of hashing its bytes.
     material = [seed]
     if req.sampling.seed is None and req.sampling.temperature > 0 and req.prompt_key:
         material.append(req.session_id.encode())  # siblings sample apart (the same prompt, other sessions)
-    rng = _rng(hash(tuple(prompt)), *material)
+    rng = seeded(hash(tuple(prompt)), *material)
     budget = max(0, min(req.sampling.max_tokens, cfg.max_model_len - len(prompt)))
     if req.sampling.structured is not None:
         return _plan_structured(cfg, req.sampling.structured, tokenizer, rng, budget)

@@ -7,7 +7,6 @@ Built-in: :class:`SyntheticPrompts` (random tokens behind a shared system prompt
 
 from __future__ import annotations
 
-import hashlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import msgspec
 import numpy as np
 import pyarrow.parquet as pq
 
-from toolkit.core.tokens import id_list
+from toolkit.core.draws import id_window, seeded
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 
 # (argument, value, what is allowed): the problems ``check_spec`` reports; config.validate names the field.
@@ -71,10 +70,9 @@ class SyntheticPrompts(PromptSource):
 
     def get(self, step: int, index: int) -> Prompt:
         p = index // self.samples_per_prompt
-        digest = hashlib.blake2b(f"{self.seed}/{step}/{p}".encode(), digest_size=8).digest()
-        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        rng = seeded(self.seed, f"prompt/{step}/{p}".encode())
         n = int(rng.integers(self.min_len, self.max_len + 1))
-        body = id_list(rng.integers(1, self.vocab_size, size=max(0, n - len(self.system))), self.vocab_size)
+        body, _ = id_window(rng, self.vocab_size, max(0, n - len(self.system)))
         return Prompt(self.system + body, {"step": step, "index": index})
 
 
