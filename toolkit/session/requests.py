@@ -11,6 +11,12 @@ import numpy as np
 from toolkit.core.protocol import STATUSES, Result, Route
 from toolkit.session.columns import Columns
 
+ROW = (("latency_s", np.float64), ("done_at", np.float64), ("queue_s", np.float64), ("dispatched_at", np.float64),
+       ("group", np.int16), ("status", np.int8), ("prompt_tokens", np.int64), ("cached_tokens", np.int64),
+       ("output_tokens", np.int64), ("session", np.int64), ("moves", np.int64))
+"""A request's row, in order: each field's column name and type (``group``: a name in the row, its
+index among the groups in the column)."""
+
 
 class RequestLog:
     """One row per generation request of this rank's sessions (gathered as flat arrays)."""
@@ -41,23 +47,16 @@ class RequestLog:
         ))
 
     def columns(self, group_names: list[str]) -> Columns:
-        rows = self.rows
         code = {g: i for i, g in enumerate(group_names)}
-        return {
-            "latency_s": np.array([r[0] for r in rows], dtype=np.float64),
-            "done_at": np.array([r[1] for r in rows], dtype=np.float64),
-            "queue_s": np.array([r[2] for r in rows], dtype=np.float64),
-            "dispatched_at": np.array([r[3] for r in rows], dtype=np.float64),
-            "group": np.array([code.get(r[4], -1) for r in rows], dtype=np.int16),
-            "status": np.array([r[5] for r in rows], dtype=np.int8),
-            "prompt_tokens": np.array([r[6] for r in rows], dtype=np.int64),
-            "cached_tokens": np.array([r[7] for r in rows], dtype=np.int64),
-            "output_tokens": np.array([r[8] for r in rows], dtype=np.int64),
-            "session": np.array([r[9] for r in rows], dtype=np.int64),
-            "moves": np.array([r[10] for r in rows], dtype=np.int64),
-            # Its own length (one per session), gathered like the rest.
-            "session_done_at": np.array(self.sessions_done_at, dtype=np.float64),
-        }
+        # One transpose in C, then an array per field (a comprehension a field cost the twin's step of
+        # 16,384 sessions 3%).
+        cols = list(zip(*self.rows, strict=True)) if self.rows else [()] * len(ROW)
+        out: Columns = {}
+        for (name, dtype), col in zip(ROW, cols, strict=True):
+            out[name] = np.array([code.get(g, -1) for g in col] if name == "group" else col, dtype=dtype)
+        # Its own length (one per session), gathered like the rest.
+        out["session_done_at"] = np.array(self.sessions_done_at, dtype=np.float64)
+        return out
 
 
 class OpenStep:
