@@ -10,7 +10,9 @@ from toolkit.router.queue import Request
 
 
 class Deadlines:
-    def __init__(self) -> None:
+    def __init__(self, live: Mapping[str, Request]) -> None:
+        self.live = live
+        """The router's live requests by id (the router's own dict: read here, never changed)."""
         self._heap: list[tuple[float, int, str]] = []
         """``(deadline, seq, request id)`` of requests that had a deadline when they were submitted; an
         answered one stays until it comes up (or the heap is rebuilt), and is passed over then."""
@@ -25,17 +27,17 @@ class Deadlines:
         self._live += 1
         heapq.heappush(self._heap, (req.msg.deadline, req.seq, req.request_id))
 
-    def done(self, live: Mapping[str, Request]) -> None:
-        """A request with a deadline left ``live``; once most entries are of such, the heap is rebuilt
-        from ``live``, so that it never holds more than twice the live deadlines (plus a few)."""
+    def done(self) -> None:
+        """A request with a deadline left the live ones; once most entries are of such, the heap is
+        rebuilt from the live ones, so that it never holds more than twice their deadlines (plus a few)."""
         self._live -= 1
         if len(self._heap) > 2 * self._live + 64:
-            self._heap = [(q.msg.deadline, q.seq, rid) for rid, q in live.items() if q.msg.deadline]
+            self._heap = [(q.msg.deadline, q.seq, rid) for rid, q in self.live.items() if q.msg.deadline]
             heapq.heapify(self._heap)
 
-    def due(self, wall: float, live: Mapping[str, Request]) -> list[Request]:
+    def due(self, wall: float) -> list[Request]:
         """The live requests whose deadline is before ``wall``, in the order they went live (``seq``)."""
-        heap, out = self._heap, []
+        heap, live, out = self._heap, self.live, []
         while heap and heap[0][0] < wall:
             _, seq, rid = heapq.heappop(heap)
             req = live.get(rid)

@@ -92,7 +92,7 @@ class Router:
         self.metrics: RouterMetrics | None = RouterMetrics() if cfg.report.metrics else None
         self._timer: DecisionTimer | None = self.metrics.timer(self._decide) if self.metrics else None
         self._seq = 0
-        self.deadlines = Deadlines()
+        self.deadlines = Deadlines(self.live)
         self.frontend_addr = ""
         self.backend_addr = ""
         self.endpoint: Endpoint | None = None
@@ -442,7 +442,7 @@ class Router:
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes, status: str = "ok") -> None:
         if self.live.pop(req.request_id, None) is not None and req.msg.deadline:
-            self.deadlines.done(self.live)
+            self.deadlines.done()
         self.tail.forget(req)
         route = P.Route(queue_s=max(0.0, req.t_dispatch - req.t_submit), dispatched_at=req.t_dispatch,
                         dispatches=req.dispatches, moves=req.moves, kv_block_size=self._kv_block_size())
@@ -477,7 +477,7 @@ class Router:
             self._timer.arm()
 
     def _expire(self, wall: float) -> None:
-        for req in self.deadlines.due(wall, self.live):
+        for req in self.deadlines.due(wall):
             if req.replica is None:
                 self.queue.discard(req)
             else:
