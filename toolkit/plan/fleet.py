@@ -180,6 +180,7 @@ class TwinReplica:
 
     def _answer(self, res: P.Result) -> None:
         if self.alive:  # the KV events since the last batch ride in the Result's message, as a replica's do
+            res.replica_id, res.group = self.replica_id, self.group  # stamped as a replica stamps them
             kv = self.kv.frames() if self.kv is not None else ()
             payload = _enc.encode(res)
             if not res.request_id.startswith(PROBE_PREFIX):  # the router's own probe is not passed on
