@@ -158,3 +158,17 @@ def test_the_load_bound_follows_the_group_capacity_as_replicas_join() -> None:
     assert (p.bound(rs[0], 9), p.bound(big, 9)) == (1, 8)  # 10 x 10 / 100, 10 x 80 / 100
     p.update(rs)
     assert p.bound(rs[0], 9) == 5
+
+
+def test_consistent_hash_places_replicas_by_their_place_in_the_fleet_not_their_pid() -> None:
+    # Two runs of one fleet (other hosts and pids), a replica restarted, and the twin's: one ring.
+    def fleet(suffix: str) -> list[Replica]:
+        return [Replica(f"g-{i}@{suffix}{i}", f"g-{i}".encode(), "g", 1000, 4096, 32000) for i in range(3)]
+
+    homes = []
+    for suffix in ("node1:41", "node7:9", "twin"):
+        rs = fleet(suffix)
+        p = ConsistentHash(rs, 1.25)
+        homes.append([rs.index(p.choose(f"s{k}", 0, with_room(rs))) for k in range(200)])  # type: ignore[arg-type]
+    assert homes[0] == homes[1] == homes[2]
+    assert len(set(homes[0])) == 3

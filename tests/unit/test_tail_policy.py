@@ -396,19 +396,21 @@ def test_the_ring_follows_speed_at_step_boundaries_only_when_it_changed(speeds: 
                                                                          expect_more: int) -> None:
     rs = [replica(i, "g", 64) for i in range(2)]
     ring = ConsistentHash(rs, load_factor=100.0)
-    before = {s: ring.choose(f"s{s}", 0, rs) for s in range(400)}
+    before = {s: ring.choose(f"s{s}", 0, rs) for s in range(2000)}
     for r, rate in zip(rs, speeds, strict=True):
         r.speed = SpeedMeter()
         r.speed.peak_tokens_per_s = rate
     ring.reweight()
-    after = {s: ring.choose(f"s{s}", 0, rs) for s in range(400)}
+    after = {s: ring.choose(f"s{s}", 0, rs) for s in range(2000)}
     share = sum(1 for r in after.values() if r is rs[expect_more]) / len(after)
-    assert 0.65 < share < 0.85  # ~3/4 of the sessions map to the 3x faster replica
+    # ~3/4 of the sessions map to the 3x faster replica: its 96 points of 128 hold 3/4 of the ring give or
+    # take 0.04 (one standard deviation of where the points fall), so within three of them (not 1/2).
+    assert 0.62 < share < 0.88
     # Only sessions that moved toward the faster replica changed (consistent hashing).
     assert all(after[s] is rs[expect_more] for s in after if after[s] is not before[s])
     rs[0].speed.peak_tokens_per_s = 110.0  # a 10% change: the ring stays as it is
     ring.reweight()
-    assert {s: ring.choose(f"s{s}", 0, rs) for s in range(400)} == after
+    assert {s: ring.choose(f"s{s}", 0, rs) for s in range(2000)} == after
 
 
 def test_a_request_s_tokens_are_estimated_from_heartbeats() -> None:

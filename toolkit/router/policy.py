@@ -124,7 +124,7 @@ class ConsistentHash(Policy):
         """Each session's place on the ring (the bisection of its hash) while the ring stands: a
         session's later turns neither hash again nor search a ring of VNODES x n points."""
         self._points: dict[tuple[str, int], list[int]] = {}
-        """Each replica's ring points by (replica id, virtual nodes)."""
+        """Each replica's ring points by (place, virtual nodes)."""
         self.weights: dict[str, float] = {}
         """Ring weight per replica id (mean 1 over those with a known speed; 1 for the others)."""
         super().__init__(replicas)
@@ -147,8 +147,8 @@ class ConsistentHash(Policy):
         points: list[tuple[int, int]] = []
         known: dict[tuple[str, int], list[int]] = {}
         for i, r in enumerate(self.replicas):
-            key = (r.replica_id, max(1, round(self.VNODES * self.weights.get(r.replica_id, 1.0))))
-            hashes = self._points.get(key) or [_hash64(f"{r.replica_id}#{v}") for v in range(key[1])]
+            key = (r.place, max(1, round(self.VNODES * self.weights.get(r.replica_id, 1.0))))
+            hashes = self._points.get(key) or [_hash64(f"{r.place}#{v}") for v in range(key[1])]
             known[key] = hashes
             points.extend((h, i) for h in hashes)
         points.sort()

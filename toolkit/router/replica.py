@@ -70,6 +70,13 @@ class Replica:
     shutdown_sent: bool = False
 
     @property
+    def place(self) -> str:
+        """Its place in the fleet: its id before the ``@host:pid`` (``group-index``), the same for a restarted
+        replica and for the twin's. What consistent hashing places it by, so that where a session goes does
+        not depend on the pids a run got."""
+        return self.replica_id.partition("@")[0]
+
+    @property
     def serving(self) -> bool:
         """Takes new requests: ready and not draining."""
         return self.ready and not self.draining
