@@ -54,6 +54,9 @@ def test_long_runners_move_to_the_tail_group_and_end_whole() -> None:
     assert sum((s["tail"] or {}).get("moves", 0) for s in run.steps) > 0
     for s in run.steps:
         assert s["sessions"] == 48 and s["requests_by_status"] == {"ok": s["requests"]}
+        # Each answer names the group that gave it, as a replica's does: the groups' requests add up.
+        assert sum(g["requests"] for g in s["groups"].values()) == s["requests"]
+        assert s["groups"]["tail"]["requests"] > 0 and s["groups"]["tail"]["prefix_hit_rate"] is not None
     assert run.router.get("migrated:age", 0) + run.router.get("migrated:trade", 0) > 0
 
 
