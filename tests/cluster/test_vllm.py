@@ -187,12 +187,17 @@ class TestReplica:
         # max_restarts=1: the second death ends the replica. The test before this one killed the engine
         # once; run alone (or on another worker), the first kill here is that one, and a restart follows.
         core = engine_core_pid(stack.run_dir)
+        # vLLM's ipc sockets are in a directory of the replica's own, which goes with the replica.
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{core}/environ").read_text().split("\0") if "=" in kv)
+        ipc = Path(env["VLLM_RPC_BASE_PATH"])
+        assert ipc.name.startswith("vllm-") and any(f.is_socket() for f in ipc.iterdir())
         os.kill(core, signal.SIGKILL)
         restarted = wait_for(lambda: live_engine_core(stack.run_dir, core) or proc.poll() is not None, 600,
                              "the replica to exit or restart its engine")
         if restarted is not True:  # a pid: the engine came back
             os.kill(restarted, signal.SIGKILL)
         assert proc.wait(timeout=300) == 75
+        assert not ipc.exists()
         engines = [r for r in read_pidfiles(stack.run_dir.pids) if r.name.endswith("-engine")]
         assert len(engines) >= 4  # two engines, each a core and a worker
         wait_for(lambda: not any(r.alive() for r in engines), 120, "the engine processes to be gone")

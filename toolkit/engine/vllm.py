@@ -41,6 +41,8 @@ import asyncio
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -148,6 +150,9 @@ class VllmEngine(Engine):
         self.adapters = Adapters(cfg, None)
         self.active: set[str] = set()
         """Request ids in ``llm.generate`` now (an in-place update that fails aborts them)."""
+        self.ipc_dir: str | None = None
+        """Where vLLM puts its processes' ipc sockets (``VLLM_RPC_BASE_PATH``), made by this engine and
+        removed with it; None while it has none, or when the user's environment names one."""
         self.kv: VllmKvEvents | None = None
         """vLLM's KV events, mapped into the replica's log (``kv_events``)."""
 
@@ -161,6 +166,11 @@ class VllmEngine(Engine):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> EngineInfo:
+        if "VLLM_RPC_BASE_PATH" not in os.environ:
+            # vLLM names its ipc sockets in the temporary directory, and an engine that dies or is
+            # killed leaves them there: a replica's go in a directory of its own, removed at its close.
+            self.ipc_dir = tempfile.mkdtemp(prefix="vllm-")  # short: an ipc path has 107 bytes
+            os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir
         self.v = await asyncio.to_thread(_vllm)
         self.adapters.request_cls = self.v.LoRARequest
         if self.cfg.model == "tiny":
@@ -209,6 +219,11 @@ class VllmEngine(Engine):
         if self.kv is not None:  # its ipc directory goes with the replica (a restart keeps it)
             self.kv.close()
             self.kv = None
+        if self.ipc_dir is not None:  # the engines' sockets' files (of every engine it restarted)
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            if os.environ.get("VLLM_RPC_BASE_PATH") == self.ipc_dir:
+                del os.environ["VLLM_RPC_BASE_PATH"]
+            self.ipc_dir = None
 
     async def _shutdown(self) -> None:
         llm, self.llm = self.llm, None
