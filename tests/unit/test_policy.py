@@ -130,7 +130,7 @@ def test_unknown_policy_names_the_options() -> None:
 def test_a_fleet_registering_one_by_one_builds_the_ring_once_and_as_a_fresh_one_would(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each registration changes the group; the ring is rebuilt at the next choice only (hashing every
     replica's points at every registration made a 512-replica fleet's start quadratic)."""
-    rs = replicas(64)
+    rs = replicas(160)  # past RING_POINTS / VNODES (128): VNODES points each, whatever the fleet's size
     p = ConsistentHash(rs[:1], 1.25)
     builds = []
     real = ConsistentHash._rebuild
@@ -146,6 +146,23 @@ def test_a_fleet_registering_one_by_one_builds_the_ring_once_and_as_a_fresh_one_
     p.update(rs[1:])
     moved = [s for s, r in zip(sessions, got, strict=True) if r is not rs[0] and p.choose(s, 0, with_room(rs[1:])) is not r]
     assert moved == [] and [b for b in builds if b is p] == [p, p]
+
+
+def test_a_small_fleet_shares_sessions_evenly_and_a_leave_moves_few_of_the_others() -> None:
+    """Under 128 replicas each takes more points (RING_POINTS in all), so that its share is even; as the
+    fleet changes size each takes a few more or fewer, and a few of the others' sessions move too."""
+    for n in (2, 3, 4):
+        rs = [Replica(f"throughput-{i}@h:{i}", f"t{i}".encode(), "g", 10**6, 4096, 32000) for i in range(n)]
+        p = ConsistentHash(rs, 100.0)
+        homes = [p.choose(f"rollout/0/{k}", 0, rs) for k in range(8000)]
+        assert all(abs(homes.count(r) / len(homes) - 1 / n) < 0.03 for r in rs)  # 64 points each: 0.13 off
+    rs = replicas(64)
+    p = ConsistentHash(rs, 1.25)
+    sessions = [f"s{i}" for i in range(2000)]
+    got = [p.choose(s, 0, with_room(rs)) for s in sessions]
+    p.update(rs[1:])
+    moved = [s for s, r in zip(sessions, got, strict=True) if r is not rs[0] and p.choose(s, 0, with_room(rs[1:])) is not r]
+    assert len(moved) < 0.05 * len(sessions)
 
 
 def test_the_load_bound_follows_the_group_capacity_as_replicas_join() -> None:

@@ -106,6 +106,11 @@ class ConsistentHash(Policy):
     """
 
     VNODES = 64
+    RING_POINTS = 8192
+    """Points on the ring in all at least: a fleet of few replicas gets more of them each (4,096 each for
+    two), so that its replicas' shares of the sessions are even. At 64 a replica, two replicas' shares
+    stray from a half by 0.044 (one standard deviation of where the points fall): the default fleet's
+    two throughput replicas drew 0.37 and 0.63."""
     WALK = 64
     STARTS_KEPT = 1 << 18
     """Sessions whose place on the ring is kept (all are forgotten past it: a step's are found again)."""
@@ -146,8 +151,9 @@ class ConsistentHash(Policy):
         """The ring of the current replicas; each replica's points are hashed once per weight."""
         points: list[tuple[int, int]] = []
         known: dict[tuple[str, int], list[int]] = {}
+        per = max(self.VNODES, -(-self.RING_POINTS // max(1, len(self.replicas))))
         for i, r in enumerate(self.replicas):
-            key = (r.place, max(1, round(self.VNODES * self.weights.get(r.replica_id, 1.0))))
+            key = (r.place, max(1, round(per * self.weights.get(r.replica_id, 1.0))))
             hashes = self._points.get(key) or [_hash64(f"{r.place}#{v}") for v in range(key[1])]
             known[key] = hashes
             points.extend((h, i) for h in hashes)
