@@ -128,8 +128,9 @@ class ConsistentHash(Policy):
         self._starts: dict[str, int] = {}
         """Each session's place on the ring (the bisection of its hash) while the ring stands: a
         session's later turns neither hash again nor search a ring of VNODES x n points."""
-        self._points: dict[tuple[str, int], list[int]] = {}
-        """Each replica's ring points by (place, virtual nodes)."""
+        self._points: dict[str, list[int]] = {}
+        """Each replica's ring points by place, as many as it has had (it takes the first of them it needs:
+        a new weight or fleet size hashes only points it never had)."""
         self.weights: dict[str, float] = {}
         """Ring weight per replica id (mean 1 over those with a known speed; 1 for the others)."""
         super().__init__(replicas)
@@ -148,15 +149,17 @@ class ConsistentHash(Policy):
         return self._capacity
 
     def _rebuild(self) -> None:
-        """The ring of the current replicas; each replica's points are hashed once per weight."""
+        """The ring of the current replicas; each replica's points are hashed once."""
         points: list[tuple[int, int]] = []
-        known: dict[tuple[str, int], list[int]] = {}
+        known: dict[str, list[int]] = {}
         per = max(self.VNODES, -(-self.RING_POINTS // max(1, len(self.replicas))))
         for i, r in enumerate(self.replicas):
-            key = (r.place, max(1, round(per * self.weights.get(r.replica_id, 1.0))))
-            hashes = self._points.get(key) or [_hash64(f"{r.place}#{v}") for v in range(key[1])]
-            known[key] = hashes
-            points.extend((h, i) for h in hashes)
+            k = max(1, round(per * self.weights.get(r.replica_id, 1.0)))
+            hashes = known.get(r.place) or self._points.get(r.place, [])
+            if len(hashes) < k:
+                hashes = hashes + [_hash64(f"{r.place}#{v}") for v in range(len(hashes), k)]
+            known[r.place] = hashes
+            points.extend((h, i) for h in hashes[:k])
         points.sort()
         self._points = known  # only the replicas of this ring: gone ones are forgotten
         self._ring = [p for p, _ in points]
