@@ -151,26 +151,28 @@ class VllmEngine(Engine):
         self.active: set[str] = set()
         """Request ids in ``llm.generate`` now (an in-place update that fails aborts them)."""
         self.ipc_dir: str | None = None
-        """Where vLLM puts its processes' ipc sockets (``VLLM_RPC_BASE_PATH``), made by this engine and
-        removed with it; None while it has none, or when the user's environment names one."""
+        """The replica's directory for its engines' ipc sockets (vLLM's own, ``VLLM_RPC_BASE_PATH`` unless the
+        user's environment names another, and the KV events'), made at first use and removed at close: an
+        engine that dies or is killed leaves its sockets' files behind."""
         self.kv: VllmKvEvents | None = None
         """vLLM's KV events, mapped into the replica's log (``kv_events``)."""
 
     def kv_events(self) -> KvEventLog:
         if self.kv is None:
-            self.kv = VllmKvEvents(KvEventLog())
+            self.kv = VllmKvEvents(KvEventLog(), self._ipc_dir())
         return self.kv.log
 
     def kv_held(self) -> list[int]:
         return list(self.kv.held.values()) if self.kv is not None else []
 
     # ---- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> EngineInfo:
-        if "VLLM_RPC_BASE_PATH" not in os.environ:
-            # vLLM names its ipc sockets in the temporary directory, and an engine that dies or is
-            # killed leaves them there: a replica's go in a directory of its own, removed at its close.
+    def _ipc_dir(self) -> str:
+        if self.ipc_dir is None:
             self.ipc_dir = tempfile.mkdtemp(prefix="vllm-")  # short: an ipc path has 107 bytes
-            os.environ["VLLM_RPC_BASE_PATH"] = self.ipc_dir
+        return self.ipc_dir
+
+    async def start(self) -> EngineInfo:
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", self._ipc_dir())  # (else vLLM's go in the temporary dir)
         self.v = await asyncio.to_thread(_vllm)
         self.adapters.request_cls = self.v.LoRARequest
         if self.cfg.model == "tiny":
@@ -216,10 +218,10 @@ class VllmEngine(Engine):
 
     async def close(self) -> None:
         await self._shutdown()
-        if self.kv is not None:  # its ipc directory goes with the replica (a restart keeps it)
+        if self.kv is not None:
             self.kv.close()
             self.kv = None
-        if self.ipc_dir is not None:  # the engines' sockets' files (of every engine it restarted)
+        if self.ipc_dir is not None:  # the sockets' files of every engine it ran (a restart keeps them)
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             if os.environ.get("VLLM_RPC_BASE_PATH") == self.ipc_dir:
                 del os.environ["VLLM_RPC_BASE_PATH"]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 from typing import Any
 
 import msgspec
@@ -32,11 +30,11 @@ REPLAY_TIMEOUT_S = 5.0
 
 
 class VllmKvEvents:
-    def __init__(self, log: KvEventLog) -> None:
+    def __init__(self, log: KvEventLog, ipc_dir: str) -> None:
+        """``ipc_dir``: the replica's directory for its engine's ipc sockets (the engine's to remove)."""
         self.log = log
-        self._dir = tempfile.mkdtemp(prefix="kv")  # ipc paths must be short (108 bytes)
-        self.endpoint = f"ipc://{self._dir}/pub"
-        self.replay_endpoint = f"ipc://{self._dir}/replay"
+        self.endpoint = f"ipc://{ipc_dir}/pub"
+        self.replay_endpoint = f"ipc://{ipc_dir}/replay"
         self.held: dict[Any, int] = {}
         """vLLM block hash -> toolkit block hash, for every block the engine holds."""
         self._next = 0
@@ -70,7 +68,6 @@ class VllmKvEvents:
     def close(self) -> None:
         self.stop()
         self._ctx.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)  # the engine's sockets' files
 
     async def _follow(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
