@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -394,7 +395,7 @@ def test_the_last_steps_long_turn_judges_the_hints_of_the_next(tmp_path: Path, f
 @pytest.mark.parametrize(("speeds", "expect_more"), [((100.0, 300.0), 1)])
 def test_the_ring_follows_speed_at_step_boundaries_only_when_it_changed(speeds: tuple[float, float],
                                                                          expect_more: int) -> None:
-    rs = [replica(i, "g", 64) for i in range(2)]
+    rs = [replica(0, g, 64) for g in ("a", "b")]  # two groups: a ring follows the speeds of groups
     ring = ConsistentHash(rs, load_factor=100.0)
     before = {s: ring.choose(f"s{s}", 0, rs) for s in range(2000)}
     for r, rate in zip(rs, speeds, strict=True):
@@ -411,6 +412,21 @@ def test_the_ring_follows_speed_at_step_boundaries_only_when_it_changed(speeds: 
     rs[0].speed.peak_tokens_per_s = 110.0  # a 10% change: the ring stays as it is
     ring.reweight()
     assert {s: ring.choose(f"s{s}", 0, rs) for s in range(2000)} == after
+
+
+def test_replicas_of_one_group_share_its_weight_on_the_ring() -> None:
+    rs = [replica(0, "g", 64), replica(1, "g", 64), replica(2, "g", 64), replica(0, "f", 64)]
+    for r, rate in zip(rs, (100.0, 300.0, 0.0, 400.0), strict=True):
+        r.speed = SpeedMeter()
+        r.speed.peak_tokens_per_s = rate
+    ring = ConsistentHash(rs, load_factor=100.0)
+    ring.reweight()
+    # g's mean peak is 200 (its third replica has none yet and takes the group's), f's 400; mean 250.
+    assert ring.weights == pytest.approx({"g-0@h:0": 0.8, "g-1@h:1": 0.8, "g-2@h:2": 0.8, "f-0@h:0": 1.6})
+    shares = Counter(ring.choose(f"s{s}", 0, rs).replica_id for s in range(8000))
+    g = [shares[r.replica_id] / 8000 for r in rs[:3]]
+    assert max(g) - min(g) < 0.06  # about 0.2 each: the peaks of 100 and 300 do not tell them apart
+    assert 0.34 < shares["f-0@h:0"] / 8000 < 0.46  # 1.6 of 4
 
 
 def test_a_request_s_tokens_are_estimated_from_heartbeats() -> None:

@@ -168,8 +168,18 @@ class ConsistentHash(Policy):
         self._stale = False
 
     def reweight(self) -> None:
-        self.set_speeds({r.replica_id: r.speed.peak_tokens_per_s for r in self.replicas
-                         if r.speed.peak_tokens_per_s > 0})
+        """Weight the ring by group: a replica's speed is the mean peak of its group's replicas with one
+        known. A group's replicas run one engine config, so what tells them apart is what their first
+        steps happened to be: how full each one got (identical replicas of the twin peaked 16% apart) and,
+        on a busy host, its share of the CPU (74% apart on two cores). A ring weighted by that would keep
+        an accident for the run (:data:`REWEIGHT_CHANGE`); groups of different speeds still get shares in
+        proportion. Replicas of different speeds belong in different groups."""
+        by_group: dict[str, list[float]] = {}
+        for r in self.replicas:
+            if r.speed.peak_tokens_per_s > 0:
+                by_group.setdefault(r.group, []).append(r.speed.peak_tokens_per_s)
+        means = {g: sum(v) / len(v) for g, v in by_group.items()}
+        self.set_speeds({r.replica_id: means[r.group] for r in self.replicas if r.group in means})
 
     def set_speeds(self, speeds: dict[str, float]) -> None:
         """Weight the ring by each replica's full-batch decode rate (``speeds``, tokens/s); a change
