@@ -11,13 +11,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from toolkit.core import protocol as P
 from toolkit.core.blocks import Chains, block_hashes
-from toolkit.core.errors import RouterUnavailable, ToolkitError
+from toolkit.core.errors import RouterRefused, RouterUnavailable, ToolkitError
 from toolkit.core.rundir import RunDir
 from toolkit.core.security import ClientCurve, client_curve
 from toolkit.core.sockets import RouterLink, make_socket
@@ -79,6 +80,8 @@ class RouterClient:
         """The block size the router's KV index reads prompts at (its ``Route.kv_block_size``): with one, each
         prompt's block hashes go with it, computed here rather than on the router's one thread."""
         self.chains = Chains(CHAINS_KEPT)
+        self.refused: RouterRefused | None = None
+        """Why the router refused this client's handshake, once it did (every call raises it then)."""
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         info = await asyncio.to_thread(self.run_dir.wait_router_address, timeout_s)
@@ -105,6 +108,8 @@ class RouterClient:
                 self.ctx.term()
 
     async def _send(self, msg: P.Message) -> None:
+        if self.refused is not None:
+            raise self.refused
         await self.link.send(P.encode(msg))
 
     async def generate(self, msg: P.Generate) -> tuple[P.Result, P.Route | None]:
@@ -243,13 +248,29 @@ class RouterClient:
             if time.monotonic() >= next_check:
                 await self._follow_router()
                 next_check = time.monotonic() + self.watch_interval_s
-            frames = await self.link.recv(self.watch_interval_s)
+            try:
+                frames = await self.link.recv(self.watch_interval_s)
+            except RouterRefused as exc:
+                self._refused(exc)
+                return
             if frames is None:
                 continue
             try:
                 self._handle(frames)
             except P.ProtocolError as exc:
                 logger.warning("dropped a bad message from the router: %s", exc)
+
+    def _refused(self, exc: RouterRefused) -> None:
+        """The router refused this client: everything waiting on it fails with why, and so does every
+        later send (nothing sent would ever arrive)."""
+        logger.error("%s", exc)
+        self.refused = exc
+        waiting: list[asyncio.Future[Any]] = [fut for _, fut in self.pending.values()]
+        waiting += [*self.step_acks.values(), *self.status_waiters, *self.weight_acks.values(),
+                    *self.stream_plans.values()]
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(exc)
 
     def _handle(self, frames: list[bytes]) -> None:
         mtype = frames[0]

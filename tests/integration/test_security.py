@@ -7,12 +7,14 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 import zmq
 
 from tests.helpers.procs import wait_for
 from toolkit.client import RouterClient, router_status
 from toolkit.core import protocol as P
-from toolkit.core.rundir import read_json
+from toolkit.core.errors import RouterRefused
+from toolkit.core.rundir import RunDir, read_json
 from toolkit.core.security import ClientCurve, client_curve, generate_keys, keys_dir
 from toolkit.core.sockets import make_socket
 
@@ -91,6 +93,39 @@ def test_the_router_admits_only_the_runs_own_replicas_and_ranks(make_run) -> Non
     assert res.status == "ok" and res.output_token_ids
     st = router_status(address["frontend"], 2.0, curve=ours)
     assert st is not None and st.completed == 1
+
+    # A rank whose run dir has keys the router refuses fails at once, saying why, instead of waiting.
+    for name, why in (("another-run", "handshakes in a row failed"), ("stranger", "did not admit this process's "
+                      "CURVE key"), ("no-keys", "has no keys")):
+        assert why in _refused_rank(rd.root, rd.root.parent / name)
+
+
+def _refused_rank(run: Path, other: Path) -> str:
+    """A rank in run dir ``other`` (the router's address of ``run``; keys by its name: another run's, ours
+    but for the client key, none) asks for a generation; the error it gets."""
+    other.mkdir()
+    address = RunDir(run).router_address
+    (other / address.relative_to(run)).write_bytes(address.read_bytes())
+    if other.name != "no-keys":
+        generate_keys(other)
+    if other.name == "stranger":  # the router's own public key: only the client key is wrong
+        (keys_dir(other) / "router.key").write_bytes((keys_dir(run) / "router.key").read_bytes())
+
+    async def ask() -> str:
+        c = RouterClient(RunDir(other))
+        await c.connect(10)
+        try:
+            await asyncio.wait_for(c.generate(P.Generate("r", job="j", session_id="s", step=0, prompt_token_ids=[1],
+                                                         sampling=P.Sampling(max_tokens=2))), 30)
+        except RouterRefused as exc:
+            with pytest.raises(RouterRefused):  # and so does every later call
+                await c.step_begin("j", 0, 1)
+            return str(exc)
+        finally:
+            await c.close()
+        raise AssertionError("the router answered a refused rank")
+
+    return asyncio.run(ask())
 
 
 def test_without_curve_keys_nothing_changes_for_local_runs(make_run) -> None:  # type: ignore[no-untyped-def]

@@ -45,6 +45,11 @@ class RouterUnavailable(ToolkitError):
     """The router's address file did not appear or the router does not answer."""
 
 
+class RouterRefused(RouterUnavailable):
+    """The router refused this process's handshake: its CURVE keys are not the run's, or one side uses
+    CURVE and the other does not. Nothing sent on that link would ever arrive."""
+
+
 class RunDirInUse(ToolkitError):
     """The run directory already holds another run's state or outputs."""
 

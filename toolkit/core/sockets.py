@@ -11,9 +11,10 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from toolkit.core import protocol as P
-from toolkit.core.errors import RouterUnavailable
+from toolkit.core.errors import RouterRefused, RouterUnavailable
 from toolkit.core.rundir import read_json
 
 logger = logging.getLogger(__name__)
@@ -145,9 +146,34 @@ def advertised(endpoint: str) -> str:
     return endpoint
 
 
+_HANDSHAKES = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+UNEXPLAINED_FAILURES = 3
+"""Handshakes in a row that failed with no reason given (a router whose public key is not the one in this
+process's run dir closes the connection: ZMQ retries, and fails again) before the link counts as refused.
+One alone may be a router that went away mid-handshake."""
+
+
+def refusal(event: int, value: int, failures: int, curve: bool) -> str | None:
+    """Why the router refused a link (``curve``: this side uses CURVE), from a handshake event of its
+    socket monitor (``failures``: the unexplained ones in a row, this one counted); None if not refused."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the router did not admit this process's CURVE key (status {value}): the keys in the run dir "
+                "are not the ones the router was started with (another run's, or written again since)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("this process uses CURVE (its run dir holds keys) and the router does not (router.curve=false)"
+                if curve else "the router uses CURVE and this process has no keys (none in its run dir)")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and failures >= UNEXPLAINED_FAILURES:
+        return f"{failures} handshakes in a row failed with no reason given: " + (
+            "the router's public key in the run dir is likely not this router's (another run's keys)" if curve
+            else "this process has no keys (none in its run dir), and the router likely uses CURVE")
+    return None
+
+
 class RouterLink:
     """A DEALER to one of the router's two sockets (``side``: ``frontend`` or ``backend``) that
-    follows the router to a new address when the address file changes (a restarted router)."""
+    follows the router to a new address when the address file changes (a restarted router). A router
+    that refuses its handshake (:func:`refusal`) is an error of its next :meth:`recv` that times out."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address_file: Path, side: str, curve: CurveSide | None = None,
                  routing_id: str | None = None) -> None:
@@ -158,10 +184,15 @@ class RouterLink:
         self.routing_id = routing_id
         self.sock: zmq.asyncio.Socket | None = None
         self.address = ""
+        self._events: zmq.asyncio.Socket | None = None
+        """The socket's monitor: its handshakes' outcomes, read only when a receive times out."""
+        self._failures = 0
 
     def connect(self, address: str) -> None:
         self.close()
         s = make_socket(self.ctx, zmq.DEALER, self.routing_id, curve=self.curve)
+        self._events = s.get_monitor_socket(_HANDSHAKES)  # type: ignore[assignment]
+        self._failures = 0
         s.connect(address)
         self.sock = s  # type: ignore[assignment]
         self.address = address
@@ -198,10 +229,29 @@ class RouterLink:
         """The next message, or None if none came within ``timeout_s``."""
         sock = self._open()
         if not await sock.poll(int(timeout_s * 1000)):  # POLLIN, the default
+            await self._check_handshakes()
             return None
         return await sock.recv_multipart()
 
+    async def _check_handshakes(self) -> None:
+        """Raise :class:`RouterRefused` if the handshakes since the last look say the router refused."""
+        events = self._events
+        while events is not None and await events.poll(0):
+            m = parse_monitor_message(await events.recv_multipart())
+            event, value = m["event"], m["value"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failures = 0
+                continue
+            self._failures += 1
+            why = refusal(event, value, self._failures, self.curve is not None)
+            if why is not None:
+                raise RouterRefused(f"the router's {self.side} at {self.address} refused this process: {why}")
+
     def close(self) -> None:
         if self.sock is not None:
+            self.sock.disable_monitor()
             self.sock.close(0)
             self.sock = None
+        if self._events is not None:
+            self._events.close(0)
+            self._events = None
