@@ -6,6 +6,7 @@ import random
 import pytest
 
 from toolkit.core.errors import ConfigError
+from toolkit.core.names import place, replica_id
 from toolkit.router.policy import ConsistentHash, LeastLoaded, PowerOfTwo, RoundRobin, make_policy
 from toolkit.router.replica import Replica
 
@@ -180,7 +181,9 @@ def test_the_load_bound_follows_the_group_capacity_as_replicas_join() -> None:
 def test_consistent_hash_places_replicas_by_their_place_in_the_fleet_not_their_pid() -> None:
     # Two runs of one fleet (other hosts and pids), a replica restarted, and the twin's: one ring.
     def fleet(suffix: str) -> list[Replica]:
-        return [Replica(f"g-{i}@{suffix}{i}", f"g-{i}".encode(), "g", 1000, 4096, 32000) for i in range(3)]
+        rs = [Replica(replica_id("g", i, f"{suffix}{i}"), f"g-{i}".encode(), "g", 1000, 4096, 32000) for i in range(3)]
+        assert [r.place for r in rs] == [place("g", i) for i in range(3)]
+        return rs
 
     homes = []
     for suffix in ("node1:41", "node7:9", "twin"):

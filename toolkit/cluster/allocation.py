@@ -28,6 +28,7 @@ from toolkit.cluster.slurm import cache_dir, cache_env
 from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
+from toolkit.core.names import process_name
 from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import hostnames, need, scancel, step_ids
 
@@ -112,7 +113,7 @@ def plan_allocation(cfg: Config) -> Plan:
                 free += [c.gpus_per_node] * res.nodes
             for n in nodes:
                 free[n] -= res.gpus
-            replicas[(group, i)] = Step(f"replica-{group}-{i}", nodes, len(nodes), res.cpus, mem_mb(res.mem),
+            replicas[(group, i)] = Step(process_name(group, i), nodes, len(nodes), res.cpus, mem_mb(res.mem),
                                         res.gpus)
     return Plan(len(free), router, ranks, replicas, max([c.gpus_per_node] + [s.gpus for s in replicas.values()]))
 

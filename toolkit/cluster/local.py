@@ -16,6 +16,7 @@ from toolkit.cluster.base import Cluster, Component, submitit_outputs
 from toolkit.config import replica_nodes
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lifecycle import ProcessRef, popen_logged
+from toolkit.core.names import process_name
 from toolkit.engine import replica
 from toolkit.engine.node_role import NodeRole
 from toolkit.engine.nodes import serve_node
@@ -127,7 +128,7 @@ class LocalCluster(Cluster):
         return self._submit("router", router_process.serve, str(self.run_dir.root), self.owner)
 
     def start_replica(self, group: str, index: int) -> Component:
-        name = f"replica-{group}-{index}"
+        name = process_name(group, index)
         nodes = replica_nodes(self.cfg, group)
         if nodes == 1:
             return self._submit(name, replica.serve, str(self.run_dir.root), group, index, self.owner)

@@ -32,6 +32,7 @@ from toolkit.config import Config, SlurmClusterConfig, replica_resources
 from toolkit.core.errors import ComponentFailed
 from toolkit.core.lease import current_epoch
 from toolkit.core.lifecycle import ProcessRef
+from toolkit.core.names import process_name
 from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import JobStates, hostnames, need, scancel, wait_gone
 from toolkit.engine.node_role import NodeRole
@@ -252,11 +253,11 @@ class SlurmCluster(Cluster):
         root = str(self.run_dir.root)
         with outside_job():
             jobs = ex.map_array(replica_task, [root] * n, [group] * n, list(range(n)))
-        return [self._track_job(f"replica-{group}-{i}", job) for i, job in enumerate(jobs)]
+        return [self._track_job(process_name(group, i), job) for i, job in enumerate(jobs)]
 
     def start_replica(self, group: str, index: int) -> Component:
         job = self._submit(self._replica_executor(group), replica_task, str(self.run_dir.root), group, index)
-        return self._track_job(f"replica-{group}-{index}", job)
+        return self._track_job(process_name(group, index), job)
 
     def start_ranks(self, n: int, first_step: int = 0) -> Component:
         per_node = self.c.ranks_per_node or n

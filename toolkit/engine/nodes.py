@@ -24,6 +24,7 @@ from pathlib import Path
 from toolkit.config import ENGINES
 from toolkit.config.entry import enter_component
 from toolkit.core.lifecycle import ProcessRef, write_pidfile
+from toolkit.core.names import process_name
 from toolkit.core.rundir import RunDir, atomic_write, read_json
 from toolkit.core.sockets import node_address, reserved_free_port
 from toolkit.engine import replica
@@ -39,7 +40,7 @@ EXIT_REPLICA_GONE = 75
 def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owner: ProcessRef | None = None) -> None:
     """Entry point of one node rank of replica ``group``-``index`` (node rank 0, or a one-node replica:
     the replica itself)."""
-    replica_name = f"replica-{group}-{index}"
+    replica_name = process_name(group, index)
     beacon: Beacon | None = None
     if role is not None and role.rank == 0 and role.rendezvous and role.nnodes > 1:
         role, beacon = publish_master(role, RunDir(Path(run_dir)).node_master(replica_name, role.rendezvous))

@@ -48,6 +48,7 @@ from toolkit.core import protocol as P
 from toolkit.core.errors import Terminated
 from toolkit.core.lifecycle import ProcessRef, run_until_terminated, stdout_file, write_pidfile
 from toolkit.core.metrics import Endpoint
+from toolkit.core.names import process_name, replica_id
 from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.security import client_curve
 from toolkit.core.sockets import RouterLink, own_bind_host
@@ -72,14 +73,14 @@ class ReplicaServer:
         self.run_dir = run_dir
         self.group = group
         self.engine = engine
-        self.replica_id = f"{group}-{index}@{socket.gethostname()}:{os.getpid()}"
+        self.replica_id = replica_id(group, index, f"{socket.gethostname()}:{os.getpid()}")
         self.gcfg = cfg.groups[group]
         self.ctx = zmq.asyncio.Context()
         self.link = RouterLink(self.ctx, run_dir.router_address, "backend", client_curve(run_dir.root),
                                routing_id=self.replica_id)
         self.info: EngineInfo | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.name = f"replica-{group}-{index}"
+        self.name = process_name(group, index)
         self.gate = Gate()
         """Closed while weights load or a dead engine restarts."""
         self._recovery: asyncio.Task[None] | None = None
@@ -342,7 +343,7 @@ def engine_config(cfg: Config, group: str) -> Any:
 
 def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None) -> None:
     """Entry point of one replica process (a submitit job)."""
-    name = f"replica-{group}-{index}"
+    name = process_name(group, index)
     rd, cfg = enter_component(run_dir, name, owner)
     engine = make_engine(engine_config(cfg, group))
     try:

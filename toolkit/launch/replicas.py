@@ -29,6 +29,7 @@ from toolkit.client import send_drain
 from toolkit.cluster import Cluster, Component, exit_story
 from toolkit.config import Config
 from toolkit.core.errors import ComponentFailed
+from toolkit.core.names import place
 from toolkit.core.rundir import RunDir, atomic_write, read_json
 from toolkit.core.security import ClientCurve
 
@@ -170,7 +171,7 @@ class ReplicaSet:
                 continue
             if now - d.sent_at >= _RESEND_S:
                 d.sent_at = now
-                resend.setdefault(d.migrate, []).append(f"{key[0]}-{key[1]}")
+                resend.setdefault(d.migrate, []).append(place(*key))
         for migrate, names in resend.items():  # one Drain for all: the router sees the whole change at once
             send_drain(frontend, names, migrate, timeout_s=1.0, curve=curve)
 

@@ -16,6 +16,7 @@ from toolkit.client import ready_counts, router_status
 from toolkit.config import Config, save_run_config
 from toolkit.core.errors import ReadinessTimeout
 from toolkit.core.lifecycle import ProcessRef, popen_logged, read_pidfiles, stop_processes
+from toolkit.core.names import process_name
 from toolkit.core.rundir import RunDir
 
 
@@ -47,7 +48,7 @@ class LocalStack:
 
     def start_replica(self, group: str, index: int) -> subprocess.Popen[bytes]:
         p = self.spawn("-m", "toolkit.engine.replica", str(self.run_dir.root), group, str(index),
-                       log=f"replica-{group}-{index}.out")
+                       log=f"{process_name(group, index)}.out")
         self.replicas[(group, index)] = p
         return p
 

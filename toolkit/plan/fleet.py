@@ -20,6 +20,7 @@ import msgspec
 
 from toolkit.config import Config, SimEngineConfig, kv_events_on
 from toolkit.core import protocol as P
+from toolkit.core.names import replica_id
 from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.plans import plan_output
 from toolkit.plan.engine import MovedPlans, Plan, TwinEngine
@@ -137,7 +138,7 @@ class TwinReplica:
                  plan: Plan | MovedPlans = plan_output) -> None:
         self.cfg = cfg
         self.group = group
-        self.replica_id = f"{group}-{index}@twin"
+        self.replica_id = replica_id(group, index, "twin")
         self.ident = self.replica_id.encode()
         self.ecfg = engine
         self.wire = wire

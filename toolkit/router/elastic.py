@@ -31,11 +31,6 @@ Migrate = Callable[[Request, Replica, str, "str | None"], None]
 """Starts moving a running request off its replica: (request, replica, why, target group or None)."""
 
 
-def replica_name(replica_id: str) -> str:
-    """``<group>-<index>`` of a replica id ``<group>-<index>@<host>:<pid>``: what launch names."""
-    return replica_id.partition("@")[0]
-
-
 class Elastic:
     def __init__(self, pool: ReplicaPool, send_to_replica: Send, migrate: Migrate,
                  drained: Callable[[], None]) -> None:
@@ -52,7 +47,7 @@ class Elastic:
         wanted = set(names)
         found: set[str] = set()
         for r in list(self.pool.all()):
-            name = replica_name(r.replica_id)
+            name = r.place
             if name in wanted:
                 found.add(name)
                 if not r.draining:  # else a resend: it is on its way out already

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from toolkit.core.names import place_of
 from toolkit.core.protocol import Message, ReplicaStats
 from toolkit.router.speed import SpeedMeter
 
@@ -74,7 +75,7 @@ class Replica:
         """Its place in the fleet: its id before the ``@host:pid`` (``group-index``), the same for a restarted
         replica and for the twin's. What consistent hashing places it by, so that where a session goes does
         not depend on the pids a run got."""
-        return self.replica_id.partition("@")[0]
+        return place_of(self.replica_id)
 
     @property
     def serving(self) -> bool:
