@@ -48,6 +48,18 @@ def test_one_session_ends_when_its_turn_and_the_probe_before_it_say(tmp_path) ->
     assert slow["generated_tokens"] == n and slow["wall_s"] >= by_hand + 4 * 0.05 - 1e-9
 
 
+def test_a_rank_starts_its_sessions_one_after_another() -> None:
+    """Three single-turn sessions on one rank that takes 2 s (then 3 s) to start each: the last starts
+    at 6 s (9 s), when the others are done (a turn takes well under a second here), and ends the step
+    as it would alone: 3 s later for 1 s more a start."""
+    cfg = config("groups=single", "workload=singleturn", "sessions_per_step=3", "steps=1", "ranks=1",
+                 "workload.max_tokens=64")
+    ((a,), (b,)) = (Twin(cfg, session_start_s=s).run().steps for s in (2.0, 3.0))
+    assert 6.0 < a["wall_s"] < 7.0 and b["wall_s"] - a["wall_s"] == pytest.approx(3.0, abs=1e-9)
+    (at_once,) = Twin(cfg, session_start_s=0.0).run().steps
+    assert at_once["wall_s"] < 1.0 and at_once["generated_tokens"] == a["generated_tokens"] == b["generated_tokens"]
+
+
 def test_long_runners_move_to_the_tail_group_and_end_whole() -> None:
     cfg = config("sessions_per_step=48", "steps=2", "workload.max_tokens=1024", "seed=3")
     run = Twin(cfg).run()
