@@ -125,8 +125,8 @@ class RouterClient:
             self.pending.pop(msg.request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        if self.link.closed:
-            return  # closed: the run is ending, and the router aborts what nobody waits for
+        if self.link.closed or self.refused is not None:
+            return  # closed: the run is ending, and the router aborts what nobody waits for (refused: it has none)
         await self._send(P.Abort(request_id))
 
     async def status(self, timeout_s: float = 5.0) -> P.Status:
