@@ -95,21 +95,27 @@ def test_the_router_admits_only_the_runs_own_replicas_and_ranks(make_run) -> Non
     assert st is not None and st.completed == 1
 
     # A rank whose run dir has keys the router refuses fails at once, saying why, instead of waiting.
-    for name, why in (("another-run", "handshakes in a row failed"), ("stranger", "did not admit this process's "
-                      "CURVE key"), ("no-keys", "has no keys")):
-        assert why in _refused_rank(rd.root, rd.root.parent / name)
+    another_run = _rank_dir(rd.root, rd.root.parent / "another-run", keys=True)
+    assert "handshakes in a row failed" in _refused_rank(another_run)
+    stranger = _rank_dir(rd.root, rd.root.parent / "stranger", keys=True)
+    # The router's own public key: only the client key is wrong.
+    (keys_dir(stranger) / "router.key").write_bytes((keys_dir(rd.root) / "router.key").read_bytes())
+    assert "did not admit this process's CURVE key" in _refused_rank(stranger)
+    assert "has no keys" in _refused_rank(_rank_dir(rd.root, rd.root.parent / "no-keys", keys=False))
 
 
-def _refused_rank(run: Path, other: Path) -> str:
-    """A rank in run dir ``other`` (the router's address of ``run``; keys by its name: another run's, ours
-    but for the client key, none) asks for a generation; the error it gets."""
+def _rank_dir(run: Path, other: Path, keys: bool) -> Path:
+    """A run dir ``other`` that holds ``run``'s router address, and keys of its own if ``keys``."""
     other.mkdir()
     address = RunDir(run).router_address
     (other / address.relative_to(run)).write_bytes(address.read_bytes())
-    if other.name != "no-keys":
+    if keys:
         generate_keys(other)
-    if other.name == "stranger":  # the router's own public key: only the client key is wrong
-        (keys_dir(other) / "router.key").write_bytes((keys_dir(run) / "router.key").read_bytes())
+    return other
+
+
+def _refused_rank(other: Path) -> str:
+    """A rank in run dir ``other`` asks for a generation; the error it gets."""
 
     async def ask() -> str:
         c = RouterClient(RunDir(other))
