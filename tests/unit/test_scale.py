@@ -10,6 +10,7 @@ import pytest
 
 from toolkit.cluster import Cluster, Component
 from toolkit.config import compose_config
+from toolkit.core.names import process_name
 from toolkit.core.rundir import RunDir
 from toolkit.launch.scale import settled
 
@@ -55,7 +56,7 @@ class _Allocation(Cluster):
         raise NotImplementedError
 
     def start_replica(self, group: str, index: int) -> Component:
-        return _Proc(f"replica-{group}-{index}")
+        return _Proc(process_name(group, index))
 
     def start_ranks(self, n: int, first_step: int = 0) -> Component:
         raise NotImplementedError
