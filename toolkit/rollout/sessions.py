@@ -120,6 +120,7 @@ class EnvSessions:
                 sample.mark("failed", str(exc))
                 return
             outcome = await self.call(env.step, res.output_token_ids, res.finish_reason)
+            del res  # its tokens are in the sample now: not held through the next turn's request
             sample.reward += outcome.reward
             if outcome.done:
                 return
