@@ -20,6 +20,8 @@ from toolkit.weights import Streamer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
+pytest.importorskip("torch")  # the trainer's Streamer streams over torch.distributed, to the sim's replicas too
+
 RUN = ["engine.time_scale=0.2", "sessions_per_step=6", "router.heartbeat_s=0.2", "rollout.weights_transport=stream"]
 
 

@@ -1,12 +1,17 @@
 """A streamed update's manifest and payload (``toolkit/weights/wire.py``): dense and delta round trips,
-the delta's size after a small change, a wrong base refused, buckets, and the manifest on the wire."""
+the delta's size after a small change, a wrong base refused, buckets, and the manifest on the wire; and
+what a process without torch is told when it streams (``toolkit/weights/transport.py``)."""
 
 from __future__ import annotations
+
+import sys
 
 import msgspec
 import numpy as np
 import pytest
 
+from toolkit.core.errors import ToolkitError
+from toolkit.weights.transport import require_torch
 from toolkit.weights.wire import Encoder, Encoding, Manifest, WrongBase, bucket_ranges, decode
 
 
@@ -107,3 +112,9 @@ def test_buckets_cover_the_payload_and_the_manifest_crosses_the_wire() -> None:
     wire = msgspec.msgpack.encode(u.manifest)
     back = msgspec.msgpack.Decoder(Manifest).decode(wire)
     assert back == u.manifest and back.buckets() == [(0, u.manifest.total)]
+
+
+def test_without_torch_a_stream_fails_saying_what_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # (how an import of a package that is not installed fails)
+    with pytest.raises(ToolkitError, match="streamed weights need torch.*weights_transport=checkpoint"):
+        require_torch()

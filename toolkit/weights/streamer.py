@@ -31,7 +31,7 @@ from toolkit.config import DeltaMode, WeightsTransport, load_run_config
 from toolkit.core import protocol as P
 from toolkit.core.errors import ConfigError, FieldError, RouterUnavailable, ToolkitError
 from toolkit.core.rundir import RunDir
-from toolkit.weights.transport import Link, LinkBroken
+from toolkit.weights.transport import Link, LinkBroken, require_torch
 from toolkit.weights.wire import Encoder, Update
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Streamer:
             raise ConfigError([FieldError(
                 "rollout.weights_transport", str(cfg.rollout.weights_transport),
                 f"stream for a Streamer (the run in {run_dir}), or publish checkpoints with toolkit.weights.publish")])
+        require_torch()  # here, not at the first send: the run would wait for that version meanwhile
         w = cfg.weights
         self.delta = w.delta == DeltaMode.auto if delta is None else delta
         self.timeout_s = timeout_s or w.timeout_s

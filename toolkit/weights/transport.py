@@ -54,9 +54,15 @@ class LinkBroken(ToolkitError):
     """A peer of the chain died, or the link stalled past its timeout, mid-update."""
 
 
-def _torch() -> Any:
-    import torch  # the trainer's or the vllm extra's
-
+def require_torch() -> Any:
+    """torch (the trainer's, or the vllm extra's): its ``distributed`` carries every streamed update, so a
+    process without it cannot stream. ToolkitError saying so."""
+    try:
+        import torch  # heavy and optional: imported where an update is streamed, not with the toolkit
+    except ImportError as exc:
+        raise ToolkitError(f"streamed weights need torch (torch.distributed carries the update): {exc}; install "
+                           "torch in the trainer's environment, or publish checkpoints (toolkit.weights.publish) "
+                           "with rollout.weights_transport=checkpoint") from None
     return torch
 
 
@@ -65,7 +71,7 @@ class Link:
 
     def __init__(self, master: str, port: int, rank: int, world: int, timeout_s: float, host: str = "",
                  store: Any = None) -> None:
-        torch = _torch()
+        torch = require_torch()
         dist = torch.distributed
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world = rank, world
@@ -83,7 +89,7 @@ class Link:
     @staticmethod
     def rendezvous(host: str, world: int | None, timeout_s: float) -> tuple[Any, int]:
         """The trainer's store on a free port of ``host``: (store, port) to hand to the receivers."""
-        dist = _torch().distributed
+        dist = require_torch().distributed
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         return store, store.port
@@ -105,7 +111,7 @@ class Link:
     def send(self, manifest: Manifest, pieces: list[np.ndarray]) -> None:
         """Send the payload (``pieces``, uint8, in manifest order) to rank 1, bucket by bucket. A
         bucket inside one piece goes as a view of it; one across pieces is packed into a buffer."""
-        torch = _torch()
+        torch = require_torch()
         buffers = [np.empty(manifest.bucket_bytes, np.uint8) for _ in range(WINDOW)]
         starts = np.cumsum([0] + [p.size for p in pieces])
         works: list[Any] = []
@@ -138,7 +144,7 @@ class Link:
         its share) buckets land in a ring of a few instead, each handed to ``keep(bucket, start)`` once
         it is in. ``siblings``: the other workers of this replica, each sent its share of every bucket
         (:meth:`receive_share`)."""
-        torch = _torch()
+        torch = require_torch()
         prev = self.rank - 1 if prev is None else prev
         if next == -1:
             next = self.rank + 1 if self.rank < self.world - 1 else None
@@ -195,7 +201,7 @@ class Link:
                       progress: Callable[[int], None] | None = None) -> None:
         """Receive this worker's share of every bucket from rank ``head`` (the first worker of its replica,
         which receives the whole of it) into ``keep``."""
-        torch = _torch()
+        torch = require_torch()
         ranges = bucket_ranges(manifest.total, manifest.bucket_bytes)
         sizes = [keep.share.size(s, e) for s, e in ranges]
         wanted = [k for k, n in enumerate(sizes) if n]
@@ -215,7 +221,7 @@ class Link:
 
     def send_bytes(self, dst: int, data: bytes) -> None:
         """A small message to rank ``dst`` (its length, then it), outside the buckets' tags."""
-        torch = _torch()
+        torch = require_torch()
         parts = [(torch.tensor([len(data)], dtype=torch.int64), TAG)]
         if data:
             parts.append((torch.frombuffer(bytearray(data), dtype=torch.uint8), TAG + 1))
@@ -225,7 +231,7 @@ class Link:
             self._wait(work, f"sending rank {dst} a message")
 
     def recv_bytes(self, src: int) -> bytes:
-        torch = _torch()
+        torch = require_torch()
         n = torch.zeros(1, dtype=torch.int64)
         with self._broken(f"receiving a message from rank {src}"):
             work = self.pg.recv([n], src, TAG)
@@ -242,7 +248,7 @@ class Link:
         """A plain gloo broadcast of the uint8 tensor ``buf`` from rank 0 to every rank: seconds it took
         here (the link bound a benchmark compares the chain with). The caller keeps ``buf`` from round to
         round, as the chain keeps its staging buffers: a fresh tensor would add its page faults to the bound."""
-        torch = _torch()
+        torch = require_torch()
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         t0 = time.perf_counter()
