@@ -35,3 +35,24 @@ def test_a_router_address_file_that_cannot_be_read_leaves_the_link_where_it_is(t
             ctx.term()
 
     assert asyncio.run(main()) == [False, False, False, False, False, True]
+
+
+def test_the_results_kept_for_duplicates_are_bounded_by_count_and_by_bytes() -> None:
+    """``router.result_cache`` and ``result_cache_mb``: the oldest go first, whichever bound is passed; a
+    Result larger than the byte bound is not kept rather than dropping every other."""
+    from toolkit.router.answered import Answered
+
+    a = Answered(3, 100)
+    for rid in ("r1", "r2", "r3"):
+        a.keep(rid, bytes(40))
+    assert a.result("r1") is None and a.result("r2") == bytes(40) and a.bytes == 80  # 120 > 100 bytes
+    a.keep("r4", bytes(5))
+    a.keep("r5", bytes(5))
+    assert [a.result(r) is not None for r in ("r2", "r3", "r4", "r5")] == [False, True, True, True]  # 4 > 3
+    a.keep("big", bytes(101))
+    assert a.result("big") is None and a.result("r3") is not None and a.bytes == 50
+    a.keep("r3", bytes(1))  # the same id again: counted once, at its new size
+    assert a.bytes == 11 and a.result("r3") == bytes(1)
+    none = Answered(0, 100)
+    none.keep("r1", b"x")
+    assert none.result("r1") is None and none.bytes == 0

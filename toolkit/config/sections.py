@@ -70,10 +70,15 @@ class RouterConfig:
     """A replica with requests in flight that generates no token for this long is dropped as hung."""
     queue: QueueOrder = QueueOrder.fair
     """``fair``: one request per job in turn; ``fifo``: plain arrival order (a baseline)."""
-    probe_timeout_s: float = 30.0
+    probe_timeout_s: float = bounded(30.0, gt=0)
     """A replica whose readiness probe has not answered by then is probed again."""
-    result_cache: int = 200000
-    """Results kept to answer duplicate submissions of a request id."""
+    result_cache: int = bounded(200000, ge=0)
+    """At most this many Results, the newest, kept to answer a duplicate submission of a request id (a
+    client's resend) with the Result already sent; an id resubmitted after its Result was dropped runs
+    again. Also the number of early Aborts kept (an Abort that overtook its own Generate)."""
+    result_cache_mb: float = bounded(256.0, ge=0)
+    """...and at most this many MB of them, encoded (a Result of 8,000 tokens is about 110 kB): the bound
+    that holds on long outputs, where 200,000 Results would take tens of GB of the router's memory."""
     no_replica_timeout_s: float | None = bounded(300.0, gt=0)
     """A group with no ready replica (scaled to zero, drained, all dead) makes its requests wait, not
     fail; a request that has waited this long while its target group had no ready replica fails as

@@ -1,6 +1,7 @@
-"""What the router remembers of request ids that are no longer live, both bounded (``router.result_cache``):
-the Result it sent for each (a resubmitted id gets the same answer again) and Aborts that came before
-their own Generate (that Generate is then cancelled as it arrives)."""
+"""What the router remembers of request ids that are no longer live: the Result it sent for each (a
+resubmitted id gets the same answer again), bounded by ``router.result_cache`` and, in bytes, by
+``router.result_cache_mb``; and Aborts that came before their own Generate (that Generate is then
+cancelled as it arrives), bounded by ``router.result_cache``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from collections import OrderedDict
 
 
 class Answered:
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, cap_bytes: int) -> None:
         self.cap = cap
+        self.cap_bytes = cap_bytes
+        self.bytes = 0
+        """The kept Results' encoded size."""
         self._results: OrderedDict[str, bytes] = OrderedDict()
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
 
@@ -18,9 +22,17 @@ class Answered:
         return self._results.get(rid)
 
     def keep(self, rid: str, payload: bytes) -> None:
+        """Remember the Result sent for ``rid``, dropping the oldest beyond either bound (one larger than
+        the whole byte bound is not kept: it would drop every other)."""
+        old = self._results.pop(rid, None)
+        if old is not None:
+            self.bytes -= len(old)
+        if len(payload) > self.cap_bytes or self.cap == 0:
+            return
         self._results[rid] = payload
-        if len(self._results) > self.cap:
-            self._results.popitem(last=False)
+        self.bytes += len(payload)
+        while self._results and (len(self._results) > self.cap or self.bytes > self.cap_bytes):
+            self.bytes -= len(self._results.popitem(last=False)[1])
 
     def abort_unknown(self, rid: str) -> None:
         """An Abort for an id that is not live. A client's Abort can overtake its own Generate (the

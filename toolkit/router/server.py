@@ -72,7 +72,7 @@ class Router:
         # Each request's life: waiting, live (queued or running), answered.
         self.queue = FairQueue(AFFINITY_SCAN if cfg.router.affinity == Affinity.wait else 1)
         self.live: dict[str, Request] = {}
-        self.answered = Answered(cfg.router.result_cache)
+        self.answered = Answered(cfg.router.result_cache, int(cfg.router.result_cache_mb * 2**20))
         self.stats: Counter[str] = Counter()
         """Events of requests' lives (completed, failed:<status>, requeued...); :meth:`events` adds the parts'."""
         self.dispatched: Counter[str] = Counter()
