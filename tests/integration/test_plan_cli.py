@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,30 @@ def test_a_finished_run_replays_under_other_settings(tmp_path: Path) -> None:
     replayed = json.loads((tmp_path / "replayed" / "report.json").read_text())["steps"]
     real = json.loads((run / "report.json").read_text())["steps"]
     assert [s["generated_tokens"] for s in replayed] == [s["generated_tokens"] for s in real]
-    assert f"replayed: the sessions of {run}" in proc.stdout
+    assert f"replayed: 32 sessions as {run} recorded them\n" in proc.stdout
+
+
+def test_a_run_of_groups_closed_on_a_count_in_shards_replays_its_sessions_and_draws_the_rest(tmp_path: Path) -> None:
+    """A run whose steps close on a count (sessions carried to the next step, over-sampled ones never
+    finished), of GRPO groups filtered on their rewards, written in shards: each session it recorded is
+    replayed under its (started step, index) with its tokens, turns and reward, the others come from the
+    run's own workload, and none fails."""
+    run = tmp_path / "run"
+    counted = ["rollout.close=count", "rollout.over_sample=0.5", "+workload.prompts.samples_per_prompt=4",
+               "rollout.filter_groups=zero_variance", "rollout.output=shards"]
+    done = launch([f"hydra.run.dir={run}", "engine.time_scale=0.05", "router.heartbeat_s=0.2", *SMALL, *counted])
+    assert done.returncode == 0, done.stderr[-2000:]
+    proc = plan([f"replay={run}", f"hydra.run.dir={tmp_path / 'replayed'}", "groups.tail.replicas=2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "replayed" / "report.json").read_text())
+    assert len(report["steps"]) == 2 and report["summary"]["failed_share"] == 0
+    assert all(set(s["sessions_by_status"]) <= {"completed", "truncated", "filtered"} for s in report["steps"])
+    from toolkit.plan.replay import Recorded
+
+    recorded = Recorded(run)
+    assert len(recorded.sessions) >= 32 and report["steps"][1]["carried_in"] > 0
+    same = re.search(rf"replayed: (\d+) sessions as {re.escape(str(run))} recorded them", proc.stdout)
+    assert same is not None and int(same.group(1)) >= 32, proc.stdout
 
 
 def test_a_config_the_twin_cannot_run_fails_at_once_naming_it(tmp_path: Path) -> None:

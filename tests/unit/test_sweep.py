@@ -71,3 +71,44 @@ def test_swept_keys_get_the_shortest_headers_that_tell_them_apart() -> None:
     keys = ["tail.threshold", "groups.tail.replicas", "groups.throughput.replicas", "seed"]
     assert short_names(keys) == {"tail.threshold": "threshold", "groups.tail.replicas": "tail.replicas",
                                  "groups.throughput.replicas": "throughput.replicas", "seed": "seed"}
+
+
+def test_a_sweep_in_a_reused_directory_ranks_its_own_jobs_not_those_left_there(tmp_path: Path) -> None:
+    """Hydra does not clear a sweep directory: the callback takes the jobs that ended in its sweep."""
+    from hydra.core.utils import JobReturn
+    from omegaconf import OmegaConf
+
+    from toolkit.report.sweep import SweepJobs
+
+    step = {"wall_s": 1.0}
+    for name, policy in (("0", "least_loaded"), ("1", "round_robin"), ("2", "power_of_two")):  # an earlier sweep
+        _fake_run(tmp_path, name, [f"router.policy={policy}"], {"status": "ok", "steps": [step]})
+    jobs = SweepJobs()
+    for name in ("0", "1"):  # this sweep's two jobs, which wrote over the first two
+        jobs.on_job_end(OmegaConf.create({}), JobReturn(hydra_cfg=OmegaConf.create(
+            {"hydra": {"runtime": {"output_dir": str(tmp_path / name)}}})))
+    assert [r["run"] for r in jobs.rows(tmp_path)] == ["0", "1"]
+    assert [r["run"] for r in SweepJobs().rows(tmp_path)] == ["0", "1", "2"]  # no job seen: every run there
+
+
+def test_a_plan_sweep_ranks_the_points_that_would_stop_last_and_draws_a_choice_by_its_values(tmp_path: Path) -> None:
+    from toolkit.plan.sweep import plan_rows, plan_table, plot, verdict
+
+    def point(name: str, policy: str, step_s: float, stopped: str = "") -> None:
+        summary = {"step_time_s": step_s, "failed_share": 0.5 if stopped else 0.0, "stopped": stopped}
+        _fake_run(tmp_path, name, ["steps=2", f"router.policy={policy}"],
+                  {"status": "stopped" if stopped else "ok", "steps": [], "summary": summary})
+
+    point("0", "least_loaded", 2.0)
+    point("1", "round_robin", 1.0, stopped="step 0: 16 of 32 sessions failed")
+    point("2", "power_of_two", 3.0)
+    rows = plan_rows(tmp_path, collect(tmp_path))
+    assert [r["swept"]["router.policy"] for r in rows] == ["least_loaded", "power_of_two", "round_robin"]
+    line = verdict(rows)
+    assert line.startswith("best: router.policy=least_loaded at 2.00s") and "1 would stop" in line
+    console = Console(width=80, record=True)
+    console.print(plan_table(rows))
+    text = console.export_text()
+    assert " 3x " in text and "50%" in text
+    path = plot(tmp_path, rows)
+    assert path is not None and path.stat().st_size > 0  # values that are not numbers: one place each

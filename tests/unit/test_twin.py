@@ -129,11 +129,27 @@ def test_two_jobs_share_one_slot_turn_about(tmp_path) -> None:
 
 
 def test_a_config_the_twin_cannot_run_is_refused_naming_every_setting() -> None:
-    cfg = compose_config(["engine=vllm", "+workload.agent={_target_:builtins.print}", "rollout.weights_dir=/tmp/w"])
+    cfg = compose_config(["engine=vllm", "+workload.agent={_target_:builtins.print}", "rollout.weights_dir=/tmp/w",
+                          "rollout.weights_transport=stream"])
     with pytest.raises(ConfigError) as exc:
         Twin(cfg)
     text = str(exc.value)
     assert "groups.throughput engine type" in text and "workload.agent" in text and "rollout.weights_dir" in text
+    assert "rollout.weights_transport" in text
+
+
+def test_a_twin_stops_where_a_real_run_would_past_its_failure_budget() -> None:
+    """Requests cut at 0.5 s fail most sessions: a real run ends after the step (every rank checks the
+    budget), and so does its twin, saying why; without a budget it runs every step."""
+    from toolkit.plan.summary import summarize
+
+    cut = ["steps=3", "rollout.request_timeout_s=0.5"]
+    run = Twin(config(*cut)).run()
+    assert len(run.steps) == 1 and run.stopped.startswith("step 0: ") and "rollout.max_failed_fraction" in run.stopped
+    summary = summarize(run)
+    assert summary["failed_share"] > 0.1 and summary["stopped"] == run.stopped
+    unbounded = Twin(config(*cut, "rollout.max_failed_fraction=null")).run()
+    assert len(unbounded.steps) == 3 and unbounded.stopped == ""
 
 
 def test_a_message_passed_on_unchanged_arrives_as_what_was_encoded_and_nothing_stays_kept(monkeypatch) -> None:

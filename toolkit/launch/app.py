@@ -28,7 +28,7 @@ from toolkit.core.lease import Lease
 from toolkit.core.rundir import RunDir
 from toolkit.core.slurmctl import requeue
 from toolkit.launch import resume
-from toolkit.launch.composition import precheck
+from toolkit.launch.composition import LAUNCH, Setup, precheck
 from toolkit.launch.resume import check
 from toolkit.launch.run import STOP, Run
 from toolkit.launch.validation import validate
@@ -226,12 +226,12 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(130)
 
 
-def hydra_cli(app: Callable[[], None]) -> None:
-    """Run the Hydra ``app`` on ``sys.argv``: the overrides are checked first, so that a composition error
-    comes back as the toolkit's error list (``toolkit/launch/composition.py``); a sweep exits with its
-    worst point's code."""
+def hydra_cli(app: Callable[[], None], setup: Setup = LAUNCH) -> None:
+    """Run the Hydra ``app`` on ``sys.argv``: the overrides are checked first (against ``setup``), so that a
+    composition error comes back as the toolkit's error list (``toolkit/launch/composition.py``); a sweep
+    exits with its worst point's code."""
     try:
-        precheck(sys.argv[1:])
+        precheck(sys.argv[1:], setup)
     except ToolkitError as exc:
         Console().print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -10,10 +10,11 @@ own to find every override that fails by itself. Options that change where the c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -21,11 +22,38 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
-from toolkit.config import CONF_DIR, compose_config
+from toolkit.config import CONF_DIR, Config, compose_config
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.launch.validation import validate
 
 COMPOSITION_ERRORS = (HydraException, OmegaConfBaseException)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a command line's overrides are checked against: ``launch``'s config, with ``base`` composed
+    under them (a replayed run's own overrides) and, beside validation's, the errors ``refusals`` finds
+    in a composed config (what the fleet twin cannot run), listed together."""
+
+    base: tuple[str, ...] = ()
+    refusals: Callable[[Config], list[FieldError]] | None = None
+
+    def compose(self, lines: Sequence[str]) -> Config:
+        return compose_config([*self.base, *lines])
+
+    def validate(self, cfg: Config) -> None:
+        errors: list[FieldError] = []
+        try:
+            validate(cfg)
+        except ConfigError as exc:
+            errors = list(exc.errors)
+        if self.refusals is not None:
+            errors.extend(e for e in self.refusals(cfg) if e not in errors)
+        if errors:
+            raise ConfigError(errors)
+
+
+LAUNCH = Setup()
 
 
 def _allowed(line: str, exc: BaseException) -> str:
@@ -78,7 +106,7 @@ def _lines(overrides: Sequence[str], multirun: bool) -> tuple[list[str], list[li
     return first, each, bad
 
 
-def check_overrides(overrides: Sequence[str], multirun: bool = False) -> None:
+def check_overrides(overrides: Sequence[str], multirun: bool = False, setup: Setup = LAUNCH) -> None:
     """Raise a :class:`ConfigError` listing every override that does not compose (config errors that need
     the whole config, such as a bad group field, come from the composition itself, also as one list) and,
     outside a sweep, what validation says of the overrides that do."""
@@ -88,41 +116,41 @@ def check_overrides(overrides: Sequence[str], multirun: bool = False) -> None:
     sweep = any(len(values) > 1 for values in each)
     kept, errors = first, list[FieldError]()
     try:
-        compose_config(first)
+        setup.compose(first)
         if not sweep:
             return
         whole: BaseException | None = None  # a sweep's other values are checked one by one below
     except COMPOSITION_ERRORS as exc:
         whole = exc
-        kept, errors = _composing(first)
+        kept, errors = _composing(first, setup)
     for values in each:
         for line in values[1:]:
             try:
-                compose_config([line])
+                setup.compose([line])
             except COMPOSITION_ERRORS as exc:
                 errors.append(_error(line, exc))
             except ConfigError as exc:
                 errors.extend(e for e in exc.errors if e not in errors)
     if whole is None and not errors:
-        _validate_points(each)
+        _validate_points(each, setup)
         return
     if errors and kept and not sweep:  # a bad choice (a Choice field) hides no out-of-range value
         try:
-            validate(compose_config(kept))
+            setup.validate(setup.compose(kept))
         except ConfigError as exc:
             errors.extend(e for e in exc.errors if e not in errors)
     raise ConfigError(errors or [FieldError(" ".join(first), "", _allowed(first[-1] if first else "", whole or ""))])
 
 
-def _composing(lines: list[str]) -> tuple[list[str], list[FieldError]]:
+def _composing(lines: list[str], setup: Setup) -> tuple[list[str], list[FieldError]]:
     """The lines that compose together, and the errors of the others (in the order given): each line is
     composed with the lines kept before it, a config group's choice first (``engine=vllm`` before the
     ``engine.*`` fields it brings)."""
     kept: list[str] = []
     errors: dict[int, list[FieldError]] = {}
-    for i in sorted(range(len(lines)), key=lambda i: not _chooses_group(lines[i])):
+    for i in sorted(range(len(lines)), key=lambda i: not chooses_group(lines[i])):
         try:
-            compose_config([*kept, lines[i]])
+            setup.compose([*kept, lines[i]])
             kept.append(lines[i])
         except COMPOSITION_ERRORS as exc:
             errors[i] = [_error(lines[i], exc)]
@@ -131,7 +159,8 @@ def _composing(lines: list[str]) -> tuple[list[str], list[FieldError]]:
     return kept, [e for i in sorted(errors) for e in errors[i]]
 
 
-def _chooses_group(line: str) -> bool:
+def chooses_group(line: str) -> bool:
+    """``line`` picks a config group of ``conf/`` (``engine=vllm``), not a field."""
     key = line.split("=", 1)[0].lstrip("+~")
     return "." not in key and (CONF_DIR / key).is_dir()
 
@@ -140,7 +169,7 @@ MAX_POINTS_CHECKED = 256
 """A sweep's points validated before its first runs (a larger sweep: its first this many)."""
 
 
-def _validate_points(each: list[list[str]]) -> None:
+def _validate_points(each: list[list[str]], setup: Setup) -> None:
     """Every point of a sweep, validated as its run will be: a bad value, or values bad only together,
     fail the sweep before its first run, not hours later at that point (and each listed with it)."""
     points: dict[str, tuple[FieldError, list[str]]] = {}  # each error once, with the points that have it
@@ -150,7 +179,7 @@ def _validate_points(each: list[list[str]]) -> None:
     for combo in itertools.islice(itertools.product(*each), MAX_POINTS_CHECKED):
         point = " ".join(line for line, values in zip(combo, each, strict=True) if len(values) > 1)
         try:
-            validate(compose_config(list(combo)))
+            setup.validate(setup.compose(list(combo)))
         except ConfigError as exc:
             for e in exc.errors:  # str: a value may be a list, which does not hash
                 points.setdefault(str(e), (e, []))[1].append(point)
@@ -163,10 +192,10 @@ def _validate_points(each: list[list[str]]) -> None:
                                       e.value, e.allowed) for e, where in points.values()])
 
 
-def precheck(argv: Sequence[str]) -> None:
+def precheck(argv: Sequence[str], setup: Setup = LAUNCH) -> None:
     """``launch``'s command line: check its overrides unless Hydra is asked for something else."""
     args, _ = get_args_parser().parse_known_args(list(argv))
     if (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name
             or args.config_path or args.config_dir or args.experimental_rerun):
         return
-    check_overrides(args.overrides, multirun=bool(args.multirun))
+    check_overrides(args.overrides, multirun=bool(args.multirun), setup=setup)

@@ -1,5 +1,6 @@
 """What a twin run predicts, per config: step time (mean, p90), bound ratio, samples/s, the fleet's
-busy share, prefix hit, moves per step; and, over a sweep, which setting made the difference."""
+busy share, prefix hit, moves per step, the share of sessions that failed and whether the run would stop
+at its failure budget; and, over a sweep, which setting made the difference."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 from toolkit.plan.twin import TwinRun
 
 FIELDS = ("step_time_s", "step_time_p90_s", "bound_ratio", "samples_per_s", "fleet_busy_share", "prefix_hit",
-          "moves_per_step", "twin_s")
+          "moves_per_step", "failed_share", "twin_s")
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -24,6 +25,8 @@ def summarize(run: TwinRun, skip: int = 0) -> dict[str, Any]:
     steps = run.steps[skip:] or run.steps
     walls = [s["wall_s"] for s in steps]
     samples = sum(s.get("rows", 0) for s in steps)
+    sessions = sum(s.get("sessions", 0) for s in steps)
+    failed = sum((s.get("sessions_by_status") or {}).get("failed", 0) for s in steps)
     return {
         "step_time_s": statistics.fmean(walls),
         "step_time_p90_s": float(np.percentile(walls, 90)),
@@ -32,7 +35,9 @@ def summarize(run: TwinRun, skip: int = 0) -> dict[str, Any]:
         "fleet_busy_share": _mean([s.get("fleet_busy_share") for s in steps]),
         "prefix_hit": _mean([s.get("prefix_hit_rate") for s in steps]),
         "moves_per_step": _mean([(s.get("tail") or {}).get("moves", 0) for s in steps]),
+        "failed_share": failed / sessions if sessions else None,
         "twin_s": run.real_s,
+        "stopped": run.stopped,
     }
 
 

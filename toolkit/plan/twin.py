@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from hydra.utils import instantiate
 
-from toolkit.config import Config, SimEngineConfig, group_engine, samples_per_prompt
+from toolkit.config import Config, SimEngineConfig, WeightsTransport, group_engine, samples_per_prompt
 from toolkit.core import clock
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.rundir import RunDir
@@ -28,7 +28,7 @@ from toolkit.plan.engine import MovedPlans, Plan
 from toolkit.plan.fleet import TwinClient, TwinReplica, Wire
 from toolkit.plan.loop import VirtualLoop
 from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
-from toolkit.rollout.guard import inline_call
+from toolkit.rollout.guard import FailureBudgetExceeded, check_failure_budget, inline_call
 from toolkit.rollout.sessions import EnvSessions, rank_cap
 from toolkit.rollout.stepreport import closing_report, step_report
 from toolkit.router.server import Router
@@ -58,6 +58,9 @@ def twin_errors(cfg: Config) -> list[FieldError]:
     if cfg.rollout.weights_dir is not None:
         errors.append(FieldError("rollout.weights_dir", cfg.rollout.weights_dir, "null: the twin models no weight "
                                  "updates"))
+    if cfg.rollout.weights_transport == WeightsTransport.stream:
+        errors.append(FieldError("rollout.weights_transport", "stream", "checkpoint (with no rollout.weights_dir): "
+                                 "the twin models no weight updates"))
     return errors
 
 
@@ -75,6 +78,9 @@ class TwinRun:
     virtual_s: float
     real_s: float
     """Seconds of this machine's time the twin took."""
+    stopped: str = ""
+    """Why the run stopped before its last step, as a real run would (past ``rollout.max_failed_fraction``);
+    "" if it ran them all."""
 
 
 class _Rank:
@@ -133,6 +139,7 @@ class Twin:
         self.replicas: list[TwinReplica] = []
         self.router: Router | None = None
         self.sessions: list[dict[tuple[int, int], tuple[int, int]]] = []
+        self.stopped = ""
 
     def run(self) -> TwinRun:
         t = time.perf_counter()
@@ -150,7 +157,7 @@ class Twin:
                     self.router.close()
                     self.loop.close()
         return TwinRun(steps, self.sessions, {r.replica_id: {"group": r.group, **_stats(r)} for r in self.replicas},
-                       dict(self.router.events()), self.loop.now, time.perf_counter() - t)
+                       dict(self.router.events()), self.loop.now, time.perf_counter() - t, self.stopped)
 
     async def _main(self, cfg: Config) -> list[dict[str, Any]]:
         assert self.router is not None
@@ -173,16 +180,22 @@ class Twin:
                 await ranks[0].client.step_begin(cfg.job, step, cfg.sessions_per_step)
                 t0, active0 = clock.wall(), self._active()
                 landed: list[Landed] = list(await asyncio.gather(*(r.closer.collect(step) for r in ranks)))
-                reports.append(self._report(cfg, step, t0, landed))
-                wall = reports[-1]["wall_s"]
-                reports[-1]["fleet_busy_share"] = ((self._active() - active0) / (len(self.replicas) * wall)
-                                                   if wall > 0 else None)
+                report, cols = self._report(cfg, step, t0, landed)
+                wall = report["wall_s"]
+                report["fleet_busy_share"] = ((self._active() - active0) / (len(self.replicas) * wall)
+                                              if wall > 0 else None)
+                reports.append(report)
+                try:  # as every rank of a real run does after writing the step
+                    check_failure_budget(step, cols, cfg.rollout.max_failed_fraction)
+                except FailureBudgetExceeded as exc:
+                    self.stopped = str(exc)
+                    break
         finally:
             for rank in ranks:
                 await rank.closer.aclose()
         return reports
 
-    def _report(self, cfg: Config, step: int, t0: float, landed: list[Landed]) -> dict[str, Any]:
+    def _report(self, cfg: Config, step: int, t0: float, landed: list[Landed]) -> tuple[dict[str, Any], Columns]:
         assert self.router is not None
         groups = sorted(cfg.groups)
         wall = clock.wall() - t0
@@ -199,7 +212,7 @@ class Twin:
                 if st is not None and st.step == step and st.flipped_at is not None else None)
         report = step_report(step, wall, t0, cols, requests, groups, cfg, flip, self.router.status().groups)
         report.update(closing_report(closing, cfg.rollout.close))
-        return report
+        return report, cols
 
     def _active(self) -> float:
         """Seconds in which the replicas' engines had work, summed, so far."""

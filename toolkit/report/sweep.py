@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -67,11 +68,12 @@ def run_row(run: Path) -> dict[str, Any]:
     return row
 
 
-def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    """Rows of every run under ``sweep_dir`` (a directory with a ``.hydra`` folder), in job order;
+def collect(sweep_dir: Path, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of every run under ``sweep_dir`` (a directory with a ``.hydra`` folder; ``only``: those of these
+    names, the sweep's own jobs, not what an earlier sweep left in a reused directory), in job order;
     the overrides column keeps only what differs between runs (the swept values), and ``swept`` holds
     them as ``{key: value}``."""
-    runs = sorted((p.parent for p in sweep_dir.glob("*/.hydra")),
+    runs = sorted((p.parent for p in sweep_dir.glob("*/.hydra") if only is None or p.parent.name in only),
                   key=lambda p: (0, int(p.name)) if p.name.isdigit() else (1, p.name))
     rows = [run_row(r) for r in runs]
     common = set.intersection(*(set(r["overrides"]) for r in rows)) if rows else set()
@@ -177,12 +179,28 @@ def sweep_exit(rows: list[dict[str, Any]]) -> int:
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 
-class SweepSummary(Callback):
+class SweepJobs(Callback):
+    """Hydra callback that knows its sweep's jobs: the names of their directories as each ends (a launcher
+    that runs them in other processes reports none here: then every run in the sweep directory counts)."""
+
+    def __init__(self) -> None:
+        self.jobs: set[str] = set()
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        out = OmegaConf.select(job_return.hydra_cfg or {}, "hydra.runtime.output_dir")
+        if out:
+            self.jobs.add(Path(str(out)).name)
+
+    def rows(self, sweep_dir: Path) -> list[dict[str, Any]]:
+        return collect(sweep_dir, self.jobs or None)
+
+
+class SweepSummary(SweepJobs):
     """Hydra callback: after a multirun, summarise its runs (CSV + console)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        rows = collect(sweep_dir)
+        rows = self.rows(sweep_dir)
         if not rows:
             logger.warning("no runs found under %s; no sweep summary", sweep_dir)
             return
