@@ -222,3 +222,136 @@ def test_the_workers_of_a_tensor_parallel_replica_take_consecutive_ranks(tmp_pat
         a.close()
         b.close()
         rt.close()
+
+
+def _drain_asks(client, asks: list[P.Message]) -> None:  # type: ignore[no-untyped-def]
+    while not quiet(client, 0.5):
+        asks.append(recv(client))
+
+
+def test_a_stream_is_answered_once_every_replica_of_its_plan_answered_not_at_its_first_failure(tmp_path: Path) -> None:
+    """b fails at once while a is still applying: the trainer hears nothing until a answers; then that a
+    applied it and b did not. a serves the version; b leaves dispatch for a dense copy of it."""
+    with router(tmp_path, "gloo", "gloo") as (rt, (a, b), client):
+        announce(client, 1)
+        part(a), part(b)
+        b.send(P.WeightsUpdated(1, b.replica_id, error="LinkBroken"))
+        assert quiet(client, 0.5)  # a has not answered
+        a.send(P.WeightsUpdated(1, a.replica_id))
+        asks: list[P.Message] = []
+        done = until(client, P.WeightsUpdated, asks)  # type: ignore[arg-type]
+        assert done.replicas == 1 and b.replica_id in done.error
+        _drain_asks(client, asks)
+        assert {(w.version, w.replica_id) for w in asks} == {(1, b.replica_id)}  # b's copy; never a's
+        wait_for(lambda: ready(rt) == 1, what="b out of dispatch")
+        assert _status(rt).weights_version == 1
+
+
+def test_a_resent_version_leaves_the_replicas_that_hold_it_off_its_chain(tmp_path: Path) -> None:
+    """A replica holding the version would not join a chain for it again: the others would wait for it
+    for the link's timeout. It counts as applied; a resend everyone holds is answered at once."""
+    with router(tmp_path, "gloo", "gloo") as (_, (a, b), client):
+        announce(client, 1)
+        part(a), part(b)
+        a.send(P.WeightsUpdated(1, a.replica_id))
+        b.send(P.WeightsUpdated(1, b.replica_id, error="LinkBroken"))
+        assert until(client, P.WeightsUpdated).replicas == 1
+        plan = announce(client, 1)  # the trainer sends version 1 again, dense
+        assert plan.replicas == [b.replica_id] and plan.world == 2
+        assert part(b).rank == 1 and quiet(a.sock, 0.3)
+        b.send(P.WeightsUpdated(1, b.replica_id))
+        assert until(client, P.WeightsUpdated).replicas == 2
+        plan = announce(client, 1)
+        assert plan.replicas == [] and plan.world == 1
+        assert until(client, P.WeightsUpdated).replicas == 2
+        refused = announce(client, 1, target=a.replica_id)  # nor a dense copy to one that holds it
+        assert "holds version 1 already" in refused.error
+
+
+def test_a_failed_stream_leaves_nothing_loading_nothing_recorded_and_version_0_is_refused(tmp_path: Path) -> None:
+    """No replica applied version 1: the run has no streamed weights (weights.json says so, for a restarted
+    router), the replica serves on and is not 'loading' (its stall clock runs)."""
+    from toolkit.router.weights import WeightSync
+
+    with router(tmp_path, "gloo") as (rt, (a,), client):
+        assert "start at 1" in announce(client, 0).error
+        announce(client, 1)
+        part(a)
+        a.send(P.WeightsUpdated(1, a.replica_id, error="LinkBroken"))
+        done = until(client, P.WeightsUpdated)
+        assert done.replicas == 0 and "LinkBroken" in done.error
+        st = _status(rt)
+        assert st.loading == [] and st.weights_version == -1 and ready(rt) == 1
+        files = rt.router.run_dir.router_weights
+        wait_for(lambda: files.read_text() == "{}", what="weights.json rolled back")
+        restarted = WeightSync(rt.router.run_dir, rt.router.files, rt.router.pool, lambda *a: None, lambda *a: None)
+        assert restarted.latest is None and restarted.landed == -1
+
+        # A version applied later, then one whose every replica fails: back to it, nothing loading.
+        announce(client, 2)
+        part(a)
+        a.send(P.WeightsUpdated(2, a.replica_id))
+        assert until(client, P.WeightsUpdated).replicas == 1
+        announce(client, 3, base=2)
+        part(a)
+        a.send(P.WeightsUpdated(3, a.replica_id, error="WrongBase"))
+        assert until(client, P.WeightsUpdated).replicas == 0
+        st = _status(rt)
+        assert st.loading == [] and st.weights_version == 2 and ready(rt) == 1
+
+
+def test_a_plan_whose_replicas_all_left_is_a_failure_and_a_dense_copy_lands_the_version(tmp_path: Path) -> None:
+    """The only replica restarts mid-update (it registers again): the trainer is told it failed (not
+    'applied by 0', which would commit it as the base of the next delta). A version no replica was there
+    for lands once a late one gets its dense copy: a run waiting for it (max_staleness) goes on."""
+    with router(tmp_path, "gloo") as (rt, (a,), client):
+        announce(client, 1)
+        part(a)
+        a.send(a.register)
+        done = until(client, P.WeightsUpdated)
+        assert done.replicas == 0 and "left before applying it" in done.error and a.replica_id in done.error
+
+    with router(tmp_path / "late") as (rt, _, client):
+        announce(client, 1)
+        assert until(client, P.WeightsUpdated).replicas == 0  # no replica yet: answered at once
+        late = FakeReplica(rt, "throughput-0", streams="gloo")
+        try:
+            assert until(client, P.StreamWanted).replica_id == late.replica_id
+            late.become_ready()
+            announce(client, 1, target=late.replica_id)
+            part(late)
+            late.send(P.WeightsUpdated(1, late.replica_id))
+            wait_for(lambda: _status(rt).weights_version == 1, what="version 1 landed by the dense copy")
+        finally:
+            late.close()
+
+
+def test_a_restarted_router_takes_out_of_dispatch_a_replica_behind_the_one_holding_the_runs_version(tmp_path: Path) -> None:
+    import json
+
+    from toolkit.config import compose_config
+    from toolkit.core.rundir import RunDir
+    from toolkit.launch.validation import validate
+
+    cfg = compose_config(["groups=single", "groups.throughput.replicas=2", "router.heartbeat_s=5",
+                          "router.probe_timeout_s=0.5"])
+    validate(cfg)
+    rd = RunDir(tmp_path / "run")
+    rd.make()
+    rd.router_weights.write_text(json.dumps({"path": "", "version": 2, "serial": 2}))
+    rt = RouterThread(cfg, tmp_path / "run")
+    behind = ahead = None
+    try:
+        assert _status(rt).weights_version == -1  # a streamed version counts once a replica holds it
+        behind = FakeReplica(rt, "throughput-0", streams="gloo")
+        behind.send(P.Register(behind.replica_id, "throughput", streams="gloo", weights=P.UpdateWeights("", 1, 1)))
+        behind.become_ready()
+        ahead = FakeReplica(rt, "throughput-1", streams="gloo")
+        ahead.send(P.Register(ahead.replica_id, "throughput", streams="gloo", weights=P.UpdateWeights("", 2, 2)))
+        ahead.become_ready()
+        wait_for(lambda: ready(rt) == 1 and _status(rt).weights_version == 2, what="only the replica on version 2")
+    finally:
+        for r in (behind, ahead):
+            if r is not None:
+                r.close()
+        rt.close()

@@ -229,3 +229,22 @@ def test_a_staged_stream_given_up_at_the_gate_is_discarded(tmp_path: Path) -> No
         srv.ctx.term()
 
     asyncio.run(main())
+
+
+def test_a_stream_of_another_version_while_one_loads_is_refused_not_staged_beside_it(tmp_path: Path) -> None:
+    """Two stages at once would end each other's transfer session in vLLM: the second is answered with an
+    error at once; the first goes on and lands."""
+    async def main() -> None:
+        eng = StreamingEngine()
+        srv, sent = replica_with(eng, tmp_path, "pause")
+        srv.weights.stream(P.StreamWeights(5, b"", "127.0.0.1", 1))
+        srv.weights.stream(P.StreamWeights(6, b"", "127.0.0.1", 2))
+        await until(lambda: of(sent, P.WeightsUpdated), "the refusal")
+        [busy] = of(sent, P.WeightsUpdated)
+        assert busy.version == 6 and "still loading weights version 5" in busy.error
+        eng.staged.set()
+        await until(lambda: len(of(sent, P.WeightsUpdated)) == 2, "version 5's answer")
+        assert of(sent, P.WeightsUpdated)[1] == P.WeightsUpdated(5, srv.replica_id) and eng.loads == [("stream", 5, 0)]
+        srv.ctx.term()
+
+    asyncio.run(main())

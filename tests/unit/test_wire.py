@@ -118,3 +118,44 @@ def test_without_torch_a_stream_fails_saying_what_it_needs(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "torch", None)  # (how an import of a package that is not installed fails)
     with pytest.raises(ToolkitError, match="streamed weights need torch.*weights_transport=checkpoint"):
         require_torch()
+
+
+def test_a_tensor_too_large_for_a_deltas_indices_goes_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Indices are int32: past 2**31 elements they would wrap (refused or, past 2**32, wrong places)."""
+    from toolkit.weights import wire
+
+    monkeypatch.setattr(wire, "MAX_DELTA_NUMEL", 64 * 32 - 1)  # embed.weight is 2,048 elements
+    m = model(np.random.default_rng(1))
+    enc = Encoder(bucket_bytes=4096)
+    enc.encode(1, named(m), delta=True)
+    enc.commit()
+    m["embed.weight"].reshape(-1)[:3] ^= 1
+    kinds = {t.name: t.encoding for t in enc.encode(2, named(m), delta=True).manifest.tensors}
+    assert kinds["embed.weight"] == Encoding.DENSE and kinds["norm.weight"] == Encoding.DELTA
+
+
+def test_a_dense_update_that_leaves_tensors_out_loads_them_as_held_and_nothing_staged_rolls_back() -> None:
+    """vLLM's layerwise reload loads a layer's every parameter: one the update does not name keeps its
+    held value instead of the memory the reload allocated. Applying with nothing staged changes nothing
+    (the previous version serves: ``rolled_back``, not a broken engine)."""
+    pytest.importorskip("torch")
+    from toolkit.engine.vllm_receiver import Receiver
+    from toolkit.weights.shards import Region, Slot
+
+    m = model(np.random.default_rng(2))
+    rx = Receiver()
+    rx.held = {k: Slot(Region.whole(v.size), v.shape, d, whole=v.reshape(-1).copy()) for k, v, d in named(m)}
+    rx.version = 1
+    loaded: list[str] = []
+    rx._load = lambda model, config, tensors: loaded.extend(name for name, _ in tensors)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="nothing staged"):
+        rx.apply(None, None)
+    assert rx.status["state"] == "rolled_back" and rx.version == 1
+    enc = Encoder(bucket_bytes=1 << 20)
+    part = [x for x in named(m) if x[0] == "norm.weight"]
+    up = enc.encode(2, part, delta=False)
+    from toolkit.weights.wire import split
+
+    rx._staged = (up.manifest, split(up.manifest, payload(up), held=1, sizes={}))
+    rx.apply(None, None)
+    assert loaded == ["norm.weight", "embed.weight", "layers.0.mlp.weight"] and rx.version == 2

@@ -52,6 +52,9 @@ class RouterConfig:
     take there, plus the new one's expected KV, stays under this fraction of the replica's KV cache (as
     its engine reports it); new sessions beyond every replica's budget wait in the router's queue, fair
     between jobs, instead of evicting each other's prefixes. 1.0 admits up to the whole cache."""
+    kv_idle_s: float = bounded(60.0, gt=0)
+    """A session admitted under ``kv_budget`` that sends no request for this long (a client that never
+    says ``SessionDone``) gives its reservation back; raise it for agents whose tool calls take longer."""
     affinity: Affinity = Affinity.spill
     """``consistent_hash``: a request whose session's replica has no free slot ``spill``s to the next
     one with room, computing its context there again, or ``wait``s in the queue for a slot on its own
@@ -291,6 +294,9 @@ class WeightsConfig:
     timeout_s: float = bounded(300.0, gt=0)
     """How long a peer of the chain may stall mid-update before the update fails (every replica keeps
     its previous version)."""
+    apply_timeout_s: float = bounded(1800.0, gt=0)
+    """How long the trainer waits, once the payload is through, for every replica to apply it
+    (``rollout.update_mode=drain`` first lets the running requests end); past it ``send`` raises."""
     host: str | None = None
     """The address the trainer's rendezvous listens on, reachable from every replica; null = the
     router's host if that is a loopback address, else this node's hostname."""

@@ -98,7 +98,11 @@ class ReplicaWeights:
     def stream(self, msg: P.StreamWeights) -> None:
         if self.held is not None and not self.held.path and self.held.version == msg.version:
             self._again(P.UpdateWeights("", msg.version, msg.serial))
-        elif self.loading != ("", msg.version):
+        elif self.loading is not None and self.loading != ("", msg.version):
+            # One load at a time: a second stage would end the first one's transfer session in the engine.
+            busy = f"RuntimeError: still loading weights version {self.loading[1]}"
+            self.spawn(self.send(P.WeightsUpdated(msg.version, self.replica_id, error=busy)), f"busy-{msg.version}")
+        elif self.loading is None:
             self.loading = ("", msg.version)
             self.spawn(self._load_stream(msg), f"stream-{msg.version}")
 

@@ -259,8 +259,10 @@ class Receiver:
         the old values go back and the held weights are loaded again."""
         with self._lock:
             staged = self._staged
-        if staged is None:
-            raise RuntimeError(f"nothing staged to apply (status: {self.status})")
+        if staged is None:  # nothing changed: the previous version serves, as after a rollback
+            error = f"nothing staged to apply (status: {self.status})"
+            self.status = {"state": "rolled_back", "error": error, "version": self.version}
+            raise RuntimeError(error)
         manifest, parts = staged
         saved: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -269,6 +271,12 @@ class Receiver:
                 dense = parts.dense.get(t.name)
                 yield t.name, (self._staged_tensor(t.name, dense, t.dtype) if dense is not None
                                else slot_tensor(self.held[t.name]))
+            # A dense update that leaves tensors out keeps their values: a reload of a layer loads each
+            # of its parameters, and one not given would serve the memory it was allocated with.
+            named = {t.name for t in manifest.tensors}
+            for name, slot in self.held.items():
+                if name not in named:
+                    yield name, slot_tensor(slot)
 
         try:
             for name, (idx, values) in parts.deltas.items():

@@ -33,7 +33,7 @@ class Ack(NamedTuple):
 class ReplicaWeights:
     """What one registered replica did with the run's weights."""
 
-    __slots__ = ("ack", "loaded", "load_error", "awaiting", "streaming")
+    __slots__ = ("ack", "loaded", "load_error", "awaiting", "streaming", "streaming_until")
 
     def __init__(self) -> None:
         self.ack: Ack | None = None
@@ -47,6 +47,10 @@ class ReplicaWeights:
         """Its probe passed before it held the run's weights: it serves once it acknowledges them."""
         self.streaming: int | None = None
         """The streamed version it was sent and has not answered yet."""
+        self.streaming_until = 0.0
+        """When an unanswered stream counts as lost (``clock.monotonic``): its link's timeout past the
+        payload's, and as long again for the apply. Asked again before that, the replica, still taking
+        it, would be put on a chain it cannot join, stalling every other peer for the link's timeout."""
 
 
 class WeightSync:
@@ -77,8 +81,10 @@ class WeightSync:
         service before its failed acknowledgement arrives: that failure is still the answer's)."""
         self.source: bytes | None = None
         """The client that streamed the run's weights: it sends a replica that lacks them a dense copy."""
-        self.landed = self.latest.version if self.latest is not None else -1
-        """The latest version whose update every replica it went to has answered (``Status``)."""
+        self.landed = self.latest.version if self.latest is not None and self.latest.path else -1
+        """The latest version whose update every replica it went to has answered, or that a replica
+        applied since (a dense copy to one that missed it), or, after a restart, that a replica
+        registered holding (streamed weights: ``weights.json`` may name one no replica applied) (``Status``)."""
         self._replicas: dict[Replica, ReplicaWeights] = {}
 
     def _of(self, r: Replica) -> ReplicaWeights:
@@ -116,6 +122,10 @@ class WeightSync:
         """A trainer streams ``msg.version``: plan the chain, answer the trainer with it, forward each
         replica its part. A delta goes to the replicas that hold its base (none: the trainer is told to
         send it dense); the others are out of dispatch until they get the version dense."""
+        if msg.version < 1:
+            self.send_to_client(client, P.StreamPlan(msg.version, error=(
+                f"weights version {msg.version}: streamed versions start at 1 (0 is the model's own weights)")))
+            return
         if msg.target:
             self._catch_up(client, msg)
             return
@@ -131,8 +141,10 @@ class WeightSync:
             self.send_to_client(client, P.StreamPlan(msg.version, busy=True, error=(
                 f"every replica ({', '.join(r.replica_id for r in everyone)}) is taking another update")))
             return
-        chosen = free if msg.base < 0 else [r for r in free if self._of(r).loaded == msg.base]
-        if everyone and not chosen:
+        held = [r for r in free if self._of(r).loaded == msg.version]  # a resend: they answered it already
+        takers = [r for r in free if r not in held]
+        chosen = takers if msg.base < 0 else [r for r in takers if self._of(r).loaded == msg.base]
+        if everyone and not chosen and not held:
             self.send_to_client(client, P.StreamPlan(msg.version, dense=True))
             return
         self.source = client
@@ -143,7 +155,7 @@ class WeightSync:
         plan = self._send_chain(msg, chosen, serial)
         logger.info("streamed weights version %d (%s): %d replica(s) on the chain, %d left for a dense copy",
                     msg.version, "delta" if msg.base >= 0 else "dense", len(chosen), len(everyone) - len(chosen))
-        self.members[msg.version] = chosen
+        self.members[msg.version] = [*chosen, *held]
         self.send_to_client(client, plan)
         self.waiting_clients.setdefault(("", msg.version), set()).add(client)
         self.answer_clients()  # no replica at all: answered at once (replicas=0)
@@ -157,9 +169,12 @@ class WeightSync:
             first[r], prev[r] = at, first[chain[k - 1]] if k else 0
             at += r.stream_ranks
         world = at
+        until = clock.monotonic() + 2 * msg.timeout_s
         for r in replicas:
             rank = first.get(r, 0)
-            self._of(r).streaming = msg.version
+            w = self._of(r)
+            w.streaming, w.streaming_until = msg.version, until
+            w.ack = None  # what it answered an earlier send of this version is not this one's answer
             self.send_to_replica(r.identity, P.StreamWeights(
                 msg.version, msg.manifest, msg.master, msg.port, msg.base, msg.timeout_s, target, rank, world, serial,
                 prev.get(r, 0)))
@@ -169,10 +184,15 @@ class WeightSync:
     def _catch_up(self, client: bytes, msg: P.StreamWeights) -> None:
         """The trainer's dense copy of the run's weights for the one replica that asked for it."""
         r = self.pool.get(msg.target)
-        if r is None or r.draining or self._of(r).streaming is not None:
-            why = "it is gone" if r is None else "it is draining" if r.draining else "it is taking an update"
+        run = self.latest.version if self.latest is not None and not self.latest.path else None
+        why = ("it is gone" if r is None else "it is draining" if r.draining
+               else "it is taking an update" if self._of(r).streaming is not None
+               else f"it holds version {msg.version} already" if self._of(r).loaded == msg.version
+               else f"the run's weights are version {run}" if msg.version != run else "")
+        if why:
             self.send_to_client(client, P.StreamPlan(msg.version, target=msg.target, error=f"{msg.target}: {why}"))
             return
+        assert r is not None
         logger.info("replica %s gets streamed weights version %d (dense)", r.replica_id, msg.version)
         serial = self.latest.serial if self.latest is not None else 0
         self.send_to_client(client, self._send_chain(msg, [r], serial, msg.target))
@@ -204,13 +224,23 @@ class WeightSync:
         serving = [r for r in self.pool.all() if r.serving]
         for key in list(self.waiting_clients):
             version = key[1]
-            asked = [r for r in self.members.get(version, []) if r in self._replicas and not r.draining]
+            plan = self.members.get(version, [])
+            asked = [r for r in plan if r in self._replicas and not r.draining]
             ready = [*serving, *(r for r in asked if r not in serving)] if key[0] else asked
             acks = [self._of(r).ack for r in ready]
             errors = [f"{r.replica_id}: {a.error}" for r, a in zip(ready, acks, strict=True)
                       if a is not None and a.version == version and a.error]
             done = sum(1 for a in acks if a is not None and a.version == version and not a.error)
-            if not errors and done < len(ready):
+            if key[0] == "":
+                # A stream: every replica of the plan answers first. Answered at its first failure, the
+                # trainer would be told none applied it while others still were (and the run's weights
+                # rolled back under them).
+                if done + len(errors) < len(ready):
+                    continue
+                if plan and not ready:
+                    errors.append("every replica of its plan left before applying it ("
+                                  + ", ".join(r.replica_id for r in plan) + ")")
+            elif not errors and done < len(ready):
                 continue
             if write_error is not None:
                 errors.append(f"the router could not record the weights in {recorded} (a restarted router "
@@ -221,18 +251,25 @@ class WeightSync:
             self.members.pop(version, None)
             if done:
                 self.landed = max(self.landed, version) if key[0] == "" else version
-            elif key[0] == "" and ready and self.latest is not None and self.latest.version == version:
-                # No replica applied it (a trainer that died mid-update): the run's weights are still
-                # the ones they hold, which a replica that registers now must get.
-                self.latest = self.required
-                if self.required is not None:
-                    self._record(self.required)
+            elif key[0] == "" and plan and self.latest is not None and self.latest.version == version:
+                self._roll_back(plan)
 
-    def _record(self, msg: P.UpdateWeights) -> None:
-        """Kept for a restarted router. Written off the loop, so the replicas get the update at once;
-        the client is answered only once the file is on disk (a router restarted after the answer must
-        not hand out older weights)."""
-        self.files.write(self.run_dir.router_weights,
+    def _roll_back(self, plan: list[Replica]) -> None:
+        """No replica applied the streamed version (a trainer that died mid-update, a broken link): the
+        run's weights are still the ones they hold, which a replica that registers now must get, and a
+        restarted router must not hand out the version none has (``weights.json`` goes back too)."""
+        self.latest = self.required
+        self._record(self.required)
+        for r in plan:  # what each answered was the failure: it holds, and is done with, what it had
+            w = self._replicas.get(r)
+            if w is not None and w.loaded is not None and self.latest is not None and w.loaded == self.latest.version:
+                w.ack = Ack(w.loaded, "")
+
+    def _record(self, msg: P.UpdateWeights | None) -> None:
+        """Kept for a restarted router (None: no weights but the model's own). Written off the loop, so the
+        replicas get the update at once; the client is answered only once the file is on disk (a router
+        restarted after the answer must not hand out older weights)."""
+        self.files.write(self.run_dir.router_weights, "{}" if msg is None else
                          json.dumps({"path": msg.path, "version": msg.version, "serial": msg.serial}))
 
     def _recorded(self) -> P.UpdateWeights | None:
@@ -266,8 +303,11 @@ class WeightSync:
                 for other in self.pool.all():
                     if other is not r and not other.draining and self.is_loading(other):
                         self.push(other)
+            if not held.path:  # a restarted router's streamed version: what a replica holds, not the file
+                self.landed = max(self.landed, held.version)
             if self.latest is not None and (self.latest.path, self.latest.version) == (held.path, held.version):
                 self.required = self.latest
+                self._left_behind()  # replicas that registered before it, holding an older version
         if self.is_loading(r):
             self.push(r)
 
@@ -327,6 +367,8 @@ class WeightSync:
             w.loaded = msg.version
             if self.latest is not None and msg.version == self.latest.version:
                 self.required = self.latest
+                if not self.latest.path and ("", msg.version) not in self.waiting_clients:
+                    self.landed = max(self.landed, msg.version)  # a dense copy to a replica that missed it
         w.ack = Ack(msg.version, msg.error)
         r.restart_stall_clock(clock.monotonic())  # a load pauses generation: the stall clock starts after it
         w.load_error = msg.error if not r.ready else ""
@@ -344,6 +386,8 @@ class WeightSync:
         w = self._replicas.get(r)
         if w is None or not (w.awaiting and self.required is not None and (w.load_error or not self.required.path)):
             return False
+        if not self.required.path and w.streaming is not None and clock.monotonic() < w.streaming_until:
+            return False  # still taking a dense copy
         logger.warning("replica %s stays out of service: it could not load weights version %d (%s); asking "
                        "again", r.replica_id, self.required.version, w.load_error)
         if self.required.path:

@@ -89,6 +89,7 @@ class Streamer:
         w = cfg.weights
         self.delta = w.delta == DeltaMode.auto if delta is None else delta
         self.timeout_s = timeout_s or w.timeout_s
+        self.apply_timeout_s = w.apply_timeout_s
         self.host = _host(self.run_dir, host or w.host)
         self.encoder = Encoder(int((bucket_mb or w.bucket_mb) * 2**20))
         self._lock = threading.Lock()  # the encoder's committed state: the trainer's thread and catch-ups
@@ -121,6 +122,8 @@ class Streamer:
         replica of the plan applied it. Raises StreamFailed (naming the replicas and the version) if
         any could not; the replicas that failed serve on their previous version meanwhile, out of
         dispatch until they hold this one. ``delta`` overrides ``weights.delta`` for this update."""
+        if version < 1:
+            raise ValueError(f"weights version {version}: streamed versions start at 1 (0 is the model's own weights)")
         t0 = time.monotonic()
         named = ((name, *as_bits(t)) for name, t in named_tensors)
         with self._committed:  # a dense copy being sent reads the committed state, never the spare one
@@ -179,10 +182,10 @@ class Streamer:
                         raise StreamFailed(f"weights version {m.version} to {target}: {broken}")
                     return P.WeightsUpdated(m.version, replicas=1)
                 try:
-                    ack: P.WeightsUpdated = self._run(asyncio.wait_for(answer, self.timeout_s + 60.0))
+                    ack: P.WeightsUpdated = self._run(asyncio.wait_for(answer, self.apply_timeout_s))
                 except TimeoutError:
                     raise StreamFailed(f"weights version {m.version}: the router did not answer within "
-                                       f"{self.timeout_s + 60:g}s after the payload (replicas: "
+                                       f"weights.apply_timeout_s = {self.apply_timeout_s:g}s after the payload (replicas: "
                                        f"{', '.join(plan.replicas)}){'; ' + broken if broken else ''}") from None
                 if ack.error or broken:
                     raise StreamFailed(f"weights version {m.version} (replicas {', '.join(plan.replicas)}): "

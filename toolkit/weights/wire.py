@@ -28,6 +28,8 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, 
 """The element widths of the dtypes an update may carry (torch's names)."""
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 INDEX = np.dtype(np.int32)
+MAX_DELTA_NUMEL = int(np.iinfo(INDEX).max) + 1
+"""A tensor of more elements goes dense: its delta's indices would not fit ``INDEX``."""
 
 
 class WrongBase(ToolkitError):
@@ -150,7 +152,8 @@ class Encoder:
             np.copyto(new, src)  # its own: a trainer's step changes tensors in place
             old = self.state.get(name) if base >= 0 else None
             spec = TensorSpec(name, dtype, tuple(int(d) for d in array.shape))
-            if old is not None and self.specs[name].shape == spec.shape and self.specs[name].dtype == dtype:
+            if (old is not None and self.specs[name].shape == spec.shape and self.specs[name].dtype == dtype
+                    and new.size <= MAX_DELTA_NUMEL):
                 idx = self._changed(old, new)
                 if idx.size * (INDEX.itemsize + new.itemsize) < new.nbytes:
                     spec = TensorSpec(name, dtype, spec.shape, Encoding.DELTA, int(idx.size))
