@@ -93,3 +93,27 @@ def test_vllm_kv_events_name_the_blocks_the_router_hashes(models: dict[str, Path
         assert where is not None and not where.exists()  # the events' ipc directory went with the engine
 
     asyncio.run(main())
+
+
+def test_a_sliding_window_groups_removal_leaves_the_full_attention_block_held() -> None:
+    """vLLM hybrid models: every KV-cache group stores a block under the same hash, and a sliding-window
+    group evicts the front blocks early; group 0 (full attention) still holds them."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    from toolkit.engine.kv_events import KvEventLog
+    from toolkit.engine.vllm_kv import VllmKvEvents
+
+    log = KvEventLog()
+    kv = VllmKvEvents(log, "/nowhere")
+    kv._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    tokens = list(range(100, 108))
+
+    def stored(group: int) -> BlockStored:
+        return BlockStored(block_hashes=[b"h1", b"h2"], parent_block_hash=None, token_ids=tokens, block_size=4,
+                           lora_id=None, medium="GPU", lora_name=None, group_idx=group)
+
+    batch = KVEventBatch(ts=0.0, events=[stored(0), stored(1), BlockRemoved(block_hashes=[b"h1"], medium="GPU", group_idx=1)])
+    kv._apply(0, msgspec.msgpack.Encoder().encode(batch))
+    taken = log.take()
+    assert taken is not None and taken.stored == block_hashes(tokens, 4) and taken.removed == []

@@ -361,3 +361,102 @@ def test_a_twin_under_a_kv_budget_lands_every_session_and_keeps_more_of_the_cach
     plain, _ = run("router.policy=consistent_hash")
     aware, events = run("router.policy=kv_aware")
     assert aware > plain + 0.1, (plain, aware)
+
+
+def test_new_sessions_start_in_the_fair_order_under_the_budget_however_large(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Job A's new session (larger than the whole budget) waits for budget while job B keeps a backlog of
+    small ones: B's new sessions do not take what B's ended ones free; A starts once its replica has
+    fewer sessions than slots. B's admitted sessions go on meanwhile."""
+    from tests.helpers.router import answer, ready_replica, router_in_process, submit
+
+    router, _ = router_in_process(tmp_path / "run", ["groups=single", "router.policy=kv_aware", "router.heartbeat_s=5"])
+    r = ready_replica(router, "throughput-0@h:1", "throughput", slots=4, capacity=1000)  # 900 tokens of budget
+    adm = router.kv.admission
+    assert adm is not None
+    n = 0
+
+    def b_session() -> None:
+        nonlocal n
+        n += 1
+        submit(router, f"b{n}", [n % 900 + 1] * 50, session=f"B{n}", job="B", max_tokens=50)
+
+    for _ in range(8):  # 4 by slots, 4 more by budget (100 tokens each)
+        b_session()
+        router.dispatch()
+        answer(router, r, f"b{n}", [7] * 50)
+    assert adm.count[r] == 8
+    submit(router, "a1", [999] * 300, session="A1", job="A", max_tokens=2000)  # expects 2,300 > 900
+    for _ in range(3):
+        b_session()
+    started_b = []
+    for _ in range(8):  # B's admitted sessions end one by one
+        done = next(s for s in adm.sessions if s.startswith("B"))
+        router.on_frontend(b"client", *P.encode(P.SessionDone(job="B", step=-1, session_id=done)))
+        before = set(adm.sessions)
+        router.dispatch()
+        started_b += [s for s in set(adm.sessions) - before if s.startswith("B")]
+        if "A1" in adm.sessions:
+            break
+    assert "A1" in adm.sessions and adm.sessions["A1"].replica is r
+    assert started_b == []  # none of B's waiting sessions went before A's
+
+
+def test_a_first_turn_moved_to_the_tail_group_goes_at_once_taking_its_reservation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Admitted where its first turn went, a session is not new when that turn moves: it does not wait for
+    budget on the tail group, and its reservation moves with it."""
+    from tests.helpers.router import answer, ready_replica, router_in_process, submit
+
+    router, _ = router_in_process(tmp_path / "run", ["router.policy=kv_aware", "router.heartbeat_s=5"])
+    tp = ready_replica(router, "throughput-0@h:1", "throughput", slots=8, capacity=10_000)
+    tail = ready_replica(router, "tail-0@h:2", "tail", slots=1, capacity=1000)
+    adm = router.kv.admission
+    assert adm is not None
+    submit(router, "t1", [5] * 600, session="T", max_tokens=100, group="tail")  # 700 of tail's 900, idle
+    router.dispatch()
+    answer(router, tail, "t1", [6] * 100)
+    submit(router, "s1", [9] * 100, session="S", max_tokens=200)
+    router.dispatch()
+    req = router.live["s1"]
+    assert req.replica == tp.replica_id
+    router.migrations.start(req, tp, "age", "tail")
+    answer(router, tp, "s1", [1] * 50, status="cancelled")
+    router.dispatch()
+    assert req.replica == tail.replica_id and adm.sessions["S"].replica is tail and adm.refused == 0
+
+
+def test_a_snapshot_that_never_comes_is_asked_for_again() -> None:
+    from toolkit.core import clock
+
+    now = [0.0]
+    with clock.virtual(lambda: now[0], 0.0):
+        asked = Asked()
+        index = KvIndex(asked)
+        r = replica("a")
+        index.add(r)  # a snapshot asked for: lost on the way
+        index.heard(r, 3)
+        assert len(asked.who) == 1
+        now[0] = 11.0
+        index.heard(r, 3)
+        assert [why for _, why in asked.who] == ["registered", "the snapshot asked for did not come"]
+        index.snapshot(r, P.KvSnapshot(3, [5, 6]))
+        now[0] = 30.0
+        index.heard(r, 3)
+        assert len(asked.who) == 2 and index.cached_blocks(r) == 2
+
+
+def test_a_lora_turn_is_not_matched_against_the_base_models_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.helpers.router import ready_replica, router_in_process, submit
+
+    router, _ = router_in_process(tmp_path / "run", ["groups=single", "router.policy=kv_aware", "router.heartbeat_s=5"])
+    a = ready_replica(router, "throughput-0@h:1", "throughput", slots=4)
+    ready_replica(router, "throughput-1@h:2", "throughput", slots=4)
+    for r in router.pool.all():
+        router.on_backend(r.identity, *P.encode(P.KvSnapshot(seq=0, blocks=[])))
+    tokens = list(range(10, 50))
+    router.on_backend(a.identity, *P.encode(P.KvEvents(seq=1, stored=block_hashes(tokens, 4))))
+    submit(router, "base", [*tokens, 1], session="B", max_tokens=5)
+    submit(router, "lora", [*tokens, 1], session="L", max_tokens=5, lora="adapter-x")
+    router.dispatch()
+    assert router.live["base"].replica == a.replica_id
+    assert router.kv.predicted_tokens == 40 and router.kv.dispatched_tokens == 82  # the base turn's alone
+

@@ -125,6 +125,8 @@ class VllmKvEvents:
             if kind == "BlockStored":
                 self._stored(ev)
             elif kind == "BlockRemoved":
+                if getattr(ev, "group_idx", None) not in (None, 0):
+                    continue  # another KV-cache group's (a sliding window's): full attention still holds it
                 gone = [self.held.pop(h) for h in ev.block_hashes if h in self.held]
                 self.log.removed(gone)
             elif kind == "AllBlocksCleared":

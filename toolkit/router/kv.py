@@ -24,7 +24,7 @@ class KvRouting:
         self._send = send_to_replica
         self.index = KvIndex(self._resync) if kv_events_on(cfg) else None
         budget = kv_budget(cfg)
-        self.admission = KvAdmission(budget) if budget is not None else None
+        self.admission = KvAdmission(budget, cfg.router.kv_idle_s) if budget is not None else None
         self.predicted_tokens = 0
         """Prompt tokens the index said were cached on the replica each request went to."""
         self.dispatched_tokens = 0
@@ -66,9 +66,15 @@ class KvRouting:
     def sent(self, req: Request, r: Replica, now: float) -> None:
         if self.admission is not None:
             self.admission.placed(req, r, now)
+            req.new_session = False  # admitted: moved or queued again, it takes its reservation along
         if self.index is not None and r.kv_slot >= 0:
             found = req.kv_found
-            self.predicted_tokens += found[1] if found is not None and found[0] is r else self.index.prefix_on(req, r)
+            if req.msg.lora:  # an adapter's blocks are not in the index (the policy's note)
+                pass
+            elif found is not None and found[0] is r:
+                self.predicted_tokens += found[1]
+            else:
+                self.predicted_tokens += self.index.prefix_on(req, r)
             self.dispatched_tokens += len(req.msg.prompt_token_ids)
             req.kv_found = None
 

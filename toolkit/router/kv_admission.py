@@ -5,8 +5,12 @@ A session is admitted where its first turn is sent and holds its reservation unt
 the larger of its context so far and the mean final context of its job's finished sessions (before any
 finished: its prompt plus its turn's budget). Its turns move the reservation with them (a move to the
 tail group, a spill); a replica that leaves frees its sessions' (they are admitted again where their
-next turn goes, without waiting). A session with no request for :data:`IDLE_S` (a client that never
+next turn goes, without waiting). A session with no request for ``router.kv_idle_s`` (a client that never
 says ``SessionDone``) gives its reservation back. Requests without a session are never held.
+
+New sessions are admitted in the fair queue's order within a group: while one waits for budget there,
+no later job's new session takes budget in that group (the budget its sessions free builds up for it,
+and one larger than a whole budget starts once its replica has fewer sessions than slots).
 """
 
 from __future__ import annotations
@@ -16,8 +20,6 @@ from collections.abc import Iterable
 from toolkit.router.queue import Request
 from toolkit.router.replica import Replica
 
-IDLE_S = 60.0
-"""A session with no request for this long is no longer counted."""
 FINAL_WEIGHT = 0.05
 """Weight of each finished session in its job's running mean of final contexts (an EMA)."""
 
@@ -33,9 +35,14 @@ class _Held:
 
 
 class KvAdmission:
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, idle_s: float = 60.0) -> None:
         self.budget = budget
         """Fraction of a replica's KV cache its admitted sessions may take."""
+        self.idle_s = idle_s
+        """A session with no request for this long is no longer counted."""
+        self.held_back: set[object] = set()
+        """The pool keys where a new session found no budget in this dispatch pass: later jobs' new
+        sessions wait there too (cleared at each pass)."""
         self.sessions: dict[str, _Held] = {}
         self.used: dict[Replica, int] = {}
         """Tokens reserved per replica."""
@@ -143,6 +150,6 @@ class KvAdmission:
         self.count.pop(r, None)
 
     def expire(self, now: float, live: set[str]) -> None:
-        """Sessions idle for :data:`IDLE_S` with no request in ``live`` (the sessions with one) go."""
-        for sid in [s for s, h in self.sessions.items() if now - h.active_at > IDLE_S and s not in live]:
+        """Sessions idle for ``idle_s`` with no request in ``live`` (the sessions with one) go."""
+        for sid in [s for s, h in self.sessions.items() if now - h.active_at > self.idle_s and s not in live]:
             self._release(self.sessions.pop(sid))

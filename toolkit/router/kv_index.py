@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from toolkit.core import clock
 from toolkit.core import protocol as P
 from toolkit.core.blocks import Chains, block_hashes
 from toolkit.router.queue import Request
@@ -25,6 +26,10 @@ CHAINS_KEPT = 65536
 """Sessions whose last prompt's block hashes are kept, so a next turn hashes only its new tokens."""
 
 
+RESYNC_AGAIN_S = 10.0
+"""A replica whose snapshot has not come this long after it was asked (a message lost to a reconnect, an
+undecodable answer dropped) is asked again at its next heartbeat."""
+
 class KvIndex:
     def __init__(self, resync: Callable[[Replica, str], None]) -> None:
         """``resync``: asks a replica for a snapshot of its blocks (sends it ``KvResync``)."""
@@ -37,6 +42,8 @@ class KvIndex:
         self._free: list[int] = []
         self._seq: dict[Replica, int | None] = {}
         """Per replica: the last batch applied (None: waiting for a snapshot)."""
+        self._asked_at: dict[Replica, float] = {}
+        """Per replica waiting for a snapshot: when it was asked (``clock.monotonic``)."""
         self.block_sizes: dict[int, int] = {}
         """Block size -> replicas indexed with it."""
         self._chains = Chains(CHAINS_KEPT)
@@ -86,6 +93,7 @@ class KvIndex:
             del self.block_sizes[r.kv_block_size]
         self._sized()
         self._seq.pop(r, None)
+        self._asked_at.pop(r, None)
         r.kv_slot = -1
 
     def _clear(self, r: Replica) -> None:
@@ -102,6 +110,7 @@ class KvIndex:
 
     def _ask(self, r: Replica, why: str) -> None:
         self._seq[r] = None
+        self._asked_at[r] = clock.monotonic()
         self.resyncs += 1
         self._resync(r, why)
 
@@ -131,6 +140,12 @@ class KvIndex:
         """``r`` says its last batch is ``seq`` (a heartbeat, sent after it): one not applied by now was
         lost, found out here rather than by the next batch (which an idle replica may never send)."""
         last = self._seq.get(r)
+        if r.kv_slot >= 0 and last is None and r in self._seq:
+            if clock.monotonic() - self._asked_at.get(r, 0.0) > RESYNC_AGAIN_S:  # the ask or its answer was lost
+                logger.warning("replica %s: no KV snapshot %.0fs after asking; asking again", r.replica_id,
+                               RESYNC_AGAIN_S)
+                self._ask(r, "the snapshot asked for did not come")
+            return
         if r.kv_slot >= 0 and last is not None and seq > last:
             logger.warning("replica %s: KV events batch %d missing (last applied %d); asking for a snapshot",
                            r.replica_id, seq, last)
@@ -143,6 +158,7 @@ class KvIndex:
         self._clear(r)
         self._store(r, msg.blocks)
         self._seq[r] = msg.seq
+        self._asked_at.pop(r, None)
 
     def _store(self, r: Replica, hashes: Iterable[int]) -> None:
         # Block by block, no set built: a batch holds a block or two (a turn's new ones), and building

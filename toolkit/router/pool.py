@@ -254,9 +254,16 @@ class ReplicaPool:
             return None
         r = gp.policy.choose(session, gp.capacity - gp.spare_slots, gp.with_room, req)
         adm = self.admission
-        if r is None or adm is None or req is None or not req.new_session or adm.fits(r, req):
+        if r is None or adm is None or req is None or not req.new_session:
             return r
-        return adm.best(gp.with_room, req)
+        if key in adm.held_back:  # an earlier job's new session waits for budget here: it starts first
+            return None
+        if adm.fits(r, req):
+            return r
+        best = adm.best(gp.with_room, req)
+        if best is None:
+            adm.held_back.add(key)
+        return best
 
     def choose_for_suspect(self, key: PoolKey) -> Replica | None:
         """A request that was in flight at a death goes where no other suspect runs (least loaded)."""

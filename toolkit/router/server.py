@@ -303,6 +303,8 @@ class Router:
 
     def dispatch(self) -> None:
         pool = self.pool
+        if pool.admission is not None:
+            pool.admission.held_back.clear()  # each pass gives the queue's order its turn again
         while self.queue.size and pool.spare_slots(None) > 0:
             timer = self._timer
             choose = timer if timer is not None and timer.left else self._decide
