@@ -460,3 +460,11 @@ def test_a_lora_turn_is_not_matched_against_the_base_models_blocks(tmp_path) -> 
     assert router.live["base"].replica == a.replica_id
     assert router.kv.predicted_tokens == 40 and router.kv.dispatched_tokens == 82  # the base turn's alone
 
+
+
+def test_a_turn_that_goes_on_from_its_sessions_last_prompt_is_not_a_new_session() -> None:
+    """A restarted router's resent mid-session turns (its admission empty) are not held for budget."""
+    adm = KvAdmission(0.5)
+    later = request("s1-t3", [1] * 40, session="s1")
+    later.msg.hashes_from = 8  # its client hashed only the blocks past its last prompt's
+    assert adm.is_new(request("s1-t1", [1] * 40, session="s1")) and not adm.is_new(later)

@@ -54,9 +54,12 @@ class KvAdmission:
         """Decisions that found no replica with budget for a new session (it waited)."""
 
     def is_new(self, req: Request) -> bool:
-        """``req`` starts a session not admitted anywhere."""
+        """``req`` starts a session not admitted anywhere. A turn whose client says it goes on from the
+        session's last prompt (``hashes_from``) is not new even if not admitted here: a restarted router's
+        resent turns, a session back after ``idle_s``; its context is likely cached, and it is admitted
+        where it goes without waiting."""
         sid = req.msg.session_id
-        return bool(sid) and sid not in self.sessions
+        return bool(sid) and sid not in self.sessions and not req.msg.hashes_from
 
     def expected(self, req: Request) -> int:
         mean = self.final.get(req.job)
