@@ -36,8 +36,12 @@ class ExitOnSession(CrashOnSession):
         return super().step(generated, finish_reason)
 
 
+class Abandon(BaseException):
+    """A library's own BaseException (gevent's Timeout, a test framework's Failed)."""
+
+
 class MisbehaveOnSessions(CrashOnSession):
-    """Sessions 1-4 each misbehave their own way; each must fail its own sample, and nothing else."""
+    """Sessions 1-8 each misbehave their own way; each must fail its own sample, and nothing else."""
 
     def step(self, generated: list[int], finish_reason: str) -> EnvStep:
         if self.index == 1:
@@ -48,4 +52,12 @@ class MisbehaveOnSessions(CrashOnSession):
             return EnvStep(observation=[1.5])  # a float: the router could not read the next request
         if self.index == 4:
             raise RouterUnavailable("a toolkit error the user's code let through")
+        if self.index == 5:
+            return EnvStep(reward=float("nan"), done=True)
+        if self.index == 6:
+            raise Abandon("past every except Exception")
+        if self.index == 7:
+            next(iter(()))  # StopIteration, which a future refuses
+        if self.index == 8:
+            return EnvStep(observation=b"text")  # bytes iterate as ints: not ids
         return super().step(generated, finish_reason)

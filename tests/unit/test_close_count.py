@@ -237,3 +237,36 @@ def test_ranks_split_the_count_and_the_groups_in_flight() -> None:
     cfg: Any = SimpleNamespace(sessions_per_step=10, job="job", rollout=RolloutConfig(close="count", over_sample=0.25))
     parts = [CloseOnCount(cfg, r, 3, 1, s.run, ["t"], RequestLog, 0, s.landed) for r in range(3)]
     assert [p.quota for p in parts] == [4, 3, 3] and sum(p.target for p in parts) == 13
+
+
+def test_a_group_member_without_tokens_does_not_turn_its_groups_staleness_into_steps() -> None:
+    """A member failed at its start has no weight versions: the group's staleness is its others'
+    versions, not the steps since it began (which, with a trainer a version behind the steps, would drop
+    a group within the bound)."""
+    async def go() -> None:
+        s = Sessions()
+        c = closer(s, n=2, group=2, over_sample=1.0, max_staleness=1, weights_dir="/w")
+        step0 = asyncio.create_task(c.collect(0))
+        await settle()
+        s.end(0, 0, versions=(0,))
+        s.end(0, 1, versions=(0,))
+        await step0
+        for step in (1, 2):  # two steps close on other groups while the group of sessions 2 and 3 runs on
+            nxt = asyncio.create_task(c.collect(step))
+            await settle()
+            for started, index, _ in s.running():
+                if index not in (2, 3):
+                    s.end(started, index, versions=(0,))
+            await nxt
+        step3 = asyncio.create_task(c.collect(3))
+        await settle()
+        s.end(0, 2, versions=())  # failed at its start: no tokens
+        s.end(0, 3, versions=(0,))
+        for started, index, _ in s.running():
+            s.end(started, index, versions=(0,))
+        landed = await step3
+        out = {(r["started_step"], r["index"]): r for r in rows(landed)}
+        assert out[(0, 3)]["status"] == "completed" and out[(0, 3)]["staleness"] == 0
+        await c.aclose()
+
+    run(go())

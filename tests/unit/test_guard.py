@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 
 from toolkit.rollout import guard
@@ -203,7 +204,10 @@ def test_token_ids_from_the_users_code_are_ids_or_a_clear_error() -> None:
     assert guard.token_ids(np.array([3, 0, 7], dtype=np.int64), "obs") == [3, 0, 7]
     ids = [5, 2**31 - 1, 0]
     assert guard.token_ids(ids, "obs") == ids and guard.token_ids(ids, "obs") is not ids  # its own list
-    assert guard.token_ids((4, True), "obs") == [4, 1] and guard.token_ids(iter([9]), "obs") == [9]
+    assert guard.token_ids(iter([9]), "obs") == [9]
+    for garbage in ((4, True), b"abc", "abc", {1: 2}, iter([4, False])):  # text as ids, a dict's keys, bools
+        with pytest.raises(guard.BadTokens):
+            guard.token_ids(garbage, "obs")
     for bad, says in (([1.5], "must be a list of int token ids"), (["hi"], "must be a list of int token ids"),
                       ([1, -1], "holds token id -1, outside 0..2147483647"),
                       ([2**40], f"holds token id {2**40}, outside 0..2147483647"), (None, "must be a list")):
@@ -221,3 +225,53 @@ def test_a_timeout_says_how_much_of_the_session_went_to_the_engines() -> None:
     _, error = asyncio.run(guard.guarded("environment", "s", session(), 0.2, waits=waits))
     assert error.startswith("environment timed out after workload.env_timeout_s = 0.2s (") and \
         error.endswith("s of it waiting for the engines)"), error
+
+
+def test_any_base_exception_or_stop_iteration_from_the_users_code_fails_its_session_alone() -> None:
+    """asyncio lets KeyboardInterrupt out of the event loop and a BaseException of a library's own past
+    every ``except Exception``; a future refuses StopIteration (the session would wait for its timeout)."""
+
+    class Abandon(BaseException):
+        pass
+
+    async def interrupts() -> None:
+        raise KeyboardInterrupt
+
+    async def abandons() -> None:
+        raise Abandon("gevent-style")
+
+    def exhausted() -> None:
+        next(iter(()))
+
+    async def main() -> list[tuple[object, str]]:
+        out = [await guard.guarded("environment", "s", call, 30)
+               for call in (interrupts(), abandons(), guard.user_call(exhausted), guard.user_call(lambda: 3))]
+        out.append(await guard.guarded("environment", "s", asyncio.sleep(0, "fine"), 10))
+        return out
+
+    got = asyncio.run(main())
+    assert got[0] == (None, "environment raised KeyboardInterrupt: ")
+    assert got[1] == (None, "environment raised Abandon: gevent-style")
+    assert got[2][0] is None and "StopIteration" in got[2][1] and "timed out" not in got[2][1]
+    assert got[3:] == [(3, ""), ("fine", "")]
+
+
+def test_a_reward_is_a_finite_number_and_the_budget_counts_only_sessions_that_count() -> None:
+    from toolkit.rollout.guard import FailureBudgetExceeded, check_failure_budget
+    from toolkit.session.columns import pack
+    from toolkit.session.sample import Sample
+
+    assert guard.finite_reward(1) == 1.0 and guard.finite_reward(np.float32(0.5)) == 0.5
+    for bad in (float("nan"), float("inf"), np.array([1.0]), 1 + 2j, True, "1", None):
+        with pytest.raises(guard.BadReward):
+            guard.finite_reward(bad)
+    samples = []
+    for index in range(50):  # 5 failed of the 10 that count; 40 stale rows count for nothing
+        s = Sample.start(index, f"s{index}", [1, 2])
+        if index < 5:
+            s.mark("failed", "boom")
+        elif index >= 10:
+            s.mark("stale", "dropped")
+        samples.append(s)
+    with pytest.raises(FailureBudgetExceeded, match="5 of 10 sessions failed"):
+        check_failure_budget(0, pack(samples, ["g"]), 0.1)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
+import numbers
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -20,6 +22,9 @@ from toolkit.core.errors import Terminated, ToolkitError
 from toolkit.core.tokens import ids_below
 from toolkit.session.columns import Columns, final_rows
 from toolkit.session.sample import SAMPLE_STATUSES
+
+UNCOUNTED = [SAMPLE_STATUSES.index("stale"), SAMPLE_STATUSES.index("filtered")]
+"""Row statuses written but never counted: not in a failure budget's sessions either."""
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,21 @@ class BadTokens(ValueError):
     """The user's environment returned token ids that are not ids."""
 
 
+class BadReward(ValueError):
+    """The user's environment or agent gave a reward that is not a finite number."""
+
+
+def finite_reward(value: Any) -> float:
+    """``value`` as a reward, or :class:`BadReward`: a bool, an array, a complex or a NaN would fail the
+    step's packing, spoil its group's statistics or break a GRPO filter, past any one session."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadReward(f"the reward must be a finite number, got {type(value).__name__} {value!r:.80}")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise BadReward(f"the reward must be a finite number, got {reward}")
+    return reward
+
+
 TOKEN_ID_LIMIT = 1 << 31
 """Token ids are stored as int32 (``columns.LIST_COLUMNS``)."""
 
@@ -59,10 +79,15 @@ def token_ids(values: Any, what: str) -> list[int]:
         return msgspec.convert((values,), ids_below(TOKEN_ID_LIMIT)).ids
     except msgspec.ValidationError:
         pass  # anything else (numpy ints, bools, a bad id) as below, with its message
+    if isinstance(values, str | bytes | bytearray | Mapping):  # iterable, but not ids: text, a dict's keys
+        raise BadTokens(f"{what} must be a list of int token ids, not a {type(values).__name__}")
     try:
-        ids = [operator.index(t) for t in values]
+        items = list(values)
+        ids = [operator.index(t) for t in items]
     except TypeError as exc:
         raise BadTokens(f"{what} must be a list of int token ids: {exc}") from None
+    if any(isinstance(t, bool) for t in items):
+        raise BadTokens(f"{what} must be a list of int token ids: it holds a bool")
     bad = next((t for t in ids if not 0 <= t < TOKEN_ID_LIMIT), None)
     if bad is not None:
         raise BadTokens(f"{what} holds token id {bad}, outside 0..{TOKEN_ID_LIMIT - 1}")
@@ -77,6 +102,10 @@ async def _contained(awaitable: Any) -> Any:
         raise  # SIGTERM, whatever code it interrupted: the rank ends
     except SystemExit as exc:
         raise CallEscaped(f"raised SystemExit({exc.code!r})") from None
+    except (Exception, asyncio.CancelledError):
+        raise  # the session's own judgement (a cancellation: its timeout's, or the rank's)
+    except BaseException as exc:  # KeyboardInterrupt, GeneratorExit, a library's own: asyncio would end the rank
+        raise CallEscaped(f"raised {type(exc).__name__}: {exc}") from None
 
 
 async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -100,6 +129,8 @@ async def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
             value, exc = fn(*args), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting session, which judges it
             value, exc = None, e
+            if isinstance(e, StopIteration | StopAsyncIteration):  # a future refuses them: it would never settle
+                exc = RuntimeError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         try:
             loop.call_soon_threadsafe(settle, value, exc)
         except RuntimeError:  # the loop has closed: the rank is past this session
@@ -208,7 +239,7 @@ async def guarded(what: str, sid: str, awaitable: Any, timeout: float | None,
 
 def check_failure_budget(step: int, cols: Columns, budget: float | None) -> None:
     """The user's failure budget: past it every rank ends (the step's files are written first)."""
-    final = final_rows(cols)
+    final = final_rows(cols) & ~np.isin(cols["status"], UNCOUNTED)  # stale and filtered rows count for nothing
     failed_rows = final & (cols["status"] == SAMPLE_STATUSES.index("failed"))
     failed, rows = int(failed_rows.sum()), int(final.sum())
     if budget is None or not rows or failed / rows <= budget:

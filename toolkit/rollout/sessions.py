@@ -16,7 +16,7 @@ from toolkit.core import clock
 from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, Sampling
 from toolkit.rollout.envs import Environment
-from toolkit.rollout.guard import Waits, guarded, token_ids, user_call
+from toolkit.rollout.guard import BadReward, Waits, finite_reward, guarded, token_ids, user_call
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
 from toolkit.rollout.prompts import PromptSource
 from toolkit.session.requests import OpenStep
@@ -76,12 +76,17 @@ class EnvSessions:
 
     async def _turns(self, step: int, sid: str, sample: Sample, waits: Waits, attempt: int) -> None:
         cfg = self.cfg
-        env = self._new_env()
+        # The user's constructor and prompt source run as its methods do: one that hangs or raises (a
+        # ToolkitError included) is its session's, never the loop's or the rank's.
+        env = await self.call(self._new_env)
         open_step = self.open_step()  # the step it may land in: the rank's, read at each request
-        context = token_ids(await self.call(env.reset, self.prompts.get(step, sample.index)), "reset's prompt")
+        prompt = await self.call(self.prompts.get, step, sample.index)
+        context = token_ids(await self.call(env.reset, prompt), "reset's prompt")
         sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
         sample.prompt_length = len(context)
         for turn in range(MAX_TURNS_HARD):
+            if sample.status != "completed":  # ended by its timeout, in an environment that swallowed the cancellation
+                return
             budget = min(self.sampling.max_tokens, self.max_model_len - len(context))
             if budget < 1:
                 sample.mark("truncated", "context reached max_model_len")
@@ -121,7 +126,11 @@ class EnvSessions:
                 return
             outcome = await self.call(env.step, res.output_token_ids, res.finish_reason)
             del res  # its tokens are in the sample now: not held through the next turn's request
-            sample.reward += outcome.reward
+            try:
+                sample.reward += finite_reward(outcome.reward)
+            except BadReward as exc:
+                sample.mark("failed", f"environment: {exc}")
+                return
             if outcome.done:
                 return
             sample.extend_observation(token_ids(outcome.observation, "step's observation"))

@@ -37,6 +37,7 @@ from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
 from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
 from toolkit.rollout.guard import (
     check_failure_budget,
+    finite_reward,
     guarded,
     in_own_thread,
     maybe_await,
@@ -286,7 +287,7 @@ class RankRunner:
         got = await (self.agent(url, task) if self.agent_is_async else in_own_thread(self.agent, url, task))
         # An async agent behind a plain decorator looks sync: its thread hands back the coroutine.
         got = await maybe_await(got)
-        return None if got is None else float(got)  # a reward that is not a number fails the session
+        return None if got is None else finite_reward(got)  # a reward that is not a finite number fails the session
 
 
 def _closing_columns(landed: Landed) -> Columns:

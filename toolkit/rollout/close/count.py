@@ -162,7 +162,12 @@ class CloseOnCount(StepClose):
             self.changed.set()
             return
         del self.running[group]
-        self._land(group, [s for samples in results for s in samples], [r[-1] for r in results if r])
+        try:
+            self._land(group, [s for samples in results for s in samples], [r[-1] for r in results if r])
+        except Exception as exc:  # noqa: BLE001 - the step raises it (a task's error would only be logged)
+            self.error = exc
+            self.changed.set()
+            return
         self.changed.set()
         await self._tell()
 
@@ -177,7 +182,7 @@ class CloseOnCount(StepClose):
         for s in finals:
             self.open.forget(s.session_id)
         self.newest = max([self.newest, *(v for s in samples for v in s.weight_versions)])
-        behind = max(self._behind(s, step, began) for s in samples) if samples else 0
+        behind = self._behind(samples, step, began) if samples else 0
         for s in samples:
             s.started_step, s.carried, s.staleness = started, step - started, behind
         if any(s.carried for s in finals):
@@ -208,9 +213,9 @@ class CloseOnCount(StepClose):
                 s.mark(status, why)
             self.builder.add(s)
 
-    def _behind(self, sample: Sample, step: int, began: int) -> int:
-        """Versions between the sample's oldest token's weights and the newest the engines hold; without
-        ``weights_dir`` (each step nominally its own policy): steps since its attempt began."""
-        if self.cfg.rollout.handshake and sample.weight_versions:
-            return self.newest - min(sample.weight_versions)
-        return step - began
+    def _behind(self, samples: list[Sample], step: int, began: int) -> int:
+        """Versions between the group's oldest token's weights and the newest the engines hold (a member
+        without tokens, failed at its start, has no say); without a weights handshake (each step nominally
+        its own policy), or with no member's tokens: steps since its attempt began."""
+        oldest = [min(s.weight_versions) for s in samples if s.weight_versions] if self.cfg.rollout.handshake else []
+        return self.newest - min(oldest) if oldest else step - began
