@@ -201,7 +201,12 @@ def test_bad_requests_fail_alone_with_the_protocols_error(make_run) -> None:  # 
                 async with http.post(reward, json=bad_reward, headers=auth) as r:
                     assert r.status == 400 and why in (await r.json())["error"]["message"], bad_reward
             st, err = await post("/chat/completions", {**good, "messages": [{"role": "user", "content": "x" * 5000}]})
-            assert st == 413, err  # the conversation does not fit the model's context
+            # The conversation does not fit the model's context: worded and coded as OpenAI and Anthropic
+            # do, so that a harness that shortens its history on overflow does so.
+            assert st == 400 and err["error"]["code"] == "context_length_exceeded", err
+            assert "prompt is too long" in err["error"]["message"] and "maximum context length" in err["error"]["message"]
+            st, err = await post("/chat/completions", {**good, "stop": json.loads("[" * 900 + "]" * 900)})
+            assert st == 400, err  # a refused field nested past Python's limit: the caller's error, not a 500
             st, err = await post("/chat/completions", {**good, "pad": "y" * 70000})
             assert st == 413  # the body is over gateway.max_body_mb
             gw.s.max_concurrent_requests = 1

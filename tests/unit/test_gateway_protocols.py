@@ -82,6 +82,7 @@ def test_chat_parse() -> None:
                           "response_format": {"type": "json_object"}, "tool_choice": "none"})
     assert minimal == ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=9, tool_choice="none",
                                   response_format={"type": "json_object"})
+    assert not CHAT.parse({**body, "parallel_tool_calls": False}).parallel_tool_calls  # one call an answer
 
 
 USER = [{"role": "user", "content": "hi"}]
@@ -303,7 +304,7 @@ def test_messages_parse() -> None:
                       {"id": "tu3", "name": "get_time", "arguments": "{}"}]},
                   {"role": "tool", "content": "", "tool_call_id": "tu3", "name": "get_time"}],
         tools=CANON_TOOLS, tool_choice="required", max_tokens=64, temperature=0.3, top_p=0.8, stream=True,
-        model="claude")
+        model="claude", parallel_tool_calls=False)
     choices = {"auto": "auto", "none": "none", "tool": {"name": "get_time"}}
     for kind, expected in choices.items():
         req = MESSAGES.parse({**body, "tool_choice": {"type": kind, "name": "get_time"}})

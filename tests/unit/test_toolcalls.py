@@ -55,6 +55,7 @@ def test_hermes_text_without_calls() -> None:
     "<tool_call>\n{\"name\": \"f\", \"arguments\": \"[1]\"}\n</tool_call>",
     "<tool_call>\n{\"name\": \"f\", \"arguments\": \"{oops\"}\n</tool_call>",
     "<tool_call>\n{\"name\": \"f\", \"argu",                          # cut off
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": " + "[" * 3000 + "]" * 3000 + "}}\n</tool_call>",  # past json's depth
 ])
 def test_hermes_bad_blocks_stay_in_the_content(bad: str) -> None:
     text = "before " + bad + " " + block("ok", {"k": True})
@@ -133,3 +134,22 @@ def test_schema_accepts_what_it_describes() -> None:
                 {"name": "now", "arguments": {}, "extra": 1}, {"name": "now"}]:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_an_answer_asked_for_one_tool_call_carries_the_first_the_model_wrote() -> None:
+    """``parallel_tool_calls: false``: the harness echoes one call, so the session's line goes on (its
+    tokens stay as generated); by default every call the model wrote."""
+    from types import SimpleNamespace
+
+    from toolkit.core.protocol import Result
+    from toolkit.gateway.server import Gateway
+    from toolkit.gateway.types import ChatRequest
+
+    text = block("a", {"x": 1}) + block("b", {"y": 2})
+    gw = SimpleNamespace(chat=SimpleNamespace(content_text=lambda ids: text), parser=get_parser("hermes"))
+    res = Result("r", output_token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="stop")
+    tools = [{"name": "a", "description": "", "parameters": {}}, {"name": "b", "description": "", "parameters": {}}]
+    both = Gateway._choice(gw, 0, res, ChatRequest(messages=[], tools=tools), False)  # type: ignore[arg-type]
+    one = Gateway._choice(gw, 0, res, ChatRequest(messages=[], tools=tools, parallel_tool_calls=False), False)  # type: ignore[arg-type]
+    assert [c.name for c in both.tool_calls] == ["a", "b"] and [c.name for c in one.tool_calls] == ["a"]
+    assert one.token_ids == [5, 6] and one.finish_reason == "tool_calls"

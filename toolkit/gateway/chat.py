@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.core.errors import ToolkitError
-from toolkit.gateway.types import Message
+from toolkit.gateway.types import Message, json_or
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,7 @@ def _hf_message(m: Message) -> dict[str, Any]:
 
 
 def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return json_or(text, text)
 
 
 def _hf_tools(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:

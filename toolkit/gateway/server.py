@@ -268,7 +268,10 @@ class Gateway:
             entry.calls += 1
             stream = Stream(request, self.s.keepalive_s)
             try:
-                req = proto.request(await self._body(request))
+                try:
+                    req = proto.request(await self._body(request))
+                except RecursionError:  # a field re-read nested past Python's limit
+                    raise GatewayError(400, "the request's JSON is nested too deeply") from None
                 if req.stream:
                     stream.start()
                 # The body as read (a chunked upload has no Content-Length); aiohttp keeps it.
@@ -319,12 +322,19 @@ class Gateway:
                 plan = await _in_thread(sess.plan, req.messages, req.tools) if offload else sess.plan(req.messages, req.tools)
             except TemplateError as exc:
                 raise GatewayError(400, f"the model's chat template refused the conversation: {exc}") from None
+            except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+                # The template read a field of the caller's that is not what it expects (a tool schema's
+                # properties as a list, arguments nested past Python's limit): the caller's error.
+                logger.info("a conversation the chat template could not render", exc_info=True)
+                raise GatewayError(400, f"the model's chat template could not render the conversation: "
+                                        f"{type(exc).__name__}: {exc}") from None
             if entry.closed:  # ended while the thread planned: nothing may reach the engines for it now
                 raise GatewayError(404, "the session ended")
             budget = min(req.max_tokens or s.max_tokens, s.max_model_len - len(plan.prompt))
-            if budget < 1:
-                raise GatewayError(413, f"the conversation is {len(plan.prompt)} tokens and the model's context "
-                                        f"{s.max_model_len}: no room to generate")
+            if budget < 1:  # worded and coded as the APIs do, so that a harness that shortens its history does
+                raise GatewayError(400, f"prompt is too long: {len(plan.prompt)} tokens > {s.max_model_len - 1} "
+                                        f"maximum (the model's maximum context length is {s.max_model_len} tokens, "
+                                        "and at least one must be generated)", "messages", "context_length_exceeded")
             structured, bare_call = self._constraint(req)
             entry.attempts += 1
             temperature = s.temperature if req.temperature is None else req.temperature
@@ -379,6 +389,8 @@ class Gateway:
             content, calls = self.parser.parse(text)
         else:
             content = text
+        if not req.parallel_tool_calls:
+            calls = calls[:1]  # the harness asked for one: it echoes that one, and the session's line goes on
         finish = res.finish_reason if res.finish_reason in ("stop", "length") else "stop"
         if calls and finish == "stop":
             finish = "tool_calls"

@@ -19,15 +19,12 @@ from typing import Any
 
 from toolkit.core.protocol import Result
 from toolkit.gateway.chat import ChatTokenizer
-from toolkit.gateway.types import Choice, Message
+from toolkit.gateway.types import Choice, Message, json_or
 from toolkit.session.sample import Sample
 
 
 def _norm_arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return json_or(text, text)
 
 
 def _same(a: Message, b: Message) -> bool:

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from toolkit.core.errors import ToolkitError
-from toolkit.gateway.types import GatewayError, ToolCall
+from toolkit.gateway.types import GatewayError, ToolCall, json_or
 
 
 def new_call_id() -> str:
@@ -38,20 +38,14 @@ def _as_call(obj: Any) -> ToolCall | None:
         return None
     args = obj.get("arguments")
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
+        args = json_or(args, None)
     if not isinstance(args, dict):
         return None
     return ToolCall(id=new_call_id(), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
 def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+    return json_or(text, None)
 
 
 class ToolParser(ABC):

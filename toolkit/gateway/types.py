@@ -15,6 +15,7 @@ Canonical messages are plain dicts, the OpenAI chat shape reduced to what a chat
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +31,13 @@ class GatewayError(ToolkitError):
     KINDS = {400: "invalid_request", 401: "authentication", 404: "not_found", 413: "request_too_large",
              429: "rate_limit", 500: "internal", 503: "overloaded", 504: "timeout"}
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
+        """OpenAI's error ``code`` (``context_length_exceeded``), for the harnesses that look for it."""
 
     @property
     def kind(self) -> str:
@@ -47,6 +50,15 @@ class ToolCall:
     name: str
     arguments: str
     """JSON text of the arguments object, as generated."""
+
+
+def json_or(text: str, default: Any) -> Any:
+    """``text`` as JSON, or ``default`` when it is not JSON or nests too deeply to parse (a model's
+    degenerate output, an agent's garbage: neither may become a 500)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return default
 
 
 @dataclass
@@ -74,6 +86,9 @@ class ChatRequest:
     expected_tokens: int = 0
     """The agent's guess of this turn's length (the toolkit's ``expected_tokens`` field; 0: none):
     a tail policy starts a turn guessed long on the tail group."""
+    parallel_tool_calls: bool = True
+    """False (OpenAI ``parallel_tool_calls``, Anthropic ``disable_parallel_tool_use``): an answer carries
+    at most the first tool call the model wrote (its tokens stay in the sample as generated)."""
 
 
 @dataclass

@@ -5,9 +5,9 @@ Supported: ``system`` (a string or text blocks); ``messages`` with content as a 
 ``tool_result`` (content a string or text blocks; -> tool messages, in order, before the user text of
 the same message); ``tools`` (``name``, ``description``, ``input_schema``); ``tool_choice`` (auto ->
 auto, any -> required, tool -> that tool, none -> none); ``max_tokens`` (required); ``temperature``
-([0, 1]); ``top_p`` ((0, 1]); ``output_config.format`` (json_schema); ``stream``. Accepted and
-ignored: ``metadata``, ``service_tier``, ``cache_control`` on blocks, ``is_error`` on tool results (the
-model sees the content only), ``tool_choice.disable_parallel_tool_use``, ``thinking: {"type":
+([0, 1]); ``top_p`` ((0, 1]); ``output_config.format`` (json_schema); ``stream``; ``tool_choice.disable_parallel_tool_use`` (an
+answer carries the first tool call the model wrote). Accepted and ignored: ``metadata``, ``service_tier``,
+``cache_control`` on blocks, ``is_error`` on tool results (the model sees the content only), ``thinking: {"type":
 "disabled"}``, ``top_k`` null, ``stop_sequences`` [].
 Rejected (400): ``top_k``, non-empty ``stop_sequences``, ``thinking`` (unless disabled),
 ``output_config.effort``, any other field; ``thinking``/``image``/``document`` and server-tool blocks,
@@ -39,7 +39,7 @@ from toolkit.gateway.protocols.base import (
     sse,
     text_parts,
 )
-from toolkit.gateway.types import ChatRequest, ChatResult, GatewayError, Message
+from toolkit.gateway.types import ChatRequest, ChatResult, GatewayError, Message, json_or
 
 KNOWN = {"model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "stream",
          "metadata", "service_tier", "thinking", "output_config"}
@@ -120,11 +120,16 @@ def _tools(f: Fields) -> list[dict[str, Any]]:
     return tools
 
 
+def _one_call(f: Fields) -> bool:
+    """``tool_choice.disable_parallel_tool_use``: at most one tool call an answer."""
+    c = f.object("tool_choice")
+    return bool(c is not None and c.flag("disable_parallel_tool_use"))
+
+
 def _tool_choice(f: Fields) -> str | dict[str, str]:
     c = f.object("tool_choice")
     if c is None:
         return "auto"
-    c.flag("disable_parallel_tool_use")
     kind = c.text("type", required=True, choices=("auto", "any", "tool", "none"))
     if kind == "tool":
         return {"name": c.text("name", required=True) or ""}
@@ -160,7 +165,7 @@ class Messages(Protocol):
             messages=_messages(f), tools=_tools(f), tool_choice=_tool_choice(f), response_format=_format(f),
             max_tokens=max_tokens, temperature=f.number("temperature", 0, 1),
             top_p=f.number("top_p", 0, 1, lo_open=True), stream=bool(f.flag("stream")),
-            model=f.text("model") or "")
+            model=f.text("model") or "", parallel_tool_calls=not _one_call(f))
         check_tools(req.tools, req.tool_choice, "tools", "tool_choice")
         return req
 
@@ -168,10 +173,7 @@ class Messages(Protocol):
         c = result.choices[0]
         content: list[dict[str, Any]] = [{"type": "text", "text": c.content}] if c.content else []
         for t in c.tool_calls:
-            try:
-                args = json.loads(t.arguments) if t.arguments.strip() else {}
-            except ValueError:
-                args = None
+            args = json_or(t.arguments, None) if t.arguments.strip() else {}
             if isinstance(args, dict):
                 content.append({"type": "tool_use", "id": t.id, "name": t.name, "input": args})
             else:

@@ -6,7 +6,8 @@ newlines; ``name`` fields ignored), ``tools`` (type function), ``tool_choice``, 
 (text / json_object / json_schema), ``max_tokens`` / ``max_completion_tokens``, ``temperature``
 ([0, 2]), ``top_p`` ((0, 1]), ``n`` (1..16, also when streaming), ``seed`` (64 bits), ``logprobs`` (the
 sampled token's only: ``top_logprobs`` must be 0), ``stream`` and ``stream_options.include_usage``.
-Accepted and ignored: ``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ``service_tier``,
+``parallel_tool_calls: false`` (an answer carries the first tool call the model wrote).
+Accepted and ignored: ``user``, ``metadata``, ``store``, ``service_tier``,
 ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, ``modalities: ["text"]``.
 Rejected (400) unless absent or a no-op: ``stop``, ``logit_bias``, presence/frequency penalties,
 ``top_logprobs`` > 0, ``functions`` / ``function_call`` (deprecated), ``audio``, ``prediction``,
@@ -141,7 +142,8 @@ class ChatCompletions(Protocol):
             max_tokens=max_completion if max_completion is not None else max_tokens,
             temperature=f.number("temperature", 0, 2), top_p=f.number("top_p", 0, 1, lo_open=True),
             n=f.integer("n", 1, 16) or 1, seed=f.integer("seed", *SEED_RANGE), logprobs=bool(f.flag("logprobs")),
-            stream=bool(f.flag("stream")), model=f.text("model") or "", include_usage=include_usage)
+            stream=bool(f.flag("stream")), model=f.text("model") or "", include_usage=include_usage,
+            parallel_tool_calls=f.flag("parallel_tool_calls") is not False)
         check_tools(req.tools, req.tool_choice, "tools", "tool_choice")
         return req
 

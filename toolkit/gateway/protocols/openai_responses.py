@@ -8,8 +8,8 @@ without ``"type": "message"``; output messages replayed as input are fine), ``fu
 (dropped); ``instructions`` (a leading system message); ``tools`` of type function; ``tool_choice``
 (auto / none / required / ``{"type": "function", "name"}``); ``max_output_tokens``; ``temperature``
 ([0, 2]); ``top_p`` ((0, 1]); ``text.format`` (text / json_object / json_schema); ``stream``;
-``include: ["message.output_text.logprobs"]`` (sampled-token logprobs). Accepted and ignored:
-``store``, ``parallel_tool_calls``, ``truncation``, ``metadata``, ``user``, ``service_tier``, other
+``include: ["message.output_text.logprobs"]`` (sampled-token logprobs); ``parallel_tool_calls: false``
+(an answer carries the first tool call the model wrote). Accepted and ignored: ``store``, ``truncation``, ``metadata``, ``user``, ``service_tier``, other
 ``include`` values, ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``,
 ``stream_options``, ``max_tool_calls`` (it bounds built-in tools, which are not offered).
 Rejected (400) unless absent or a no-op: ``previous_response_id`` and ``conversation`` (the gateway
@@ -140,7 +140,8 @@ class Responses(Protocol):
             messages=_input(f), tools=_tools(f), tool_choice=_tool_choice(f), response_format=_format(f),
             max_tokens=f.integer("max_output_tokens", 1), temperature=f.number("temperature", 0, 2),
             top_p=f.number("top_p", 0, 1, lo_open=True), logprobs=LOGPROBS in include,
-            stream=bool(f.flag("stream")), model=f.text("model") or "")
+            stream=bool(f.flag("stream")), model=f.text("model") or "",
+            parallel_tool_calls=f.flag("parallel_tool_calls") is not False)
         check_tools(req.tools, req.tool_choice, "tools", "tool_choice")
         return req
 
@@ -170,7 +171,7 @@ class Responses(Protocol):
             "instructions": None, "model": result.model, "output": output,
             "tools": [{"type": "function", "name": t["name"], "description": t["description"],
                        "parameters": t["parameters"], "strict": False} for t in req.tools],
-            "tool_choice": tool_choice, "parallel_tool_calls": True, "temperature": req.temperature,
+            "tool_choice": tool_choice, "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature,
             "top_p": req.top_p, "max_output_tokens": req.max_tokens, "previous_response_id": None,
             "text": {"format": fmt}, "truncation": "disabled", "metadata": {},
             "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
