@@ -1,14 +1,15 @@
 """An environment that takes its rank down in one chosen session of one chosen step: for "ranks fail
-loudly together". An ``Exception`` from an environment only fails its sample; a ``BaseException`` that
-is not one (what ``sys.exit`` or an interpreter-level failure raises) is the rank's own failure."""
+loudly together". Whatever an environment raises only fails its sample, but the process going
+(``Terminated``: what SIGTERM raises in it) is the rank's own end."""
 
 from __future__ import annotations
 
+from toolkit.core.errors import Terminated
 from toolkit.rollout.envs import EnvStep, SingleTurnEnv
 from toolkit.rollout.prompts import Prompt
 
 
-class RankDown(BaseException):
+class RankDown(Terminated):
     """Not an environment error: the process itself is going."""
 
 

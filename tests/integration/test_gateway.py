@@ -279,10 +279,10 @@ def test_a_caller_that_goes_away_aborts_its_call_and_leaves_the_session_as_it_wa
             assert client.aborted == ["rollout/0/0/1"]
             async with http.post(url, json={**call, "max_tokens": 4}, headers=auth) as r:
                 assert r.status == 200, await r.text()
-            # A body over OFFLOAD_BYTES is rendered off the loop; too long for the context, it is a 413.
+            # A body over OFFLOAD_BYTES is rendered off the loop; too long for the context, it is refused.
             huge = {**call, "messages": [{"role": "user", "content": "word " * 100_000}]}
             async with http.post(url, json=huge, headers=auth) as r:
-                assert r.status == 413 and "no room to generate" in (await r.json())["error"]["message"]
+                assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
         samples = sess.samples("completed", "", 1.0)
         assert len(samples) == 1 and samples[0].branch == 0
         assert generated(samples[0]) == client.results["rollout/0/0/2"].output_token_ids

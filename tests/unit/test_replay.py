@@ -25,3 +25,13 @@ def test_a_replayed_turn_says_its_recorded_tokens_and_a_moved_one_the_rest_of_th
     assert rec.plan(cfg, moved)[0] == [9, 10]
     cut = Generate(request_id="j/0/5/1~1", prompt_token_ids=[1], sampling=Sampling(max_tokens=1))
     assert rec.plan(cfg, cut)[0] == [4] and rec.plan(cfg, cut)[2] == "length"
+
+
+def test_a_config_group_chosen_again_drops_the_fields_the_run_set_in_it() -> None:
+    """A vLLM run replayed with ``engine=sim``: its ``engine.*`` fields are vLLM's, which the sim's config
+    does not have; the other overrides stay under the new ones."""
+    rec = Recorded.__new__(Recorded)
+    rec.overrides = ["steps=2", "engine=vllm", "engine.kv_cache_gib=20", "groups.tail.replicas=2", "seed=3"]
+    assert rec.base(["engine=sim", "tail.policy=count"]) == ["steps=2", "groups.tail.replicas=2", "seed=3"]
+    assert rec.base(["groups=single"]) == ["steps=2", "engine=vllm", "engine.kv_cache_gib=20", "seed=3"]
+    assert rec.base(["engine.time_scale=0.5"]) == rec.overrides  # a field, not a group chosen again

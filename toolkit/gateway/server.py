@@ -8,7 +8,7 @@ as to any request); the answer's text is decoded from the engine's ids, and the 
 ids themselves (``toolkit/gateway/session.py``).
 
 Errors come back in the protocol's own error body: 400 malformed, 401 without the run's token (when
-the router uses CURVE), 404 unknown or ended session, 413 body or conversation too long, 429 over the
+the router uses CURVE), 404 unknown or ended session, 413 body too long (a conversation past the context: 400, context_length_exceeded), 429 over the
 rank's ``gateway.max_concurrent_requests`` (a session's calls count once) or a session's
 ``SESSION_CALLS``, 503/504 when the engines could not answer. Nothing a
 client sends can raise out of a handler into the rank.
