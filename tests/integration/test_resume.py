@@ -40,9 +40,14 @@ def test_a_component_exits_when_its_lease_is_not_renewed(tmp_path: Path) -> None
                             env=dict(os.environ, **{EPOCH_ENV: "1"}))
     try:
         wait_for(lambda: rd.router_address.exists(), 60, "the router's address")
+        tmp = rd.lease.with_name(".lease.renewal")
         for _ in range(8):  # 4 s of renewals: longer than the lease, and it lives on
             rec.seq += 1
-            atomic_write(rd.lease, json.dumps(rec.__dict__))
+            # Written and renamed without atomic_write's fsync, which the other tests' disk writes can
+            # stall: in one CI run the lease stood still for 3 s (the whole lease) while this loop ran,
+            # and the router rightly went.
+            tmp.write_text(json.dumps(rec.__dict__))
+            os.replace(tmp, rd.lease)
             time.sleep(0.5)
         assert proc.poll() is None, (tmp_path / "router.out").read_text()
         wait_for(lambda: proc.poll() is not None, 30, "the router to exit once the lease is stale")
