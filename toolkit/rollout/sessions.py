@@ -18,7 +18,7 @@ from toolkit.core.protocol import Generate, Sampling
 from toolkit.rollout.envs import Environment
 from toolkit.rollout.guard import BadReward, Waits, finite_reward, guarded, token_ids, user_call
 from toolkit.rollout.hints import HintFailed, LengthHint, ask
-from toolkit.rollout.prompts import PromptSource
+from toolkit.rollout.prompts import Prompt, PromptSource
 from toolkit.session.requests import OpenStep
 from toolkit.session.sample import NonPrefixTurn, Sample, session_id
 
@@ -62,6 +62,10 @@ class EnvSessions:
         self._factory = functools.partial(f.func, *f.args, **f.keywords) if isinstance(f, functools.partial) else f
         return env
 
+    def _begin(self, step: int, index: int) -> tuple[Environment, Prompt]:
+        """A session's environment and prompt (the user's code)."""
+        return self._new_env(), self.prompts.get(step, index)
+
     async def run(self, step: int, index: int, attempt: int = 0) -> list[Sample]:
         """Session ``index`` of step ``step`` to its end (``attempt`` > 0: restarted)."""
         sid = session_id(self.cfg.job, step, index)
@@ -76,11 +80,10 @@ class EnvSessions:
 
     async def _turns(self, step: int, sid: str, sample: Sample, waits: Waits, attempt: int) -> None:
         cfg = self.cfg
-        # The user's constructor and prompt source run as its methods do: one that hangs or raises (a
-        # ToolkitError included) is its session's, never the loop's or the rank's.
-        env = await self.call(self._new_env)
+        # The user's constructor and prompt source run as its methods do (one call: one thread): one that
+        # hangs or raises (a ToolkitError included) is its session's, never the loop's or the rank's.
+        env, prompt = await self.call(self._begin, step, sample.index)
         open_step = self.open_step()  # the step it may land in: the rank's, read at each request
-        prompt = await self.call(self.prompts.get, step, sample.index)
         context = token_ids(await self.call(env.reset, prompt), "reset's prompt")
         sample.tokens, sample.loss_mask, sample.rollout_logprobs = list(context), [0] * len(context), [0.0] * len(context)
         sample.prompt_length = len(context)
