@@ -69,12 +69,7 @@ class KvRouting:
             req.new_session = False  # admitted: moved or queued again, it takes its reservation along
         if self.index is not None and r.kv_slot >= 0:
             found = req.kv_found
-            if req.msg.lora:  # an adapter's blocks are not in the index (the policy's note)
-                pass
-            elif found is not None and found[0] is r:
-                self.predicted_tokens += found[1]
-            else:
-                self.predicted_tokens += self.index.prefix_on(req, r)
+            self.predicted_tokens += found[1] if found is not None and found[0] is r else self.index.prefix_on(req, r)
             self.dispatched_tokens += len(req.msg.prompt_token_ids)
             req.kv_found = None
 

@@ -269,7 +269,11 @@ class KvIndex:
         return len(self._walk(self._usable(req, r.kv_block_size), 1 << r.kv_slot)) * r.kv_block_size
 
     def _usable(self, req: Request, bs: int) -> list[int]:
-        """``req``'s block hashes at ``bs`` that routing counts: all but a block ending on its last token."""
+        """``req``'s block hashes at ``bs`` that routing counts: all but a block ending on its last token;
+        none of a LoRA turn's (an adapter's KV is hashed with its name, and the engines report only the
+        base model's blocks: it goes by consistent hashing, and counts no predicted hit)."""
+        if req.msg.lora:
+            return []
         hs = self.hashes(req, bs)
         return hs if len(hs) * bs < len(req.msg.prompt_token_ids) else hs[:-1]
 

@@ -276,9 +276,7 @@ class KvAware(Policy):
 
     def choose(self, session_id: str, group_load: int, with_room: Collection[Replica],
                req: Request | None = None) -> Replica | None:
-        if req is not None and self.among and with_room and not req.msg.lora:
-            # (An adapter's KV is hashed with its name, and the engines report only the base model's:
-            # a LoRA turn goes by consistent hashing, its session's turns on one replica.)
+        if req is not None and self.among and with_room:
             r, tokens = self.index.longest(req, self.among, lambda r: self.hashing.fits(r, group_load),
                                            wait=self.wait_for_home)
             if tokens == WAIT:
