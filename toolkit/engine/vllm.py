@@ -49,6 +49,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from toolkit.config import VllmEngineConfig
+from toolkit.core.lifecycle import ProcessRef, stop_processes
 from toolkit.core.protocol import (
     Completion,
     Generate,
@@ -140,6 +141,8 @@ class VllmEngine(Engine):
         self.counters = ReplicaStats()
         """vLLM's counters, as the stat logger fills them (``weight_version`` is this engine's own)."""
         self.restarts = 0
+        self._procs: list[ProcessRef] = []
+        """The running engine's processes (core, workers), to stop by pid when it goes."""
         self.weights_path: str | None = None
         self.path_version = 0
         """The version of ``weights_path`` (0: the model's own): a restarted engine holds it, not a
@@ -205,6 +208,7 @@ class VllmEngine(Engine):
         if self.weights_path is not None:
             await self._reload(self.weights_path)
         await self._hold()
+        self._procs = [ProcessRef.of(pid, "engine") for pid in self.pids()]
         if v.platform.is_cpu() and self.cfg.cpu_engine_nice:
             self._lower_priority(self.cfg.cpu_engine_nice)
         mc, cc = self.llm.model_config, self.llm.vllm_config.cache_config
@@ -236,6 +240,12 @@ class VllmEngine(Engine):
             # interpreter exit, when half of vLLM is gone: drop the last reference here instead.
             await asyncio.to_thread(llm.shutdown)
             del llm
+        # A worker whose engine core was killed is nobody's child: it leaves when it notices, which an
+        # engine at +10 niceness on a busy CPU may take minutes to do. Stopped here, by pid, and waited for.
+        procs, self._procs = self._procs, []
+        left = await asyncio.to_thread(stop_processes, procs)
+        if left:
+            logger.warning("engine processes %s outlived SIGKILL", [r.pid for r in left])
         self.adapters.cancel_all()
 
     def dead(self) -> bool:
