@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,8 @@ class RouterClient:
         self.ctx = zmq.asyncio.Context()
         self.link = RouterLink(self.ctx, run_dir.router_address, "frontend", client_curve(run_dir.root))
         self.pending: dict[str, tuple[P.Generate, asyncio.Future[tuple[P.Result, P.Route | None]]]] = {}
+        self._callers: Counter[str] = Counter()
+        """Calls of :meth:`generate` waiting on each pending request id."""
         self.step_acks: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.status_waiters: list[asyncio.Future[P.Status]] = []
         self.weight_acks: dict[int, asyncio.Future[P.WeightsUpdated]] = {}
@@ -113,16 +116,25 @@ class RouterClient:
         await self.link.send(P.encode(msg))
 
     async def generate(self, msg: P.Generate) -> tuple[P.Result, P.Route | None]:
-        """Submit one request; returns its Result and the router's Route facts (None for cached)."""
-        fut: asyncio.Future[tuple[P.Result, P.Route | None]] = asyncio.get_running_loop().create_future()
-        self.pending[msg.request_id] = (msg, fut)
-        if self.kv_block_size and not msg.block_size:
-            hash_prompt(self.chains, msg, self.kv_block_size)
+        """Submit one request; returns its Result and the router's Route facts (None for cached). A call
+        with the id of a request in flight waits for that request's Result (one request, one Result)."""
+        rid = msg.request_id
+        entry = self.pending.get(rid)
+        self._callers[rid] += 1
         try:
+            if entry is not None:
+                return await asyncio.shield(entry[1])  # (a caller that gives up leaves the others theirs)
+            fut: asyncio.Future[tuple[P.Result, P.Route | None]] = asyncio.get_running_loop().create_future()
+            self.pending[rid] = (msg, fut)
+            if self.kv_block_size and not msg.block_size:
+                hash_prompt(self.chains, msg, self.kv_block_size)
             await self._send(msg)
-            return await fut
+            return await asyncio.shield(fut)
         finally:
-            self.pending.pop(msg.request_id, None)
+            self._callers[rid] -= 1
+            if not self._callers[rid]:
+                del self._callers[rid]
+                self.pending.pop(rid, None)
 
     async def abort(self, request_id: str) -> None:
         if self.link.closed or self.refused is not None:

@@ -536,7 +536,7 @@ def decode(type_frame: bytes, payload: bytes) -> Message:
         raise ProtocolError(f"unknown message type {bytes(type_frame)!r}; known: {sorted(CLASS_OF)}")
     try:
         return decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # (nested past the limit)
         raise ProtocolError(f"bad {CLASS_OF[bytes(type_frame)].__name__} payload: {exc}") from exc
 
 
@@ -551,6 +551,6 @@ def request_id_of(payload: bytes) -> str | None:
     it can be read at all: the router answers that request with an error instead of dropping it."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # arrays nested past Python's limit: no id to read
         return None
     return raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], str) else None

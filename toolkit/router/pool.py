@@ -137,9 +137,12 @@ class ReplicaPool:
 
     # ---- who serves ------------------------------------------------------------------------
     def set_ready(self, r: Replica) -> None:
-        """The replica passed its probe and holds the run's weights: it joins its pools."""
+        """The replica passed its probe and holds the run's weights: it joins its pools (not if it is
+        draining, gone, or in them already: a late acknowledgement changes nothing)."""
+        pools = self._pools_of.get(r)
+        if pools is None or r.draining or r.ready:
+            return
         r.ready = True
-        pools = self._pools_of[r]
         for gp in pools:
             gp.capacity += r.max_inflight
             gp.members.append(r)

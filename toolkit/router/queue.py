@@ -3,8 +3,9 @@
 Dispatch order: one request from each job in turn, starting with the job served longest ago; oldest
 first within a job. A request put back after its replica died goes to the front of its job's queue.
 Requests are bucketed by the group they name (None: none named, tail routing places them), so a full
-group never blocks a job's requests for another group, and apart when they start a session that waits
-for a KV budget, so those never block the turns of sessions already running.
+group never blocks a job's requests for another group; apart when they start a session that waits
+for a KV budget, so those never block the turns of sessions already running; and apart when they
+were in flight at a death (suspects, placed one to a replica), so those never block the rest.
 """
 
 from __future__ import annotations
@@ -80,29 +81,48 @@ def plain(req: Request) -> bool:
     return not req.prefix_tokens and not hinted(req.msg)
 
 
+BucketKey = tuple[str | None, bool, bool]
+"""The group a request names, whether it starts a session waiting for admission, whether it is a suspect."""
+
+COMPACT_AT = 64
+"""Requests taken out of a job's queue (aborted, expired...) that wait for its buckets to be rebuilt
+without them, once they outnumber its live requests too."""
+
+
 class JobQueue:
-    __slots__ = ("name", "buckets", "size", "scan")
+    __slots__ = ("name", "buckets", "size", "gone", "scan")
 
     def __init__(self, name: str, scan: int = 1) -> None:
         self.name = name
-        self.buckets: dict[tuple[str | None, bool], deque[Request]] = {}
-        """By (the group a request names, whether it starts a session waiting for admission)."""
+        self.buckets: dict[BucketKey, deque[Request]] = {}
         self.size = 0
+        """Its requests waiting (not those taken out, still in a bucket until they reach its head)."""
+        self.gone = 0
+        """Requests taken out, still in a bucket."""
         self.scan = scan
         """How many requests of a bucket may be tried, from its head (see :class:`FairQueue`)."""
 
     def push(self, req: Request, front: bool = False) -> None:
-        bucket = self.buckets.setdefault((req.msg.group, req.new_session), deque())
+        bucket = self.buckets.setdefault((req.msg.group, req.new_session, req.deaths > 0), deque())
         if front:
             bucket.appendleft(req)
         else:
             bucket.append(req)
         self.size += 1
 
+    def discard(self) -> None:
+        """One of its requests was taken out (marked done): dropped lazily, or all at once when they are many."""
+        self.size -= 1
+        self.gone += 1
+        if self.gone > COMPACT_AT and self.gone > self.size:
+            for key, bucket in self.buckets.items():
+                self.buckets[key] = deque(r for r in bucket if not r.done)
+            self.gone = 0
+
     def _clean_head(self, bucket: deque[Request]) -> Request | None:
         while bucket and bucket[0].done:
             bucket.popleft()
-            self.size -= 1
+            self.gone -= 1
         return bucket[0] if bucket else None
 
     def pop_dispatchable(self, choose: Callable[[Request], T | None]) -> tuple[Request, T] | None:
@@ -157,10 +177,13 @@ class FairQueue:
             self.push(req, front=True)
 
     def discard(self, req: Request) -> None:
-        """Mark a queued request as gone; it is dropped lazily when it reaches a head."""
+        """Take a queued request out (marked done; :meth:`JobQueue.discard`)."""
         if not req.done:
             req.done = True
             self.size -= 1
+            q = self.jobs.get(req.job)
+            if q is not None:
+                q.discard()
 
     def pop_round(self, choose: Callable[[Request], T | None]) -> Iterator[tuple[Request, T]]:
         """One pass over the jobs, longest-unserved first, yielding at most one request per job,
@@ -190,6 +213,7 @@ class FairQueue:
         for q in list(self.jobs.values()):
             for g in groups:
                 for new in (False, True):
-                    bucket = q.buckets.get((g, new))
-                    if bucket:
-                        yield from (r for r in bucket if not r.done)
+                    for suspect in (False, True):
+                        bucket = q.buckets.get((g, new, suspect))
+                        if bucket:
+                            yield from (r for r in bucket if not r.done)

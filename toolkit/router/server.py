@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -148,6 +149,11 @@ class Router:
                 changed = True
             now = clock.monotonic()
             if now >= next_sweep:
+                # What the replicas sent is read before their silence is judged: after a stall of this
+                # loop (a long pass, a descheduled process) their heartbeats wait unread, and would not
+                # count. Most sweeps find nothing more: one failed read.
+                while self._drain(links.backend, self.on_backend):
+                    pass
                 self.sweep()
                 next_sweep = clock.monotonic() + sweep_every
                 changed = True
@@ -182,9 +188,13 @@ class Router:
                 msg = _dec_generate.decode(payload)
             except Exception as exc:  # msgspec raises DecodeError or ValidationError
                 rid = P.request_id_of(payload)
-                if rid is not None:  # that request fails, at once, instead of waiting for an answer
+                cached = self.answered.result(rid) if rid is not None else None
+                if cached is not None:  # a garbled resend of an answered request: its one Result again
+                    self.links.to_client(client, _T_RESULT, cached)
+                elif rid is not None and rid not in self.live:  # it fails, at once, instead of waiting
                     bad = P.Result(request_id=rid, status="client_error", error=f"bad Generate: {exc}")
                     self.links.to_client(client, _T_RESULT, _enc.encode(bad))
+                # (a garbled resend of a live request is dropped: the request answers once, as it runs)
                 raise P.ProtocolError(f"bad Generate: {exc}") from exc
             self.submit(client, msg, payload)
             return
@@ -245,8 +255,13 @@ class Router:
         self.stats["submitted"] += 1
 
     def _check(self, req: Request) -> str:
-        """Client errors that need no engine: unknown group, empty prompt, limits of the group."""
+        """Client errors that need no engine: a reserved id, a deadline that is no time, unknown group,
+        empty prompt, limits of the group."""
         msg = req.msg
+        if msg.request_id.startswith(PROBE_PREFIX):
+            return f"request ids starting with {PROBE_PREFIX!r} are the router's own (its readiness probes)"
+        if not math.isfinite(msg.deadline):
+            return f"deadline {msg.deadline} is not a time: seconds since the epoch, or 0 for none"
         if msg.group is not None and msg.group not in self.groups:
             return f"unknown group {msg.group!r}; groups: {sorted(self.groups)}"
         if not msg.prompt_token_ids:
@@ -308,16 +323,31 @@ class Router:
         while self.queue.size and pool.spare_slots(None) > 0:
             timer = self._timer
             choose = timer if timer is not None and timer.left else self._decide
-            sent = 0
+            taken = 0
             for req, replica in self.queue.pop_round(choose):
+                taken += 1  # sent, or failed: either way the requests behind it get their turn
                 error = limit_error(req, replica.max_model_len, replica.vocab_size)
-                if error:
+                if error and req.prefix_tokens:
+                    self._end_moved(req, replica, error)
+                elif error:
                     self._fail(req, "client_error", error)
-                    continue
-                self._send(req, replica)
-                sent += 1
-            if not sent:
+                else:
+                    self._send(req, replica)
+            if not taken:
                 return
+
+    def _end_moved(self, req: Request, r: Replica, error: str) -> None:
+        """A moved request's continuation does not fit where it was to go on (a group of a shorter
+        ``max_model_len``): it ends with the tokens it has, as an engine ends a sequence at its limit."""
+        logger.warning("request %s ends after %d tokens: its continuation does not fit %s (%s)",
+                       req.request_id, len(req.prefix_tokens), r.replica_id, error)
+        self.stats["ended_at_move"] += 1
+        n = len(req.prefix_tokens)
+        res = P.Result(request_id=req.request_id, finish_reason="length", replica_id=r.replica_id, group=r.group,
+                       weight_version=req.prefix_versions[-1] if req.prefix_versions else 0)
+        self.tail.finished(req, n)
+        self.kv.answered(req, n, clock.monotonic())
+        self._complete(req, self.migrations.merged(req, res))
 
     def _send(self, req: Request, r: Replica) -> None:
         self.links.to_replica(r.identity, _T_GENERATE, req.payload)
@@ -396,13 +426,14 @@ class Router:
         moved = bool(req.migrating) and status == "cancelled" and not req.client_aborted
         # Decoded before anything changes: a Result that does not decode leaves the request as it was.
         res = P.decode_as(P.Result, payload) if moved or req.prefix_tokens else None
+        n_out = P.array_len(head.output_token_ids) if status != "engine_dead" else 0
         why, req.migrating = req.migrating, ""
         self._release(r, req)
         if status == "engine_dead":
             self.membership.engine_died(r, head.error)
-            self._died_under(req, r.replica_id, head.error)
+            if self._died_under(req, r.replica_id, head.error):
+                self.queue.requeue_front([req])
             return
-        n_out = P.array_len(head.output_token_ids)
         if moved:
             assert res is not None
             if n_out < req.msg.sampling.max_tokens:
@@ -425,11 +456,20 @@ class Router:
         """A dropped replica's requests go back to the front of their jobs' queues (or fail as poison);
         ``blame``: the replica died or went silent with them in it (a death counted against each)."""
         now = clock.wall()
+        back = []
         for req in reqs:
             self.timeline.finished(req.msg.job, req.msg.step, r.group, now)
-            self._died_under(req, r.replica_id, why, blame)
+            if self._died_under(req, r.replica_id, why, blame):
+                back.append(req)
+        self.queue.requeue_front(back)  # all at once: in their order of submission
 
-    def _died_under(self, req: Request, replica_id: str, why: str, blame: bool = True) -> None:
+    def _died_under(self, req: Request, replica_id: str, why: str, blame: bool = True) -> bool:
+        """``req``'s replica died (or left) under it: True if it goes back to the queue (the caller's
+        to put it there); else it was answered (aborted by its client, or poison)."""
+        if req.client_aborted:  # nobody waits for it: not run again
+            self.tail.forget(req)
+            self._fail(req, "cancelled", f"aborted; its replica {replica_id} went ({why})")
+            return False
         req.deaths += blame
         req.replica = None
         req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
@@ -437,9 +477,9 @@ class Router:
         if req.deaths >= self.rcfg.max_engine_deaths:
             # Poison: this request was in flight at every one of these deaths; stop it killing more.
             self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
-        else:
-            self.queue.requeue_front([req])
-            self.stats["requeued"] += 1
+            return False
+        self.stats["requeued"] += 1
+        return True
 
     # ---- completion ------------------------------------------------------------------------
     def _complete(self, req: Request, payload: bytes, status: str = "ok") -> None:
