@@ -75,12 +75,17 @@ def step_files(run_dir: str | Path | RunDir, step: int) -> list[Path]:
 
 
 def read_step(run_dir: str | Path | RunDir, step: int, columns: list[str] | None = None) -> pa.Table:
-    """One step as an Arrow table sorted by session index, whatever the layout."""
-    cols = None if columns is None else list(dict.fromkeys([*columns, "index"]))
-    tables = [pq.read_table(f, columns=cols) for f in step_files(run_dir, step)]
+    """One step as an Arrow table, its rows sorted by ``started_step`` (a step closed on a count holds
+    sessions carried from earlier ones), then session index, whatever the layout."""
+    files = step_files(run_dir, step)
+    keys = [k for k in ("started_step", "index") if k in pq.read_schema(files[0]).names]
+    cols = None if columns is None else list(dict.fromkeys([*columns, *keys]))
+    tables = [pq.read_table(f, columns=cols) for f in files]
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    table = table.take(pc.sort_indices(table["index"])) if len(tables) > 1 else table
-    return table if columns is None or "index" in columns else table.drop_columns(["index"])
+    if len(tables) > 1:  # (one file is written in that order)
+        table = table.take(pc.sort_indices(table, [(k, "ascending") for k in keys]))
+    extra = [k for k in keys if columns is not None and k not in columns]
+    return table.drop_columns(extra) if extra else table
 
 
 class StepUnavailable(ToolkitError):
@@ -175,7 +180,13 @@ def from_row(row: dict[str, Any]) -> Sample:
         groups=set(row.get("groups") or ()), response=row.get("response") or "",
         response_decoded=bool(row.get("response_decoded", False)), error=row.get("error") or "",
         branch=int(row.get("branch") or 0), messages=row.get("messages") or "",
+        started_step=int(_or(row.get("started_step"), -1)), carried=int(row.get("carried") or 0),
+        staleness=int(row.get("staleness") or 0),
     )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def to_samples(table: pa.Table) -> list[Sample]:

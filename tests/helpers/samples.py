@@ -25,6 +25,7 @@ def sample(i: int, decoded: bool = False) -> Sample:
                                           replica_id=f"throughput-{t % 2}@h:1", group=GROUPS[t % 2], weight_version=t))
         s.extend_observation([60] * t)
     s.reward = i / 10
+    s.started_step, s.carried, s.staleness = 0, i % 2, i % 3  # (read back: every field survives the file)
     if i == 4:
         s.mark("failed", "turn 1 of job/0/4: its prompt does not extend the accumulated tokens")
     if decoded:

@@ -101,3 +101,41 @@ def test_step_files_load_with_hf_datasets(tmp_path: Path, layout: str, monkeypat
     row = rows[3]
     assert row["tokens"] == sample(3).tokens and row["loss_mask"] == sample(3).loss_mask
     assert row["metadata"] == {"response_decoded": False} and row["response"] == ""
+
+
+def test_carried_sessions_come_back_in_one_order_from_either_layout(tmp_path: Path) -> None:
+    """A step closed on a count holds sessions carried from earlier steps: rows by ``started_step``, then
+    index, whether one file holds them or each rank's shard."""
+    import numpy as np
+
+    from toolkit.rollout.shards import write_manifest, write_shard
+    from toolkit.session.columns import pack, to_table, write_parquet
+    from toolkit.session.sample import Sample, merge
+
+    def landed(started: int, i: int) -> Sample:
+        s = Sample.start(i, f"job/{started}/{i}", [7, i])
+        s.started_step, s.carried, s.staleness = started, 1 - started, 1 - started
+        return s
+
+    per_rank = [[landed(1, 0), landed(1, 1)], [landed(0, 1), landed(1, 2)]]
+    names = ["throughput"]
+
+    def table(samples: list[Sample]) -> object:
+        return to_table(pack(samples, names), names, [s.session_id for s in samples], sort=False)
+
+    gather, shards = RunDir(tmp_path / "gather"), RunDir(tmp_path / "shards")
+    for rd in (gather, shards):
+        rd.make()
+        rd.step_report(1).write_text("{}")
+    write_parquet(table(per_rank[0] + per_rank[1]), gather.step_parquet(1))
+    write_manifest(shards, 1, np.array([write_shard(shards, 1, r, table(ss)) for r, ss in enumerate(per_rank)],
+                                       dtype=np.int64))
+    want = ["job/0/1", "job/1/0", "job/1/1", "job/1/2"]
+    for rd in (gather, shards):
+        assert api.read_step(rd.root, 1, columns=["session_id"])["session_id"].to_pylist() == want
+        carried = api.to_samples(api.read_step(rd.root, 1))[0]
+        assert (carried.started_step, carried.carried, carried.staleness) == (0, 1, 1)
+    a, b = landed(0, 1), landed(0, 1)
+    b.tokens, b.prompt_length, b.loss_mask, b.rollout_logprobs = [7, 1, 9], 3, [0, 0, 0], [0.0] * 3
+    b.carried, b.staleness = 2, 0
+    assert (lambda m: (m.started_step, m.carried, m.staleness))(merge(a, b)) == (0, 2, 1)

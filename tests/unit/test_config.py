@@ -111,8 +111,8 @@ def test_bounds_are_declared_with_the_field_and_worded_from_it() -> None:
         "demo.count = 0: an integer >= 1",
         "demo.share = 1.5: a fraction in [0, 1]",
         "demo.nice = 20: an integer in [0, 19]",
-        "demo.wait_s = 0: > 0 (seconds), or null (forever)",
-        "demo.grace_s = inf: >= 0",
+        "demo.wait_s = 0: finite, > 0 (seconds), or null (forever)",
+        "demo.grace_s = inf: finite, >= 0",
         "demo.mem = 'lots': sbatch memory",
         "demo.policy = 'lifo': one of ['fair', 'fifo'], or null",
     ]
@@ -199,11 +199,15 @@ def test_a_group_is_added_from_the_command_line() -> None:
 
 
 def test_bad_group_fields_are_listed_together() -> None:
+    """With every other error: a group field of the wrong type does not stop the checks of the rest."""
     with pytest.raises(ConfigError) as info:
-        compose_config(["+groups.mid.replicaz=1", "+groups.x.max_inflight=abc", "+groups.y=3"])
-    assert [e.field for e in info.value.errors] == ["groups.mid.replicaz", "groups.x.max_inflight", "groups.y"]
+        validate(compose_config(["+groups.mid.replicaz=1", "+groups.x.max_inflight=abc", "+groups.y=3", "steps=0",
+                                 "groups.tail=null"]))
+    assert {"groups.mid.replicaz", "groups.x.max_inflight", "groups.y", "groups.tail", "steps"} <= {
+        e.field for e in info.value.errors}
     text = str(info.value)
     assert "one of replicas, max_inflight, labels, engine" in text and "must be int" in text
+    assert "to remove the group: ~groups.tail" in text
 
 
 def cli_errors(argv: list[str]) -> str:
@@ -349,3 +353,37 @@ def test_streamed_weights_are_checked_at_setup_naming_every_bad_field() -> None:
     assert "weights.bucket_mb" in {e.field for e in info.value.errors}
     # A streamed run may bound its staleness without a checkpoint directory.
     validate(compose_config(["rollout.weights_transport=stream", "rollout.max_staleness=0"]))
+
+
+def test_numbers_a_run_divides_by_or_waits_on_are_bounded_and_finite() -> None:
+    """Each was accepted and then hung or crashed the run once the fleet was up (a heartbeat task dead
+    of a ZeroDivisionError, a router restarted for ever on math.ceil(inf), a rank failing its prompts)."""
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["engine.kv_cache_tokens=0", "engine.kv_link_bytes_per_s=0", "engine.step_overhead_s=-1",
+                                 "engine.kv_bytes_per_token=-5", "router.load_factor=inf", "workload.temperature=inf",
+                                 "seed=-1", "workload.prompts.min_len=500", "workload.env.max_turns=0"]))
+    assert {e.field for e in info.value.errors} == {
+        "seed", "engine.kv_bytes_per_token", "engine.kv_link_bytes_per_s", "engine.step_overhead_s",
+        "engine.kv_cache_tokens", "workload.temperature", "router.load_factor", "workload.prompts.min_len",
+        "workload.prompts.seed", "workload.env.max_turns"}
+    assert "router.load_factor = inf: finite, >= 1.0" in str(info.value)
+
+
+def test_a_groups_overrides_are_checked_as_the_fields_they_replace() -> None:
+    """Their types too (a string reached the replica, which died at start); and a field the engine does not
+    have hides none of the others' checks."""
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["+groups.tail.engine.kv_cache_tokens=abc", "+groups.tail.engine.bogus=1",
+                                 "+groups.tail.engine.output_len_session_share=0.5",
+                                 "+groups.tail.engine.output_len_prompt_share=0.8"]))
+    assert {e.field: e.allowed for e in info.value.errors}.keys() == {
+        "groups.tail.engine.kv_cache_tokens", "groups.tail.engine.bogus", "groups.tail.engine.output_len_prompt_share"}
+    assert "groups.tail.engine.kv_cache_tokens = 'abc': must be int" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["cluster=slurm", "+cluster.group_resources.tail.requeue=maybe"]))
+    assert "cluster.group_resources.tail.requeue = 'maybe': must be bool" in str(info.value)
+
+
+def test_a_group_choice_that_is_no_name_is_listed_not_raised(tmp_path: Path) -> None:
+    text = cli_errors([f"hydra.run.dir={tmp_path / 'run'}", "engine=3", "steps=0"])
+    assert "engine = '3'" in text and "steps = 0" in text and not (tmp_path / "run").exists()

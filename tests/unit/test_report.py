@@ -39,6 +39,7 @@ def render(width: int, *renderables: object) -> str:
 
 def test_numbers_are_formatted_to_their_meaning() -> None:
     assert (si(950), si(4623), si(46230), si(1_250_000), si(None)) == ("950", "4.62k", "46.2k", "1.25M", "-")
+    assert (si(999.7), si(999_700), si(999_999_999)) == ("1k", "1M", "1G")  # rounded before the unit is chosen
 
 
 def test_at_80_columns_every_figure_is_whole_a_step_per_column() -> None:
@@ -138,3 +139,27 @@ def test_a_run_still_going_is_reported_from_its_step_reports(tmp_path: Path, cap
     rd.lease.write_text(json.dumps({"epoch": 1, "released": True}))
     done = current_report(rd)
     assert done is not None and done["status"] == "ok" and done["summary"] == REPORT["summary"]
+
+
+def test_stale_and_filtered_rows_are_written_but_not_counted_in_the_report() -> None:
+    """Their rewards stay out of ``reward_mean``; the flip's expected count is where the router flips."""
+    import numpy as np
+
+    from toolkit.config import compose_config
+    from toolkit.rollout.stepreport import step_report
+    from toolkit.session.columns import ColumnBuilder
+    from toolkit.session.requests import RequestLog
+    from toolkit.session.sample import Sample
+
+    cfg = compose_config(["sessions_per_step=4", "tail.threshold=0.5"])
+    groups = list(cfg.groups)
+    builder = ColumnBuilder(groups)
+    for i, (status, reward) in enumerate([("completed", 1.0), ("completed", 0.0), ("stale", 1.0), ("filtered", 1.0)]):
+        s = Sample.start(i, f"rollout/0/{i}", [1, 2])
+        s.reward = reward
+        s.mark(status)
+        builder.add(s)
+    cols = builder.columns()
+    report = step_report(0, 2.0, 0.0, cols, RequestLog().columns(groups), groups, cfg, None)
+    assert report["reward_mean"] == 0.5 and report["sessions"] == 4 and np.sum(cols["reward"]) == 3.0
+    assert report["flip"]["expected_count"] == 2

@@ -323,3 +323,18 @@ def test_a_copy_shares_no_container_with_its_original() -> None:
         if isinstance(value, list | set | dict):
             assert getattr(c, f.name) is not value, f.name
     assert all(a is not b for a, b in zip(c.turn_weight_versions, s.turn_weight_versions, strict=True))
+
+
+def test_text_that_is_not_utf8_is_escaped_and_its_sample_packed_whole() -> None:
+    """An environment's error naming a file decoded with surrogateescape: one failed row, not a rank's step."""
+    from toolkit.session.columns import ColumnBuilder, to_table
+
+    builder = ColumnBuilder(["throughput"])
+    bad = Sample.start(0, "j/0/0", [1, 2, 3])
+    bad.mark("failed", "environment raised OSError: " + b"caf\xff.txt".decode("utf-8", "surrogateescape"))
+    builder.add(bad)
+    builder.add(Sample.start(1, "j/0/1", [4]))
+    cols = builder.columns()
+    assert cols["tokens__len"].tolist() == [3, 1] and cols["index"].tolist() == [0, 1]
+    table = to_table(cols, ["throughput"], ["j/0/0", "j/0/1"])
+    assert table.column("error").to_pylist()[0] == "environment raised OSError: caf\\udcff.txt"

@@ -113,3 +113,17 @@ def test_a_tracker_that_hangs_in_close_is_left_behind(tmp_path: Path) -> None:
         assert other.closed and trackers.trackers == {}
     finally:
         release.set()
+
+
+def test_a_tracker_that_cannot_open_is_dropped_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """W&B without a login on a compute node: said once; the run (its fleet already up) is not ended."""
+    def make(name: str, *_: object) -> Tracker:
+        if name == "wandb":
+            raise RuntimeError("No API key configured")
+        return Flaky()
+
+    monkeypatch.setattr("toolkit.report.trackers._make", make)
+    trackers = Trackers(["wandb", "tensorboard"], RunDir(tmp_path), {}, {})
+    assert list(trackers.trackers) == ["tensorboard"]
+    assert "tracker wandb could not open" in caplog.text and "No API key configured" in caplog.text

@@ -70,7 +70,7 @@ __all__ = [
     "register_configs",
     "replica_devices", "replica_nodes", "replica_resources", "replica_shape", "samples_per_prompt",
     "save_run_config",
-    "typed_groups",
+    "typed_groups", "typing_errors",
 ]
 
 
@@ -104,7 +104,7 @@ class Config:
     """MPI rollout ranks."""
     job: str = matching("rollout", r"^[^/]+$", "a non-empty name without '/'")
     """Job name: the router shares replicas fairly between jobs."""
-    seed: int = 0
+    seed: int = bounded(0, ge=0, lt=2**63)
     """Seeds prompts and the simulator."""
     resume: bool = False
     """Continue the run in ``hydra.run.dir`` at its first step without a step report (a fresh run if
@@ -126,14 +126,17 @@ class ConfigSchema(Config):
 GROUP_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(GroupConfig)}
 
 
-def typed_groups(raw: Any) -> dict[str, GroupConfig]:
-    """``groups`` as :class:`GroupConfig` objects; a :class:`ConfigError` naming every bad field."""
+def typed_groups(raw: Any) -> tuple[dict[str, GroupConfig], list[FieldError]]:
+    """``groups`` as :class:`GroupConfig` objects (each from its good fields), and every bad field."""
     if not isinstance(raw, dict):
-        raise ConfigError([FieldError("groups", raw, "a mapping of group name to group fields")])
+        return {}, [FieldError("groups", raw, "a mapping of group name to group fields")]
     groups: dict[str, GroupConfig] = {}
     errors = []
     for name, fields in raw.items():
-        fields = {} if fields is None else fields
+        if fields is None:  # not a removal: that is Hydra's ~groups.<name>
+            errors.append(FieldError(f"groups.{name}", None, f"a mapping of group fields (to remove the group: "
+                                     f"~groups.{name})"))
+            continue
         if not isinstance(fields, dict):
             errors.append(FieldError(f"groups.{name}", fields, f"a mapping of group fields: {', '.join(GROUP_FIELDS)}"))
             continue
@@ -147,13 +150,10 @@ def typed_groups(raw: Any) -> dict[str, GroupConfig]:
                 node = OmegaConf.merge(node, {key: value})
             except (ValidationError, ValueError):
                 errors.append(FieldError(f"groups.{name}.{key}", value, f"must be {GROUP_FIELDS[key]}"))
-        if not errors:
-            obj = OmegaConf.to_object(node)
-            assert isinstance(obj, GroupConfig)
-            groups[str(name)] = obj
-    if errors:
-        raise ConfigError(errors)
-    return groups
+        obj = OmegaConf.to_object(node)
+        assert isinstance(obj, GroupConfig)
+        groups[str(name)] = obj
+    return groups, errors
 
 
 def register_configs() -> None:
@@ -186,7 +186,7 @@ def from_dictconfig(cfg: DictConfig | dict) -> Config:
     assert isinstance(raw, dict)
     engine_raw = raw.pop("engine", None) or {}
     cluster_raw = raw.pop("cluster", None) or {}
-    groups = typed_groups(raw.pop("groups", None) or {})
+    groups, group_errors = typed_groups(raw.pop("groups", None) or {})
     raw.pop("defaults", None)
     schema = engine_schema(str(engine_raw.get("type", "sim")))
     merged = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items()})
@@ -196,7 +196,17 @@ def from_dictconfig(cfg: DictConfig | dict) -> Config:
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
     obj.groups = groups
+    setattr(obj, _UNTYPED, group_errors)
     return obj
+
+
+_UNTYPED = "_untyped_group_fields"
+
+
+def typing_errors(cfg: Config) -> list[FieldError]:
+    """The group fields :func:`from_dictconfig` could not type (each group was built from its others):
+    validation lists them with every other error."""
+    return list(getattr(cfg, _UNTYPED, ()))
 
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -223,8 +233,9 @@ def engine_variants(cfg: Config) -> list[tuple[str, Any, set[str]]]:
     names = {f.name for f in dataclasses.fields(cfg.engine)} - {"type"}
     variants: list[tuple[str, Any, set[str]]] = [("engine", cfg.engine, names)]
     for name, group in cfg.groups.items():
-        if group.engine and set(group.engine) <= names:
-            variants.append((f"groups.{name}.engine", group_engine(cfg, name), set(group.engine)))
+        known = {k: v for k, v in group.engine.items() if k in names}  # (the walker reports the others)
+        if known:
+            variants.append((f"groups.{name}.engine", dataclasses.replace(cfg.engine, **known), set(known)))
     return variants
 
 

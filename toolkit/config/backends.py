@@ -134,15 +134,15 @@ class SimEngineConfig:
     """Bytes of weights read per decode step: an 8B-parameter model in bf16."""
     hbm_bandwidth: float = bounded(4.3e12, gt=0)
     """Bytes/s of device memory: about what an H200 measures for device copies."""
-    kv_bytes_per_token: int = 131072
+    kv_bytes_per_token: int = bounded(131072, ge=1)
     """KV bytes per token: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes."""
-    kv_link_bytes_per_s: float = 50e9
+    kv_link_bytes_per_s: float = bounded(50e9, gt=0)
     """Bytes/s at which a request's KV reaches this replica when it moves here with it
     (``tail.move=kv``): a 400 Gb/s NIC."""
     weights_link_bytes_per_s: float = bounded(50e9, gt=0)
     """Bytes/s at which a streamed weight update reaches this replica (``rollout.weights_transport=stream``:
     the sim models the link's time from the update's bytes): a 400 Gb/s NIC."""
-    step_overhead_s: float = 0.0004
+    step_overhead_s: float = bounded(0.0004, ge=0)
     """Fixed cost of a decode step (scheduling, kernel launches, sampling)."""
     prefill_tokens_per_s: float = bounded(30000.0, gt=0)
     """Prefill throughput for uncached prompt tokens: 16 GFLOP/token at about 50% of ~1 PFLOP/s."""
@@ -158,11 +158,11 @@ class SimEngineConfig:
     """Token ids must be below this."""
     block_size: int = bounded(16, ge=1)
     """Tokens per prefix-cache block."""
-    kv_cache_tokens: int = 400000
+    kv_cache_tokens: int = bounded(400000, ge=1)
     """Prefix cache capacity in tokens (LRU over blocks)."""
     output_len_median: float = bounded(180.0, gt=0)
     """Median of the lognormal natural output length, in tokens, before ``max_tokens`` cuts it."""
-    output_len_sigma: float = bounded(1.0, ge=0, finite=True)
+    output_len_sigma: float = bounded(1.0, ge=0)
     """Sigma of that lognormal: 1.0 puts p99 at ~10x the median (a heavy tail)."""
     output_len_session_share: float = bounded(0.0, ge=0, le=1)
     """Share of the log-length variance the turns of one session have in common (0 = independent

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from omegaconf import OmegaConf, ValidationError
+
 from toolkit.core.errors import FieldError
 
 
@@ -46,8 +48,9 @@ class Bounds:
     gt: float | None = None
     le: float | None = None
     lt: float | None = None
-    finite: bool = False
-    """Refuse infinities too (NaN fails every bound anyway)."""
+    finite: bool = True
+    """Refuse infinities too (NaN fails every bound anyway): every number a run multiplies, rounds or
+    waits on is finite; a field that means "none" by a value takes ``null``."""
     note: str = ""
     """Words after the bound, e.g. ``(seconds)``."""
     null: str = ""
@@ -69,12 +72,12 @@ class Bounds:
             text = " ".join(s for s in (
                 f">= {self.ge!r}" if self.ge is not None else "", f"> {self.gt!r}" if self.gt is not None else "",
                 f"<= {self.le!r}" if self.le is not None else "", f"< {self.lt!r}" if self.lt is not None else "") if s)
-            text = f"an integer {text}" if integer else text
+            text = f"an integer {text}" if integer else f"finite, {text}" if self.finite and high is None else text
         return f"{text} {self.note}" if self.note else text
 
 
 def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None, finite: bool = False, note: str = "", null: str = "") -> Any:
+            lt: float | None = None, finite: bool = True, note: str = "", null: str = "") -> Any:
     """A number field with bounds: ``ge`` >=, ``gt`` >, ``le`` <=, ``lt`` <."""
     return field(default=default, metadata={"bounds": Bounds(ge, gt, le, lt, finite, note, null)})
 
@@ -193,5 +196,16 @@ def _override_errors(root: Any, name: str, value: dict[str, Any], meta: Any) -> 
             continue
         known = {k: v for k, v in over.items() if k in names}
         errors += [FieldError(f"{prefix}.{k}", v, f"a field of {kind}: {names}") for k, v in over.items() if k not in known]
+        hints = _hints(type(base))
+        for k, v in list(known.items()):
+            try:  # of the field's type, as OmegaConf checks the field itself (a string for an int...)
+                OmegaConf.merge(OmegaConf.structured(base), {k: v})
+            except (ValidationError, ValueError):
+                errors.append(FieldError(f"{prefix}.{k}", v, f"must be {_type_name(hints[k])}"))
+                del known[k]
         errors += field_errors(dataclasses.replace(base, **known), prefix, root, only=set(known))
     return errors
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

@@ -350,7 +350,7 @@ class GatewayConfig:
     host: str | None = None
     """Address to bind; null = 127.0.0.1 with ``cluster=local``, else every interface (advertising
     the node's hostname). Like the router, it admits only the run's token when ``router.curve`` is on."""
-    port: int = 0
+    port: int = bounded(0, ge=0, le=65535)
     """0 = a free port per rank; N = port N + rank (ranks that share a node need one each)."""
     max_concurrent_requests: int = bounded(1024, ge=1)
     """Sessions whose calls a rank's gateway serves at once (a session's calls, which run one at a time,

@@ -22,11 +22,12 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
-from toolkit.config import CONF_DIR, Config, compose_config
+from toolkit.config import CONF_DIR, Config, compose_config, typing_errors
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.launch.validation import validate
 
-COMPOSITION_ERRORS = (HydraException, OmegaConfBaseException)
+COMPOSITION_ERRORS = (HydraException, OmegaConfBaseException, ValueError)
+"""What composing a bad override raises (Hydra raises a ValueError for a group choice that is no string)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +117,10 @@ def check_overrides(overrides: Sequence[str], multirun: bool = False, setup: Set
     sweep = any(len(values) > 1 for values in each)
     kept, errors = first, list[FieldError]()
     try:
-        setup.compose(first)
+        cfg = setup.compose(first)
         if not sweep:
+            if typing_errors(cfg):  # a group field of the wrong type: listed with the rest, before Hydra starts
+                setup.validate(cfg)
             return
         whole: BaseException | None = None  # a sweep's other values are checked one by one below
     except COMPOSITION_ERRORS as exc:

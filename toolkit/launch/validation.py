@@ -32,6 +32,7 @@ from toolkit.config import (
     group_engine,
     replica_resources,
     samples_per_prompt,
+    typing_errors,
 )
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.registry import Registry
@@ -50,7 +51,7 @@ Rule = Callable[[Config], list[FieldError]]
 
 def validate(cfg: Config) -> None:
     """Check everything that can be checked before anything starts; raise one ConfigError listing all."""
-    errors = field_errors(cfg)
+    errors = typing_errors(cfg) + field_errors(cfg)
     for rule in RULES:
         errors += rule(cfg)
     if not (cfg.workload.agent and cfg.workload.length_hint):
@@ -127,16 +128,14 @@ def replica_placement(cfg: Config) -> list[FieldError]:
 
 
 def tail_groups(cfg: Config) -> list[FieldError]:
-    """Tail routing needs its group, with a replica, and another group for the step before the flip."""
+    """Tail routing needs its group (with a replica: the group's own bound) and another group for the
+    step before the flip."""
     tc = cfg.tail
     if not tc.active:
         return []
     errors = []
     if tc.group not in cfg.groups:
         errors.append(FieldError("tail.group", tc.group, f"one of the defined groups {sorted(cfg.groups)}"))
-    elif cfg.groups[tc.group].replicas < 1:
-        errors.append(FieldError(f"groups.{tc.group}.replicas", cfg.groups[tc.group].replicas,
-                                 "the tail group needs at least one replica"))
     if not set(cfg.groups) - {tc.group}:
         errors.append(FieldError("groups", sorted(cfg.groups),
                                  "a group besides the tail group, to serve the step before the flip"))
@@ -269,8 +268,8 @@ def _target_errors(path: str, spec: dict[str, Any]) -> list[FieldError]:
 
 
 def workload_sources(cfg: Config) -> list[FieldError]:
-    """The environment's and prompt source's classes, the tokenizer spec, and the prompt source's own
-    argument checks (files, keys) via ``check_spec``."""
+    """The environment's and prompt source's classes, the tokenizer spec, and their own argument checks
+    (files, keys, bounds) via their ``check_spec``, if they have one."""
     w = cfg.workload
     errors = [] if w.agent else _target_errors("workload.env", w.env)
     errors += _target_errors("workload.prompts", w.prompts)
@@ -278,13 +277,14 @@ def workload_sources(cfg: Config) -> list[FieldError]:
     why = None if w.agent else tokenizer_problem(w.tokenizer)
     if why is not None:
         errors.append(FieldError("workload.tokenizer", w.tokenizer, why))
-    module, _, name = str(w.prompts.get("_target_")).rpartition(".")
-    try:
-        check = getattr(getattr(importlib.import_module(module), name), "check_spec", None)
-    except (ImportError, AttributeError, ValueError):
-        return errors  # already reported by _target_errors
-    if callable(check):
-        errors += [FieldError(f"workload.prompts.{key}", value, allowed) for key, value, allowed in check(dict(w.prompts))]
+    for path, spec in (("workload.prompts", w.prompts), *(() if w.agent else (("workload.env", w.env),))):
+        module, _, name = str(spec.get("_target_")).rpartition(".")
+        try:
+            check = getattr(getattr(importlib.import_module(module), name), "check_spec", None)
+        except (ImportError, AttributeError, ValueError):
+            continue  # already reported by _target_errors
+        if callable(check):
+            errors += [FieldError(f"{path}.{key}", value, allowed) for key, value, allowed in check(dict(spec))]
     return errors
 
 

@@ -81,7 +81,8 @@ def si(x: float | None) -> str:
     if x is None:
         return "-"
     for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
+        # Rounded first: 999,700 is 1.00M, not 1e+03k.
+        if abs(float(f"{x:.3g}")) >= div:
             return f"{x / div:.3g}{unit}"
     return f"{x:.0f}"
 

@@ -11,8 +11,9 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from toolkit.rollout.prompts import Prompt
+from toolkit.rollout.prompts import Prompt, SpecProblem, int_problems
 
 
 @dataclass
@@ -89,6 +90,12 @@ class ToolCallEnv(Environment):
         self.observation_tokens = observation_tokens
         self.vocab_size = vocab_size
         self.turn = 0
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
+        """Problems with its Hydra arguments, before anything starts (``validate``)."""
+        return int_problems(spec, {"max_turns": 3, "observation_tokens": 24, "vocab_size": 32000},
+                            {"max_turns": 1, "observation_tokens": 2, "vocab_size": 2})
 
     def reset(self, prompt: Prompt) -> list[int]:
         self.turn = 0

@@ -24,6 +24,17 @@ from toolkit.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 SpecProblem = tuple[str, object, str]
 
 
+def int_problems(spec: dict[str, Any], defaults: dict[str, int], at_least: dict[str, int]) -> list[SpecProblem]:
+    """Each of ``at_least``'s arguments (``defaults`` where ``spec`` leaves it) that is no integer >= its
+    least value."""
+    problems: list[SpecProblem] = []
+    for key, least in at_least.items():
+        v = spec.get(key, defaults[key])
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            problems.append((key, v, f"an integer >= {least}"))
+    return problems
+
+
 @dataclass
 class Prompt:
     token_ids: list[int]
@@ -75,6 +86,17 @@ class SyntheticPrompts(PromptSource):
         body, _ = id_window(rng, self.vocab_size, max(0, n - len(self.system)))
         return Prompt(self.system + body, {"step": step, "index": index})
 
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
+        defaults = {"min_len": 64, "max_len": 384, "system_len": 32, "vocab_size": 32000, "seed": 0,
+                    "samples_per_prompt": 1}
+        problems = int_problems(spec, defaults, {"min_len": 1, "max_len": 1, "system_len": 0, "vocab_size": 2,
+                                                 "seed": 0, "samples_per_prompt": 1})
+        lo, hi = spec.get("min_len", defaults["min_len"]), spec.get("max_len", defaults["max_len"])
+        if not {"min_len", "max_len"} & {key for key, _, _ in problems} and lo > hi:
+            problems.append(("min_len", lo, f"at most max_len ({hi})"))
+        return problems
+
 
 class SyntheticTasks(PromptSource):
     """Tasks for agents (``workload=agent``): no tokens, a seeded ``{"a", "b"}`` per session in
@@ -82,6 +104,10 @@ class SyntheticTasks(PromptSource):
 
     def __init__(self, seed: int = 0, high: int = 999) -> None:
         self.seed, self.high = seed, high
+
+    @classmethod
+    def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
+        return int_problems(spec, {"seed": 0, "high": 999}, {"seed": 0, "high": 0})
 
     def get(self, step: int, index: int) -> Prompt:
         rng = np.random.default_rng([self.seed, step, index])

@@ -59,6 +59,7 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         }
     # A session's outcome is its last row (with gateway branches a session has several rows).
     final = final_rows(cols)
+    counted = final & ~np.isin(cols["status"], _UNCOUNTED)  # (stale and filtered rows are written, never counted)
     statuses = Counter(SAMPLE_STATUSES[c] for c in cols["status"][final].tolist())
     req_status = Counter(STATUSES[c] if c < len(STATUSES) else "unknown" for c in req["status"].tolist())
     prompt_all = int(req["prompt_tokens"].sum())
@@ -74,12 +75,11 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
         "requests_by_status": dict(req_status),
         "generated_tokens": gen,
         "tokens_per_s": gen / wall_s if wall_s > 0 else None,
-        "reward_mean": float(cols["reward"][final].mean()) if final.any() else None,
+        "reward_mean": float(cols["reward"][counted].mean()) if counted.any() else None,
         # How far behind the step its landed sessions' oldest policy was: {versions behind: sessions}
         # (not the rows dropped as stale, which are over the bound by definition, nor filtered ones).
         "staleness": {str(k): int(v) for k, v in
-                      zip(*np.unique(cols["staleness"][final & ~np.isin(cols["status"], _UNCOUNTED)],
-                                     return_counts=True), strict=True)},
+                      zip(*np.unique(cols["staleness"][counted], return_counts=True), strict=True)},
         "latency_s": {"p50": _pct(req["latency_s"], 50), "p99": _pct(req["latency_s"], 99)},
         "queue_wait_s": {cfg.job: {"p50": _pct(req["queue_s"], 50), "p99": _pct(req["queue_s"], 99)}},
         "prefix_hit_rate": (int(req["cached_tokens"].sum()) / prompt_all) if prompt_all else None,
@@ -110,7 +110,7 @@ def step_report(step: int, wall_s: float, t0: float, cols: Columns, req: Columns
             started = (req["group"] == group_names.index(cfg.tail.group)) & ~moved & before_flip
             report["tail"]["started"] = int(started.sum())
     if cfg.tail.threshold is not None:
-        expected = flip_count(cfg.tail.threshold, report["sessions"])
+        expected = flip_count(cfg.tail.threshold, cfg.sessions_per_step)  # what the router flips at
         report["flip"] = {"expected_count": expected, "count": None, "time_s": None, "spillover": None}
         if flip is not None:
             t_flip = float(flip["time"])

@@ -72,7 +72,11 @@ class StatBuilder:
         return len(self._scalars["index"])
 
     def add(self, s: Sample) -> None:
-        row = {
+        self.append(self.row(s))
+
+    def row(self, s: Sample) -> dict[str, Any]:
+        """``s``'s scalar columns (:meth:`append` adds them)."""
+        return {
             "index": s.index, "reward": s.reward, "status": SAMPLE_STATUSES.index(s.status),
             "prompt_length": s.prompt_length, "response_length": s.response_length,
             "generated_tokens": s.generated_tokens, "num_turns": s.num_turns, "num_replicas": len(s.replicas),
@@ -80,6 +84,8 @@ class StatBuilder:
             "response_decoded": int(s.response_decoded), "branch": s.branch,
             "started_step": s.started_step, "carried": s.carried, "staleness": s.staleness,
         }
+
+    def append(self, row: dict[str, Any]) -> None:
         for name, value in row.items():
             self._scalars[name].append(value)
 
@@ -105,20 +111,28 @@ class ColumnBuilder:
         return len(self._stats)
 
     def add(self, s: Sample) -> None:
+        """Every column of ``s``, or none (all are read before any is kept: the columns stay aligned)."""
+        parts: list[tuple[str, np.ndarray, list[int]]] = []
         for name, dtype in LIST_COLUMNS.items():
             part = getattr(s, name)
-            self._parts[name].append(np.fromiter(part, dtype=dtype, count=len(part)))
-            self._lengths[name].append(len(part))
+            parts.append((name, np.fromiter(part, dtype=dtype, count=len(part)), [len(part)]))
         for name in TEXT_COLUMNS:
-            raw = _text(s, name).encode()
-            self._parts[name].append(np.frombuffer(raw, dtype=np.uint8))
-            self._lengths[name].append(len(raw))
+            # Text that is not UTF-8 (an error naming a file decoded with surrogateescape) is escaped:
+            # Parquet's strings are UTF-8, and one sample's text must not fail its rank's step.
+            raw = _text(s, name).encode("utf-8", "backslashreplace")
+            parts.append((name, np.frombuffer(raw, dtype=np.uint8), [len(raw)]))
+        outer = []
         for name, dtype in NESTED_COLUMNS.items():
             inner = getattr(s, name)
-            self._parts[name].append(np.fromiter(itertools.chain.from_iterable(inner), dtype=dtype))
-            self._lengths[name].extend(map(len, inner))
-            self._outer[name].append(len(inner))
-        self._stats.add(s)
+            parts.append((name, np.fromiter(itertools.chain.from_iterable(inner), dtype=dtype), list(map(len, inner))))
+            outer.append((name, len(inner)))
+        row = self._stats.row(s)
+        for name, array, lengths in parts:
+            self._parts[name].append(array)
+            self._lengths[name].extend(lengths)
+        for name, n in outer:
+            self._outer[name].append(n)
+        self._stats.append(row)
 
     def columns(self) -> Columns:
         """The columns of every sample added so far; the builder starts empty again, so the per-sample

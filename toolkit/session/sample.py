@@ -206,4 +206,7 @@ def merge(a: Sample, b: Sample, tokenizer: Tokenizer | None = None) -> Sample:
         error="; ".join(e for e in (a.error, b.error) if e),
         branch=a.branch,
         messages=b.messages or a.messages,  # b's conversation goes on from a's: the whole of it
+        started_step=a.started_step,  # where the session began
+        carried=max(a.carried, b.carried),
+        staleness=max(a.staleness, b.staleness),  # its oldest tokens' policy, at the later landing
     )

@@ -60,7 +60,7 @@ CLOSE_TIMEOUT_S = 60.0
 
 
 class Trackers:
-    """The run's trackers; a tracker that fails to log is reported once and dropped, never the run.
+    """The run's trackers; a tracker that fails to open or to log is reported once and dropped, never the run.
     Each one's last logged step is kept in the run dir, so a resumed run logs exactly the steps its
     previous launch did not (it may have ended between a step's report and its next look at them)."""
 
@@ -70,7 +70,12 @@ class Trackers:
         self.logged: dict[str, int] = read_json(run_dir.trackers_logged) or {}
         try:
             for name in names:
-                self.trackers[name] = _make(name, run_dir, config, options)
+                try:
+                    self.trackers[name] = _make(name, run_dir, config, options)
+                except Exception as exc:  # (no login, no network on a compute node...): the run goes on
+                    logger.error("tracker %s could not open, so this run logs nothing to it: %s: %s (W&B "
+                                 "without a login or network: report.wandb_mode=offline)", name,
+                                 type(exc).__name__, exc)
         except BaseException:
             self.close()
             raise
