@@ -153,6 +153,14 @@ class TestReplica:
         assert last.running == 0 and last.waiting == 0
         assert last.prefix_hits >= 12 * 64 and last.prefix_queries >= 13 * len(PROMPT)
         assert last.generated_tokens >= 12 * 200 + 16 + 1
+        # An Abort right behind its Generate (a caller gone, a move just after dispatch): vLLM, still
+        # preparing the request, drops an abort of an id it has not registered; the engine asks again.
+        for i in range(8):
+            b.send(gen(f"gone{i}", max_tokens=400, ignore_eos=True))
+            b.send(P.Abort(f"gone{i}"))
+        gone = b.results(8, 120)
+        assert {r.status for r in gone.values()} == {"cancelled"}, {k: (r.status, len(r.output_token_ids))
+                                                                     for k, r in gone.items()}
 
     def test_engine_death_fails_inflight_requests_and_serves_later_ones(self, replica: Any, models: dict) -> None:
         stack, b = replica

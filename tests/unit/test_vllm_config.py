@@ -104,3 +104,30 @@ def test_adapter_present_lists_the_directory_on_a_miss(tmp_path: Path) -> None:
     assert not adapter_present(str(adapter))
     (adapter / "adapter_config.json").write_text("{}")
     assert adapter_present(str(adapter)) and adapter_present(str(adapter) + "/")
+
+
+def test_a_request_aborted_while_its_adapter_loads_does_not_run(tmp_path: Path) -> None:
+    """An Abort that comes while the adapter is looked for or loaded (``add_lora``): the request ends
+    cancelled instead of running to its end once the adapter is in."""
+    import asyncio
+
+    from toolkit.config import compose_config
+    from toolkit.core.protocol import Generate, Result
+    from toolkit.engine.vllm_lora import Adapters
+
+    adapter = tmp_path / "a1"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    adapters = Adapters(compose_config(["engine=vllm"]).engine, lambda *args: args)
+
+    class Engine:  # vLLM's AsyncLLM as Adapters uses it: the abort comes while it loads the adapter
+        errored = False
+
+        async def add_lora(self, lora: object) -> None:
+            assert adapters.cancel("r")
+            await asyncio.sleep(0)
+
+    got = asyncio.run(adapters.get(Engine(), Generate("r", prompt_token_ids=[1], lora=str(adapter))))
+    assert isinstance(got, Result) and got.status == "cancelled" and not adapters.waits
+    again = asyncio.run(adapters.get(Engine(), Generate("r", prompt_token_ids=[1], lora=str(adapter))))
+    assert not isinstance(again, Result)  # (loaded now: no add_lora, nothing to abort it)

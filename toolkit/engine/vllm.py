@@ -65,6 +65,7 @@ from toolkit.engine.kv_events import KvEventLog
 from toolkit.engine.node_role import NodeRole
 from toolkit.engine.vllm_kv import VllmKvEvents
 from toolkit.engine.vllm_lora import Adapters
+from toolkit.engine.vllm_requests import LiveRequests
 from toolkit.engine.vllm_setup import cpu_environment, engine_args, stat_logger_factory
 
 logger = logging.getLogger(__name__)
@@ -151,8 +152,8 @@ class VllmEngine(Engine):
         """Why the engine cannot go on although vLLM still runs (an in-place update that failed half
         way): it counts as dead, and the replica restarts it on the last good weights."""
         self.adapters = Adapters(cfg, None)
-        self.active: set[str] = set()
-        """Request ids in ``llm.generate`` now (an in-place update that fails aborts them)."""
+        self.active = LiveRequests()
+        """Requests in ``generate`` now (an in-place update that fails aborts them)."""
         self.ipc_dir: str | None = None
         """The replica's directory for its engines' ipc sockets (vLLM's own, ``VLLM_RPC_BASE_PATH`` unless the
         user's environment names another, and the KV events'), made at first use and removed at close: an
@@ -233,6 +234,7 @@ class VllmEngine(Engine):
 
     async def _shutdown(self) -> None:
         llm, self.llm = self.llm, None
+        self.active.close()
         if self.kv is not None:
             self.kv.stop()
         if llm is not None:
@@ -337,7 +339,7 @@ class VllmEngine(Engine):
             if llm.errored:
                 return Result(request_id=rid, status="engine_dead", error="the engine died")
         final = None
-        self.active.add(rid)
+        attempt = self.active.begin(rid)
         try:
             async for out in llm.generate(v.TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params, rid,
                                           lora_request=lora):
@@ -354,7 +356,7 @@ class VllmEngine(Engine):
             logger.exception("request %s failed in vLLM", rid)
             return Result(request_id=rid, status="engine_dead", error=f"{type(exc).__name__}: {exc}")
         finally:
-            self.active.discard(rid)
+            self.active.end(rid, attempt)
         res = self.to_result(rid, final)
         if req.sampling.structured is not None and res.finish_reason == "error":
             # The only request-level error of a plain engine: its grammar did not compile (vLLM logs why).
@@ -380,8 +382,10 @@ class VllmEngine(Engine):
                       samples=[Completion(*one(c)) for c in outs[1:]], weight_versions=span_versions(outs))
 
     async def abort(self, request_id: str) -> None:
-        if not self.adapters.cancel(request_id) and self.llm is not None and not self.llm.errored:
-            await self.llm.abort(request_id)
+        llm = self.llm
+        if not self.adapters.cancel(request_id) and llm is not None and not llm.errored:
+            await llm.abort(request_id)
+            self.active.abort(request_id, llm.abort)  # (lost if vLLM had not registered it yet: asked again)
 
     def stats(self) -> ReplicaStats:
         c = self.counters

@@ -77,8 +77,12 @@ class Adapters:
                 # File system calls can block for seconds on a shared file system: off the loop.
                 if await asyncio.to_thread(adapter_present, path):
                     lora, why = await self._add(llm, path)
+                    if cancel.is_set():  # aborted while it looked or loaded: the request does not run
+                        break
                     if lora is not None:
                         return lora
+                elif cancel.is_set():
+                    break
                 left = give_up - time.time()
                 if left <= 0:
                     return Result(request_id=rid, status="adapter_missing", error=f"adapter {path}: {why}")
@@ -87,12 +91,13 @@ class Adapters:
                     logged = True
                 try:
                     await asyncio.wait_for(cancel.wait(), min(self.cfg.adapter_poll_s, left))
-                    return Result(request_id=rid, status="cancelled", finish_reason="abort",
-                                  error=f"aborted while waiting for adapter {path}")
+                    break
                 except asyncio.TimeoutError:
                     pass
         finally:
             self.waits.pop(rid, None)
+        return Result(request_id=rid, status="cancelled", finish_reason="abort",
+                      error=f"aborted while waiting for adapter {path}")
 
     async def _add(self, llm: Any, path: str) -> tuple[Any, str]:
         lora_id = self.ids.setdefault(path, len(self.ids) + 1)
