@@ -67,6 +67,20 @@ def test_default_run_on_slurm_completes_with_complete_outputs(slurm_run: tuple[P
     assert_no_process_left(r)
 
 
+def test_the_local_cluster_runs_inside_a_slurm_job_step(slurm_run: tuple[Path, str]) -> None:
+    """``cluster=local`` in an ``srun`` session on a compute node (a hydra-submitit point keeping the default
+    cluster is one too): the ranks start on this node, not through a nested srun that waits for CPUs
+    the step holds."""
+    d, job = slurm_run
+    cmd = ["srun", f"--job-name={job}", "-n1", "-c4", f"--chdir={d}", sys.executable, "-m", "toolkit.launch",
+           f"hydra.run.dir={d / 'run'}", "steps=1", "engine.time_scale=0.2", "cluster.ready_timeout_s=60"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "starting them again" not in out.stdout
+    check_outputs(d / "run", steps=1, sessions=32)
+    assert_no_process_left(d / "run")
+
+
 def test_killing_a_replica_job_mid_step_loses_no_session(slurm_run: tuple[Path, str]) -> None:
     from toolkit.core.rundir import RunDir
     from toolkit.weights import publish

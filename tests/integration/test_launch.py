@@ -394,3 +394,17 @@ def test_ranks_that_fail_in_mpi_init_are_started_once_more(tmp_path: Path) -> No
     assert out.returncode == 0, out.stdout + out.stderr
     assert "did not get through MPI_Init; starting them again" in out.stdout
     check_outputs(run, steps=1, sessions=32)
+
+
+def test_ranks_stuck_in_mpi_init_twice_end_the_run_at_their_readiness_timeout(tmp_path: Path) -> None:
+    """A world that never wires up (a nested srun waiting for resources, an MPI that hangs): started
+    once more, then a readiness error, not a wait with the whole fleet up until the time limit."""
+    run = tmp_path / "run"
+    hang = tmp_path / "hanging-mpiexec"
+    hang.write_text("#!/bin/sh\necho 'waiting for a world that never comes' >&2\nexec sleep 600\n")
+    hang.chmod(0o755)
+    out = launch([f"hydra.run.dir={run}", *FAST, "steps=1", f"cluster.mpiexec={hang}", "cluster.ready_timeout_s=4"])
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "did not get through MPI_Init; starting them again" in out.stdout
+    assert "did not get through MPI_Init in 4s, started twice" in out.stdout + out.stderr
+    assert json.loads((run / "report.json").read_text())["status"] == "failed"

@@ -122,8 +122,10 @@ def test_every_backend_check_is_found_through_its_registry() -> None:
     from toolkit.config.backends import CLUSTERS, ENGINES
 
     assert all(callable(ENGINES.check(name)) for name in ENGINES.names())
-    assert CLUSTERS.check("local") is None
-    assert callable(CLUSTERS.check("slurm")) and callable(CLUSTERS.check("allocation"))
+    assert all(callable(CLUSTERS.check(name)) for name in CLUSTERS.names())
+    with pytest.raises(ConfigError) as info:  # found at setup, not once the fleet is up
+        validate(compose_config(["cluster.mpiexec=/opt/nowhere/bin/mpiexec"]))
+    assert "cluster.mpiexec = '/opt/nowhere/bin/mpiexec': an executable mpiexec" in str(info.value)
     cfg = compose_config(["engine.output_len_session_share=0.5", "+groups.tail.engine.output_len_prompt_share=0.75"])
     with pytest.raises(ConfigError) as info:
         validate(cfg)
@@ -387,3 +389,13 @@ def test_a_groups_overrides_are_checked_as_the_fields_they_replace() -> None:
 def test_a_group_choice_that_is_no_name_is_listed_not_raised(tmp_path: Path) -> None:
     text = cli_errors([f"hydra.run.dir={tmp_path / 'run'}", "engine=3", "steps=0"])
     assert "engine = '3'" in text and "steps = 0" in text and not (tmp_path / "run").exists()
+
+
+def test_a_sweep_over_a_field_of_a_group_chosen_beside_it_is_checked_with_that_group() -> None:
+    """Each swept value is composed with the rest of the command line (as Hydra runs it), not alone:
+    ``cluster.partition`` exists only with ``cluster=slurm``."""
+    check_overrides(["cluster=slurm", "cluster.partition=debug,multi"], multirun=True)
+    check_overrides(["engine=vllm", "engine.kv_cache_gib=1,2"], multirun=True)
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["cluster=slurm", "cluster.partition=debug,multi", "steps=1,x"], multirun=True)
+    assert "steps = 'x'" in str(info.value) and "partition" not in str(info.value)

@@ -7,14 +7,15 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import submitit
 
 from toolkit.cluster.base import Cluster, Component, submitit_outputs
-from toolkit.config import replica_nodes
-from toolkit.core.errors import ComponentFailed
+from toolkit.config import Config, replica_nodes
+from toolkit.core.errors import ComponentFailed, FieldError
 from toolkit.core.lifecycle import ProcessRef, popen_logged
 from toolkit.core.names import process_name
 from toolkit.engine import replica
@@ -114,6 +115,21 @@ def find_mpiexec(configured: str | None) -> str:
     return found
 
 
+def check_local(cfg: Config) -> list[FieldError]:
+    """``cluster=local``'s check beyond its fields' own: an mpiexec to start the ranks with (found after the
+    fleet is up, a wrong one failed the run there)."""
+    configured = cfg.cluster.mpiexec
+    if configured is None:
+        try:
+            find_mpiexec(None)
+        except ComponentFailed as exc:
+            return [FieldError("cluster.mpiexec", None, str(exc))]
+        return []
+    if shutil.which(configured) is None:
+        return [FieldError("cluster.mpiexec", configured, "an executable mpiexec: a path, or a name on PATH")]
+    return []
+
+
 class LocalCluster(Cluster):
     def _executor(self, name: str) -> submitit.LocalExecutor:
         ex = submitit.LocalExecutor(folder=self.run_dir.submitit / name)
@@ -143,5 +159,13 @@ class LocalCluster(Cluster):
         cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",
                "toolkit.rollout.worker", str(self.run_dir.root), "--first-step", str(first_step),
                "--owner", f"{self.owner.pid}:{self.owner.start}"]
-        proc = popen_logged(cmd, self.run_dir.ranks_out, start_new_session=True)
+        proc = popen_logged(cmd, self.run_dir.ranks_out, start_new_session=True, env=local_mpi_env(os.environ))
         return self.track(ProcessGroupComponent("ranks", proc))
+
+
+def local_mpi_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for an mpiexec that starts every rank on this machine. Inside a Slurm job (an ``srun --pty``
+    shell, a hydra-submitit point) MPICH's mpiexec would start them through a nested srun, which waits
+    for good for CPUs the job's step holds: its launcher is ``fork`` and its hosts this one instead
+    (a user's own ``HYDRA_LAUNCHER`` / ``HYDRA_RMK`` stay; other MPIs read neither)."""
+    return {"HYDRA_LAUNCHER": "fork", "HYDRA_RMK": "user", **env}

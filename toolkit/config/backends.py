@@ -269,7 +269,8 @@ ENGINES = Registry("engine", {
 """Engine backends by ``engine.type``."""
 
 CLUSTERS = Registry("cluster", {
-    "local": Backend("toolkit.config.backends:ClusterConfig", "toolkit.cluster.local:LocalCluster"),
+    "local": Backend("toolkit.config.backends:ClusterConfig", "toolkit.cluster.local:LocalCluster",
+                     "toolkit.cluster.local:check_local"),
     "slurm": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.slurm:SlurmCluster",
                      "toolkit.cluster.slurm_checks:check_slurm"),
     "allocation": Backend("toolkit.config.backends:SlurmClusterConfig", "toolkit.cluster.allocation:AllocationCluster",

@@ -221,6 +221,14 @@ def main(dcfg: DictConfig) -> None:
     except ToolkitError as exc:
         console.print(f"[red]run failed:[/red] {exc}", highlight=False, soft_wrap=True)
         fail_point(1)
+    except Exception as exc:
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise  # a single run: the traceback, as any program's
+        # A sweep's point: it fails, the other points run, and the sweep's summary lists it.
+        logger.exception("sweep point %s failed", run_dir.root)
+        console.print(f"[red]run failed:[/red] {type(exc).__name__}: {exc} (traceback in the point's log)",
+                      highlight=False, soft_wrap=True)
+        fail_point(1)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every component was stopped[/yellow]")
         sys.exit(130)

@@ -126,9 +126,15 @@ def check_overrides(overrides: Sequence[str], multirun: bool = False, setup: Set
     except COMPOSITION_ERRORS as exc:
         whole = exc
         kept, errors = _composing(first, setup)
-    for values in each:
+    for i, values in enumerate(each):
+        rest = [line for line in kept if line != first[i]]  # (a field of a group chosen beside it composes)
         for line in values[1:]:
             try:
+                setup.compose([*rest, line])
+                continue
+            except (*COMPOSITION_ERRORS, ConfigError):
+                pass
+            try:  # alone: a value that composes alone but not with the rest is its points' error (below)
                 setup.compose([line])
             except COMPOSITION_ERRORS as exc:
                 errors.append(_error(line, exc))

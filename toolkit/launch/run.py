@@ -171,6 +171,11 @@ class Run:
                                        f"ranks: {self.ranks.state()}  <- stuck")
             if init_deadline is None and not pending:
                 init_deadline = time.monotonic() + cfg.cluster.ready_timeout_s
+            if retried and init_deadline is not None and self.ranks.exit_code() is None and \
+                    self._ranks_stuck_in_init(init_deadline):  # (ranks that failed say why below)
+                raise ReadinessTimeout(f"the rollout ranks did not get through MPI_Init in "
+                                       f"{cfg.cluster.ready_timeout_s:.0f}s, started twice: ranks: "
+                                       f"{self.ranks.state()}  <- stuck; {self._ranks_failure()}")
             if not retried and init_deadline is not None and self._ranks_stuck_in_init(init_deadline):
                 # Once: MPI's wire-up of a fresh world can fail or hang where a stale one was killed
                 # (seen after an sbatch requeue, whose steps reuse the previous incarnation's ids).
