@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.engine.beacon import Watch, knock
@@ -38,7 +39,10 @@ def test_the_watch_sees_node_rank_0_gone_though_a_child_it_forked_lives() -> Non
             assert not watch.gone.wait(0.5)  # knocked ~10 times at a live beacon
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
-            assert watch.gone.wait(30) and gone == [True]
+            assert watch.gone.wait(30) and gone and all(gone)
+            n = len(gone)
+            time.sleep(0.5)  # and again, for what this node starts after (a worker of a boot that went on)
+            assert len(gone) > n
         finally:
             watch.stop()
         assert ProcessRef.of(child, "child").alive()  # the forked one lives on, its copy closed

@@ -152,4 +152,4 @@ def test_a_prompts_token_ids_are_checked_once_per_smaller_vocabulary() -> None:
     assert limit_error(req([5, -2, 60]), 100, 50) == "token id -2 outside the vocabulary [0, 50)"
     high = req([5, 60, 2])
     assert limit_error(high, 100, 50) == "token id 60 outside the vocabulary [0, 50)" and high.ids_below == 0
-    assert limit_error(req([1] * 101), 100, 50) == "prompt of 101 tokens is longer than max_model_len 100"
+    assert limit_error(req([1] * 100), 100, 50) == "prompt of 100 tokens leaves no room for an output token in max_model_len 100"

@@ -307,3 +307,24 @@ def test_a_request_aborted_while_its_kv_is_on_the_way_never_lands() -> None:
         await eng.close()
 
     run(main())
+
+
+def test_the_sim_refuses_what_vllm_refuses_and_answers_the_rest() -> None:
+    """Sampling parameters vLLM's SamplingParams refuses, and a prompt with no room for one token: each a
+    client error of that request alone (what passes on the sim passes on vLLM)."""
+    async def main() -> None:
+        eng = SimEngine(SimEngineConfig(time_scale=0.01, max_model_len=64))
+        await eng.start()
+        bad = {"max_tokens=0": Sampling(max_tokens=0), "temperature=-1": Sampling(temperature=-1.0),
+               "temperature=nan": Sampling(temperature=float("nan")), "top_p=0": Sampling(top_p=0.0),
+               "n=0": Sampling(n=0), "n=2 greedy": Sampling(n=2, temperature=0.0)}
+        for what, s in bad.items():
+            res = await eng.generate(Generate(what, prompt_token_ids=[1, 2, 3], sampling=s))
+            assert res.status == "client_error", what
+        full = await eng.generate(gen("full", [1] * 64, 8))
+        assert full.status == "client_error" and "max_model_len 64" in full.error
+        ok = await eng.generate(gen("ok", [1] * 63, 8))
+        assert ok.status == "ok" and len(ok.output_token_ids) == 1 and ok.finish_reason == "length"
+        await eng.close()
+
+    run(main())

@@ -153,7 +153,7 @@ class SimEngineConfig:
     max_num_seqs: int = bounded(256, ge=1)
     """Sequences decoded together in one step (the engine's batch cap)."""
     max_model_len: int = bounded(8192, ge=1)
-    """Longest prompt + output; longer prompts are client errors."""
+    """Longest prompt + output; a prompt of this many tokens or more is a client error (no room for one token)."""
     vocab_size: int = bounded(32000, ge=1)
     """Token ids must be below this."""
     block_size: int = bounded(16, ge=1)

@@ -81,7 +81,9 @@ def knock(addr: str, port: int, timeout_s: float = 2.0) -> bool | None:
 
 class Watch:
     """Knocks at node rank 0's beacon every ``every_s`` in a thread; once refused ``misses`` times in a
-    row, or unanswered for ``lost_s``, :attr:`gone` is set and ``on_gone`` runs (in that thread)."""
+    row, or unanswered for ``lost_s``, :attr:`gone` is set and ``on_gone`` runs (in that thread), and again
+    every ``every_s`` until :meth:`stop`: what this node starts after (a worker spawned by a boot that
+    went on) is stopped too."""
 
     def __init__(self, addr: str, port: int, on_gone: Callable[[], None] = lambda: None,
                  every_s: float = WATCH_S, misses: int = MISSES, lost_s: float = LOST_S) -> None:
@@ -96,6 +98,9 @@ class Watch:
         refused = 0
         last_answer = time.monotonic()
         while not self._stop.wait(self._every_s):
+            if self.gone.is_set():
+                self._on_gone()
+                continue
             there = knock(self.addr, self.port, timeout_s=min(2.0, self._lost_s))
             now = time.monotonic()
             if there:
@@ -108,7 +113,6 @@ class Watch:
                              else f"no answer for {now - last_answer:.0f}s")
                 self.gone.set()
                 self._on_gone()
-                return
 
     def stop(self) -> None:
         self._stop.set()

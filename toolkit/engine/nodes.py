@@ -78,6 +78,10 @@ def serve_node(run_dir: str, group: str, index: int, role: NodeRole | None, owne
     started = time.time()
     gone = watch.gone if watch is not None else threading.Event()
     try:
+        if gone.is_set():  # seen while this node rank was importing and building its config
+            logger.error("node rank 0 of replica %s is gone before this node rank started: it ends with it",
+                         replica_name)
+            sys.exit(EXIT_REPLICA_GONE)
         if ENGINES.impl(ecfg.type).serve_node_rank(ecfg, role, record):
             if _stopped_after_drain(marker, started):
                 logger.info("node rank 0 of replica %s stopped after its drain; this node rank too", replica_name)

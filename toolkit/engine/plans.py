@@ -15,7 +15,7 @@ import numpy as np
 from toolkit.config import SimEngineConfig
 from toolkit.core.draws import POOL, id_window, seeded, window
 from toolkit.core.errors import ToolkitError
-from toolkit.core.protocol import Generate, Structured
+from toolkit.core.protocol import Generate, Sampling, Structured
 from toolkit.engine.structured import instance_text
 from toolkit.model.tokenizer import Tokenizer
 
@@ -37,6 +37,22 @@ def draw_output(rng: np.random.Generator, vocab_size: int, n: int) -> tuple[list
         return [], []
     tokens, start = id_window(rng, vocab_size, n)
     return tokens, window(_logprob_pool(), start, n)
+
+
+def sampling_error(s: Sampling) -> str:
+    """Why vLLM refuses these sampling parameters (``SamplingParams``' own checks), or "": the sim refuses
+    what vLLM refuses, so that what passes on it passes on vLLM."""
+    if s.max_tokens < 1:
+        return f"max_tokens must be at least 1, got {s.max_tokens}"
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {s.temperature}"
+    if not 0 < s.top_p <= 1:
+        return f"top_p must be in (0, 1], got {s.top_p}"
+    if s.n < 1:
+        return f"n must be at least 1, got {s.n}"
+    if s.n > 1 and s.temperature == 0:
+        return f"n must be 1 when using greedy sampling, got {s.n}"
+    return ""
 
 
 def output_len(cfg: SimEngineConfig, z: Any) -> Any:

@@ -165,15 +165,29 @@ class ReplicaServer:
             logger.warning("could not tell the router this replica is leaving: %s", e)
 
     async def _heartbeats(self) -> None:
+        failed = 0
         while True:
             await asyncio.sleep(self.cfg.router.heartbeat_s)
-            self._check_engine()
-            s = self.engine.stats()
-            if self.metrics is not None:
-                self.metrics.stats = s
-            await self._send_kv()
-            # Every batch up to kv.seq went out before this (each is sent as it is taken).
-            await self._send(P.Heartbeat(self.replica_id, s, self.kv.seq if self.kv is not None else 0))
+            try:
+                await self._beat()
+                failed = 0
+            except Exception as exc:
+                # One bad beat costs that beat. A replica that cannot beat at all is dropped by the router
+                # as silent; it ends (exit 75: the cluster replaces it) rather than serve unseen.
+                failed += 1
+                logger.exception("heartbeat %d in a row failed", failed)
+                if failed >= self.cfg.router.missed_heartbeats:
+                    self._fatal = EngineGone(f"its heartbeats failed {failed} times in a row: {exc!r}")
+                    return
+
+    async def _beat(self) -> None:
+        self._check_engine()
+        s = self.engine.stats()
+        if self.metrics is not None:
+            self.metrics.stats = s
+        await self._send_kv()
+        # Every batch up to kv.seq went out before this (each is sent as it is taken).
+        await self._send(P.Heartbeat(self.replica_id, s, self.kv.seq if self.kv is not None else 0))
 
     async def _follow_router(self) -> None:
         if not await self.link.follow():

@@ -23,7 +23,7 @@ from toolkit.core.errors import ToolkitError
 from toolkit.core.protocol import Generate, ReplicaStats, Result, StreamWeights
 from toolkit.engine.base import Engine, EngineInfo
 from toolkit.engine.kv_events import KvEventLog
-from toolkit.engine.plans import plan_output
+from toolkit.engine.plans import plan_output, sampling_error
 from toolkit.engine.prefix_cache import PrefixCache
 from toolkit.engine.step_model import step_seconds
 from toolkit.model.tokenizer import Tokenizer, load_tokenizer
@@ -115,10 +115,13 @@ class SimEngine(Engine):
 
     async def generate(self, req: Generate) -> Result:
         prompt = req.prompt_token_ids
-        if not prompt or len(prompt) > self.cfg.max_model_len or min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
+        # (a prompt of max_model_len leaves no room for one token: vLLM refuses it too)
+        if not prompt or len(prompt) >= self.cfg.max_model_len or min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
             return Result(request_id=req.request_id, status="client_error",
-                          error=f"prompt of {len(prompt)} tokens outside limits (max_model_len "
-                                f"{self.cfg.max_model_len}, vocab {self.cfg.vocab_size})")
+                          error=f"prompt of {len(prompt)} tokens outside limits (shorter than max_model_len "
+                                f"{self.cfg.max_model_len}, ids below vocab {self.cfg.vocab_size})")
+        if error := sampling_error(req.sampling):
+            return Result(request_id=req.request_id, status="client_error", error=error)
         try:
             tok = self.tokenizer() if req.sampling.structured is not None else None
             tokens, logprobs, finish = plan_output(self.cfg, req, tok)

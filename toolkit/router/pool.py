@@ -340,8 +340,8 @@ def limit_error(req: Request, max_model_len: int, vocab_size: int) -> str:
     smaller vocabulary (``Request.ids_below``), by msgspec in C: a Python ``min`` and ``max`` over a long
     context cost the router more than its choice of replica."""
     ids = req.msg.prompt_token_ids
-    if len(ids) > max_model_len:
-        return f"prompt of {len(ids)} tokens is longer than max_model_len {max_model_len}"
+    if len(ids) >= max_model_len:  # (no room for one token: vLLM refuses it)
+        return f"prompt of {len(ids)} tokens leaves no room for an output token in max_model_len {max_model_len}"
     if 0 < req.ids_below <= vocab_size:
         return ""
     try:
