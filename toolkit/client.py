@@ -87,7 +87,7 @@ class RouterClient:
         """Why the router refused this client's handshake, once it did (every call raises it then)."""
 
     async def connect(self, timeout_s: float = 60.0) -> None:
-        info = await asyncio.to_thread(self.run_dir.wait_router_address, timeout_s)
+        info = await self.run_dir.await_router_address(timeout_s)
         self.link.connect(info["frontend"])
         self._tasks = [asyncio.create_task(self._receive(), name="client-recv")]
 

@@ -211,6 +211,40 @@ class TestReplica:
         wait_for(lambda: not any(r.alive() for r in engines), 120, "the engine processes to be gone")
 
 
+def test_a_replica_stopped_while_its_engine_boots_leaves_no_engine_process(models: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """The boot runs in a thread nothing can cancel, and vLLM's engine core outlives a killed parent: its
+    processes are recorded as they appear, and teardown stops them by pid."""
+    import psutil
+
+    cfg = compose_config(["model=tiny", f"engine.cache_dir={models['cache']}", "groups=single"])
+    validate(cfg)
+    stack = LocalStack(cfg, tmp_path / "run")
+    backend = Backend(stack)
+    seen: set[int] = set()
+    try:
+        proc = stack.start_replica("throughput", 0)
+
+        def booting() -> bool:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            seen.update(c.pid for c in kids)
+            return any("EngineCore" in c.name() for c in kids)
+
+        wait_for(booting, 120, "the engine core to start")
+        assert backend.sock.poll(0) == 0, "the engine was up already: this test stops one booting"
+    finally:
+        stack.stop()  # SIGTERM, and SIGKILL 3 s later: the boot does not end in that time
+        backend.close()
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    wait_for(lambda: not any(alive(p) for p in seen), 60, "the engine's processes to be gone")
+
+
 # ---- the whole pipeline, and the benchmark -----------------------------------------------------
 @pytest.mark.mpi
 @pytest.mark.timeout(1200)

@@ -116,3 +116,26 @@ def test_a_cleanup_that_hangs_after_sigterm_writes_every_threads_stack_and_exits
     proc, out = _signalled(tmp_path, "hang", 1.0)
     assert proc.returncode == 1, out
     assert "cleaned" not in out and "most recent call first" in out and "in main" in out, out
+
+
+def test_a_replica_stopped_while_it_waits_for_its_router_exits_cleanly(tmp_path: Path) -> None:
+    """The wait for the router's address is the replica's task, not a thread: SIGTERM ends it at once (a
+    thread polling for minutes held the exit until the stack-dumping grace ran out, exit 1)."""
+    import signal
+
+    from tests.helpers.procs import wait_for
+    from toolkit.config import compose_config
+    from toolkit.launch.stack import LocalStack
+
+    stack = LocalStack(compose_config(["engine=sim", "groups=single"]), tmp_path / "run")  # no router.json
+    proc = stack.start_replica("throughput", 0)
+    try:
+        log = stack.run_dir.logs / "replica-throughput-0.out"
+        wait_for(lambda: log.exists() and "waits for the router's address" in log.read_text(errors="replace"), 60,
+                 "the replica to wait for its router")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        out = (stack.run_dir.logs / "replica-throughput-0.out").read_text(errors="replace")
+        assert code == 0 and "Current thread" not in out, out[-3000:]
+    finally:
+        stack.stop()

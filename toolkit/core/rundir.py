@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -417,4 +418,15 @@ class RunDir:
         info = self.poll_router_address(time.monotonic() + timeout_s)
         if info is None:
             raise RouterUnavailable(f"no router address in {self.router_address} after {timeout_s:.0f}s")
+        return info
+
+    async def await_router_address(self, timeout_s: float) -> dict[str, str]:
+        """:meth:`wait_router_address` for a task: each read in a thread of its own (a shared file system's
+        can block), the waits on the loop, so that the task stops at once when it is cancelled (one thread
+        polling for minutes would hold its process's exit until it gave up)."""
+        deadline = time.monotonic() + timeout_s
+        while not (info := await asyncio.to_thread(read_json, self.router_address)):
+            if time.monotonic() > deadline:
+                raise RouterUnavailable(f"no router address in {self.router_address} after {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
         return info

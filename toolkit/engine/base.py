@@ -128,6 +128,10 @@ class Engine(ABC):
         even when the replica itself is killed."""
         return []
 
+    on_pids: Callable[[list[int]], None] = staticmethod(lambda pids: None)
+    """Called (by a backend that starts processes) with their pids as they appear, a boot included: a
+    replica stopped or killed while its engine boots leaves none that teardown does not know."""
+
     @classmethod
     def serve_node_rank(cls, cfg: Any, role: NodeRole, record_pids: Callable[[list[int]], None]) -> bool:
         """Node rank ``role.rank`` > 0 of a replica wider than a node (``toolkit/engine/nodes.py``): run

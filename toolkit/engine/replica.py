@@ -73,6 +73,7 @@ class ReplicaServer:
         self.run_dir = run_dir
         self.group = group
         self.engine = engine
+        engine.on_pids = self._record_engine_pids  # its processes as they appear, a boot included
         self.replica_id = replica_id(group, index, f"{socket.gethostname()}:{os.getpid()}")
         self.gcfg = cfg.groups[group]
         self.ctx = zmq.asyncio.Context()
@@ -123,7 +124,8 @@ class ReplicaServer:
             await self._send(self.kv.snapshot(self.engine.kv_held()))
 
     async def run(self) -> None:
-        addr = await asyncio.to_thread(self.run_dir.wait_router_address, self.cfg.cluster.ready_timeout_s)
+        logger.info("replica %s waits for the router's address (%s)", self.replica_id, self.run_dir.router_address)
+        addr = await self.run_dir.await_router_address(self.cfg.cluster.ready_timeout_s)
         if kv_events_on(self.cfg):
             self.kv = self.engine.kv_events()
         self.info = await self.engine.start()
@@ -334,10 +336,10 @@ class ReplicaServer:
         self.tasks.clear()
         await self._register()
 
-    def _record_engine_pids(self) -> None:
-        """Pid files for the engine's own processes, so teardown stops them by pid even if this
-        process is killed (vLLM's engine core outlives a SIGKILLed parent)."""
-        for pid in self.engine.pids():
+    def _record_engine_pids(self, pids: list[int] | None = None) -> None:
+        """Pid files for the engine's own processes (``pids``, else the engine's), so teardown stops them by
+        pid even if this process is killed (vLLM's engine core outlives a SIGKILLed parent)."""
+        for pid in self.engine.pids() if pids is None else pids:
             write_pidfile(self.run_dir.pidfile(f"{self.name}-engine", pid), ProcessRef.of(pid, f"{self.name}-engine"))
 
 

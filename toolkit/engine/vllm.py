@@ -197,9 +197,14 @@ class VllmEngine(Engine):
             cpu_environment(self.cfg, NodeRole.from_env())
         extra = {"kv_events_config": self.kv.config(v.KVEventsConfig)} if self.kv is not None else {}
         args = v.AsyncEngineArgs(**self.engine_args(), **extra)
-        # In a thread: the replica's loop keeps beating while a restarted engine comes up (~20 s).
-        self.llm = await asyncio.to_thread(v.AsyncLLM.from_engine_args, args,
-                                           stat_loggers=[stat_logger_factory(self.counters)])
+        # In a thread: the replica's loop keeps beating while a restarted engine comes up (~20 s). A thread
+        # cannot be cancelled: the processes it starts are told as they appear, for teardown to find.
+        watch = asyncio.create_task(self._tell_children())
+        try:
+            self.llm = await asyncio.to_thread(v.AsyncLLM.from_engine_args, args,
+                                               stat_loggers=[stat_logger_factory(self.counters)])
+        finally:
+            watch.cancel()
         # Every step's output carries this label; Result.weight_versions comes from it.
         await self.llm.update_weight_version(str(self.weight_version))
         # The first generation with logprobs takes seconds; pay it before the readiness probe.
@@ -293,6 +298,22 @@ class VllmEngine(Engine):
 
         serve_workers(cfg, role, record_pids)
         return True
+
+    async def _tell_children(self) -> None:
+        """This process's children (the engine core, its workers, vLLM's helpers) to ``on_pids``, every
+        half second while the engine boots."""
+        import psutil  # a vLLM dependency
+
+        me, told = psutil.Process(), set()
+        while True:
+            try:
+                pids = {c.pid for c in me.children(recursive=True)}
+            except psutil.Error:
+                pids = set()
+            if pids - told:
+                told |= pids
+                self.on_pids(sorted(pids))
+            await asyncio.sleep(0.5)
 
     def pids(self) -> list[int]:
         try:
