@@ -191,10 +191,11 @@ def test_submitting_hides_the_job_it_runs_in_but_keeps_the_users_sbatch_settings
     assert sorted(job_identity({**settings, **job})) == sorted(job)
     for k, v in {**settings, **job}.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SBATCH_EXPORT", "NONE")  # a site's default: the jobs would miss the run's environment
     with outside_job():
         assert all(os.environ.get(k) == v for k, v in settings.items())
-        assert not any(k in os.environ for k in job)
-    assert all(os.environ.get(k) == v for k, v in {**settings, **job}.items())
+        assert not any(k in os.environ for k in job) and "SBATCH_EXPORT" not in os.environ
+    assert all(os.environ.get(k) == v for k, v in {**settings, **job, "SBATCH_EXPORT": "NONE"}.items())
 
 
 class FakeSlurm:
@@ -256,11 +257,33 @@ def test_a_controller_that_does_not_answer_changes_no_jobs_state(slurm: FakeSlur
     assert [states.get(j).state for j in "123"] == ["RUNNING", "CANCELLED", "PENDING"]
     slurm.sacct = ""
     slurm.sacct = None  # and no accounting: squeue's own terminal states tell how they ended
-    slurm.squeue = "1|COMPLETED|None\n2|FAILED|NonZeroExitCode\n3|RUNNING|None\n"
-    assert [(states.get(j).state, states.get(j).exit_code) for j in "12"] == [("COMPLETED", 0), ("FAILED", 1)]
+    states.watch("4")
+    slurm.squeue = "1|COMPLETED|None\n4|FAILED|NonZeroExitCode\n3|RUNNING|None\n"
+    assert [(states.get(j).state, states.get(j).exit_code) for j in "14"] == [("COMPLETED", 0), ("FAILED", 1)]
     slurm.squeue = ""  # squeue forgot them (MinJobAge), and job 3 vanished while running
-    assert [(states.get(j).state, states.get(j).live, states.get(j).exit_code) for j in "123"] == [
-        ("COMPLETED", False, 0), ("FAILED", False, 1), ("UNKNOWN_END", False, 1)]
+    assert [(states.get(j).state, states.get(j).live, states.get(j).exit_code) for j in "1234"] == [
+        ("COMPLETED", False, 0), ("CANCELLED", False, 143), ("UNKNOWN_END", False, 1), ("FAILED", False, 1)]
+
+
+def test_a_job_that_ended_for_good_is_not_asked_about_again(slurm: FakeSlurm) -> None:
+    """A run that replaces jobs over days asked squeue and sacct about every one of them every poll."""
+    from toolkit.core.slurmctl import JobStates
+
+    states = JobStates(poll_s=0)
+    for job in ("1", "2"):
+        states.watch(job)
+    slurm.squeue, slurm.sacct = "2|RUNNING|None\n", "1|COMPLETED|0:0\n"
+    assert (states.get("1").state, states.get("2").state) == ("COMPLETED", "RUNNING")
+    slurm.calls.clear()
+    for _ in range(5):
+        assert states.get("1").state == "COMPLETED"
+    assert slurm.calls.count("sacct") == 0  # job 2 is listed live: only squeue, and nothing about job 1
+    slurm.squeue = ""
+    slurm.sacct = "2|PREEMPTED|0:15\n"  # requeued by Slurm: not an end for good, still asked about
+    states.get("2")
+    slurm.calls.clear()
+    states.get("2")
+    assert slurm.calls == ["squeue", "sacct"]
 
 
 def test_a_slow_controller_is_asked_once_a_poll_for_every_job(slurm: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,14 +363,15 @@ def test_ranks_that_slurm_ended_interrupt_the_run_rather_than_fail_it(slurm: Fak
     from toolkit.cluster.slurm import SlurmJobComponent
     from toolkit.core.slurmctl import JobStates
 
-    states = JobStates(poll_s=0)
-    ranks = SlurmJobComponent("ranks", SimpleNamespace(job_id="5"), states)
-    slurm.sacct = "5|TIMEOUT|0:0\n"
-    assert ranks.exit_code() == 1 and ranks.interrupted() == "Slurm ended job 5 (ranks): TIMEOUT"
-    slurm.sacct = "5|PREEMPTED|0:15\n"
-    assert "PREEMPTED" in ranks.interrupted()
-    slurm.sacct = "5|FAILED|1:0\n"
-    assert ranks.exit_code() == 1 and ranks.interrupted() == ""
+    def ranks(sacct: str) -> SlurmJobComponent:
+        slurm.sacct = sacct
+        return SlurmJobComponent("ranks", SimpleNamespace(job_id="5"), JobStates(poll_s=0))
+
+    timeout = ranks("5|TIMEOUT|0:0\n")
+    assert timeout.exit_code() == 1 and timeout.interrupted() == "Slurm ended job 5 (ranks): TIMEOUT"
+    assert "PREEMPTED" in ranks("5|PREEMPTED|0:15\n").interrupted()
+    failed = ranks("5|FAILED|1:0\n")
+    assert failed.exit_code() == 1 and failed.interrupted() == ""
 
 
 def test_a_signal_grace_the_time_limit_cannot_hold_is_a_setup_error() -> None:
@@ -404,3 +428,18 @@ def test_ranks_that_cannot_be_stopped_are_reported_not_doubled(slurm: FakeSlurm,
     assert slurm.cancelled == [["5"], ["--signal", "KILL", "5"]]
     slurm.squeue = "5|CANCELLED|None\n"
     assert ranks.stop(wait_s=5)
+
+
+def test_a_vllm_replica_gets_the_gpus_its_parallel_sizes_use() -> None:
+    """Without ``cluster.gpus_per_node`` a group's GPUs are as given: they must be what its tensor x
+    pipeline parallel size uses (the default tail group has TP 2), or the replica fails after its wait in
+    the queue. vLLM's CPU build (0 GPUs) is not held to it."""
+    from toolkit.config import compose_config
+    from toolkit.launch.validation import validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["cluster=slurm", "engine=vllm", "cluster.replica.gpus=1"]))
+    assert [e.field for e in info.value.errors] == ["cluster.group_resources.tail.gpus"]
+    assert "+cluster.group_resources.tail.gpus=2" in str(info.value)
+    validate(compose_config(["cluster=slurm", "engine=vllm", "cluster.replica.gpus=1", "+cluster.group_resources.tail.gpus=2"]))
+    validate(compose_config(["cluster=slurm", "engine=vllm"]))  # (0 GPUs)

@@ -80,8 +80,13 @@ def outside_job() -> Iterator[None]:
     inside a job (a sweep through hydra-submitit-launcher) would hand its job's identity
     (``SLURM_ARRAY_JOB_ID``, ``SUBMITIT_*``...) to its own jobs, where submitit then looks for the
     wrong job's pickle. The user's own ``SBATCH_*`` (``SBATCH_ACCOUNT``, ``SBATCH_PARTITION``,
-    ``SBATCH_QOS``, ``SBATCH_RESERVATION``...), ``SRUN_*`` and ``SALLOC_*`` settings are inputs, kept."""
-    saved = {k: v for k, v in os.environ.items() if k in job_identity(os.environ)}
+    ``SBATCH_QOS``, ``SBATCH_RESERVATION``...), ``SRUN_*`` and ``SALLOC_*`` settings are inputs, kept,
+    except an ``SBATCH_EXPORT`` that is not ``ALL`` (a site's ``NONE``): a job must get the submitting
+    environment (submitit's own variables, the run's lease epoch), as the job scripts assume."""
+    saved = {k: v for k, v in os.environ.items() if k in job_identity(os.environ) or k == "SBATCH_EXPORT"}
+    if saved.get("SBATCH_EXPORT", "ALL").upper() != "ALL":
+        logger.info("submitting with SBATCH_EXPORT=ALL (not %s): the jobs need this environment",
+                    saved["SBATCH_EXPORT"])
     for k in saved:
         del os.environ[k]
     try:

@@ -24,6 +24,9 @@ LIVE_STATES = frozenset({
     "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
     "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "SPECIAL_EXIT",
 })
+FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+"""Ends a job does not come back from (Slurm requeues a preempted job or one whose node failed, not
+these): :class:`JobStates` asks no more of a job once it has seen one."""
 _TIMEOUT_S = 30.0
 
 
@@ -70,6 +73,9 @@ class JobStates:
         self.poll_s = poll_s
         self.ids: set[str] = set()
         self._states: dict[str, JobState] = {}
+        self._final: dict[str, JobState] = {}
+        """Jobs seen in a :data:`FINAL_STATES` state: never asked about again (a run that replaces jobs over
+        days would otherwise ask squeue and sacct about every one of them every ``poll_s``)."""
         self._at = 0.0
 
     def watch(self, job_id: str) -> None:
@@ -90,16 +96,19 @@ class JobStates:
             self._at = time.monotonic()
 
     def _refresh(self) -> None:
-        listed = listed_states(self.ids)
+        self._states = {**self._ask(self.ids - self._final.keys()), **self._final}
+        self._final.update({j: st for j, st in self._states.items() if st.state in FINAL_STATES})
+
+    def _ask(self, ids: set[str]) -> dict[str, JobState]:
+        listed = listed_states(ids)
         if listed is None:
             # squeue failed: accounting still tells which jobs ended (a cancelled one is seen ended). Its
             # live states are not taken (a lagging slurmdbd may still say PENDING of a running job); such
             # a job, and one it does not know, stays as last seen.
-            ended = {j: s for j, s in accounted_states(self.ids).items() if not s.live}
-            self._states = {**self._states, **ended}
-            return
+            ended = {j: s for j, s in accounted_states(ids).items() if not s.live}
+            return {**self._states, **ended}
         states = {j: s for j, s in listed.items() if s.state in LIVE_STATES}
-        missing = self.ids - states.keys()
+        missing = ids - states.keys()
         if missing:
             accounted = accounted_states(missing)
             for j in missing:
@@ -112,7 +121,7 @@ class JobStates:
                     # Gone from squeue and not in sacct: a finished job stays as it was seen; a live one
                     # ended, and how is not known.
                     states[j] = JobState("UNKNOWN_END", exit_code=1) if before.live else before
-        self._states = states
+        return states
 
 
 def listed_states(ids: set[str]) -> dict[str, JobState] | None:

@@ -25,7 +25,9 @@ from toolkit.config import (
     Config,
     GroupFilter,
     ReplicaResources,
+    SimEngineConfig,
     SlurmClusterConfig,
+    VllmEngineConfig,
     WeightsTransport,
     engine_variants,
     field_errors,
@@ -124,6 +126,18 @@ def replica_placement(cfg: Config) -> list[FieldError]:
                     f"cluster.group_resources.{group}.{key}", over[key],
                     f"{getattr(derived, key)} (or unset): {devices} devices on nodes of cluster.gpus_per_node = "
                     f"{per_node} are {derived.nodes} node(s) of {derived.gpus}"))
+        if not per_node and isinstance(e, VllmEngineConfig) and derived.gpus > 0 and \
+                derived.gpus * derived.nodes != devices:  # (0 GPUs: vLLM's CPU build)
+            want = devices // derived.nodes if devices % derived.nodes == 0 else devices
+            errors.append(FieldError(
+                f"cluster.group_resources.{group}.gpus", derived.gpus,
+                f"{want} over {derived.nodes} node(s){'' if 'gpus' in over else ' (it has cluster.replica.gpus: set '}"
+                f"{'' if 'gpus' in over else f'+cluster.group_resources.{group}.gpus={want})'}: the replicas use "
+                f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} = {devices} GPUs (or set "
+                f"cluster.gpus_per_node to place them)"))
+        elif isinstance(e, SimEngineConfig) and derived.gpus > 0:
+            logger.warning("group %s runs the sim engine on %d GPU(s) a replica: the sim uses none (engine=vllm "
+                           "runs a model)", group, derived.gpus)
     return errors
 
 
