@@ -54,10 +54,15 @@ def test_default_run_writes_complete_outputs_and_leaves_nothing(tmp_path: Path) 
     # The same run dir again: refused at setup (the old router address would mislead the new run's
     # components), and the first run's outputs are left as they were.
     before = {p: p.stat().st_mtime_ns for p in (run / "steps").iterdir()}
-    again = launch([f"hydra.run.dir={run}", *FAST], timeout_s=60)
+    made_by = RunDir(run).read_overrides()
+    assert made_by is not None and f"hydra.run.dir={run}" in made_by
+    again = launch([f"hydra.run.dir={run}", *FAST, "steps=7"], timeout_s=60)
     assert again.returncode == 2, again.stdout + again.stderr
     assert "already holds a run" in again.stdout and str(run) in again.stdout.replace("\n", "")
     assert {p: p.stat().st_mtime_ns for p in (run / "steps").iterdir()} == before
+    # Hydra rewrote its .hydra files for the refused launch; the run's own record of how it was made stands
+    # (replay= and the sweep summary read it).
+    assert "steps=7" in (run / ".hydra" / "overrides.yaml").read_text() and RunDir(run).read_overrides() == made_by
 
 
 def test_overrides_scale_groups_and_flip_at_the_exact_count(tmp_path: Path) -> None:

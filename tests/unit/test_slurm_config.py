@@ -443,3 +443,21 @@ def test_a_vllm_replica_gets_the_gpus_its_parallel_sizes_use() -> None:
     assert "+cluster.group_resources.tail.gpus=2" in str(info.value)
     validate(compose_config(["cluster=slurm", "engine=vllm", "cluster.replica.gpus=1", "+cluster.group_resources.tail.gpus=2"]))
     validate(compose_config(["cluster=slurm", "engine=vllm"]))  # (0 GPUs)
+
+
+def test_the_machine_is_checked_before_the_run_dir_is_claimed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``cluster=allocation`` outside an allocation, or ``cluster=slurm`` without sbatch: errors at setup (found
+    after the run dir was claimed, a corrected command was refused as "already holds a run")."""
+    from toolkit.cluster import preflight
+    from toolkit.config import compose_config
+
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_config(["cluster=allocation", "cluster.shared_fs_check=false"]), tmp_path / "run")
+    assert "inside an sbatch allocation" in str(info.value)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_config(["cluster=slurm", "cluster.shared_fs_check=false"]), tmp_path / "run")
+    assert "sbatch on PATH" in str(info.value)
+    assert not (tmp_path / "run").exists()

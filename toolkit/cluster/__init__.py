@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
+from toolkit.cluster.allocation import plan_allocation
 from toolkit.cluster.base import Cluster, Component, exit_story, tail_lines
 from toolkit.cluster.storage import check_shared, cluster_nodes
 from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.core.rundir import RunDir
+from toolkit.core.slurmctl import hostnames
 
 __all__ = ["Cluster", "Component", "exit_story", "make_cluster", "preflight", "tail_lines"]
 
@@ -21,11 +25,37 @@ def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
 
 
 def preflight(cfg: Config, run_root: Path) -> None:
-    """Checks that need the machine, not just the config, before anything is written or started: on
-    Slurm the run dir (and the compile-cache dir) must be on storage that every node sees."""
+    """Checks that need the machine, not just the config, before anything is written or started (found
+    later, they left a run dir that a corrected command was then refused): ``cluster=allocation`` runs
+    inside an allocation that holds its plan, ``cluster=slurm`` has ``sbatch``; on Slurm the run dir (and
+    the compile-cache dir) must be on storage that every node sees."""
     c = cfg.cluster
-    if not isinstance(c, SlurmClusterConfig) or not c.shared_fs_check:
+    if not isinstance(c, SlurmClusterConfig):
         return
+    errors = _environment_errors(cfg)
+    if c.shared_fs_check:
+        errors += _storage_errors(c, run_root)
+    if errors:
+        raise ConfigError(errors)
+
+
+def _environment_errors(cfg: Config) -> list[FieldError]:
+    if cfg.cluster.type == "slurm" and shutil.which("sbatch") is None:
+        return [FieldError("cluster", "slurm", "a machine with Slurm's sbatch on PATH (a login node)")]
+    if cfg.cluster.type != "allocation":
+        return []
+    job, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
+    if not job or not nodelist:
+        return [FieldError("cluster", "allocation", "inside an sbatch allocation (sbatch slurm/rollout.sbatch); "
+                           "from a login node: cluster=slurm")]
+    need, have = plan_allocation(cfg).nodes, len(hostnames(nodelist))
+    if need > have:
+        return [FieldError("cluster", "allocation", f"an allocation of {need} node(s) for this config, not job "
+                           f"{job}'s {have} ({nodelist}): python -m toolkit.launch.sbatch renders one")]
+    return []
+
+
+def _storage_errors(c: SlurmClusterConfig, run_root: Path) -> list[FieldError]:
     nodes = cluster_nodes(c.partition)
     errors = []
     for field, path in (("hydra.run.dir", run_root), ("cluster.cache_dir", c.cache_dir)):
@@ -34,5 +64,4 @@ def preflight(cfg: Config, run_root: Path) -> None:
         msg = check_shared(Path(path), "the run dir" if field == "hydra.run.dir" else "the cache dir", nodes)
         if msg:
             errors.append(FieldError(field, str(path), msg))
-    if errors:
-        raise ConfigError(errors)
+    return errors

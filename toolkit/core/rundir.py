@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from toolkit.core.errors import RouterUnavailable, RunDirInUse
 
 logger = logging.getLogger(__name__)
@@ -145,6 +147,19 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def overrides(self) -> Path:
+        """The command line's overrides of the launch that made the run (YAML list), written once it took the
+        run dir: Hydra's ``.hydra/overrides.yaml`` is rewritten by any launch into the dir, a refused one too."""
+        return self.root / "overrides.yaml"
+
+    def read_overrides(self) -> list[str] | None:
+        """:attr:`overrides`, or Hydra's copy in a run made before it was kept (None: neither)."""
+        for path in (self.overrides, self.root / ".hydra" / "overrides.yaml"):
+            if path.exists():
+                return [str(o) for o in yaml.safe_load(path.read_text()) or []]
+        return None
 
     @property
     def router_address(self) -> Path:

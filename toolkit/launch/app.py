@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -25,7 +26,7 @@ from toolkit.cluster import preflight
 from toolkit.config import CONF_DIR, Config, from_dictconfig, register_configs, save_run_config
 from toolkit.core.errors import Interrupted, ToolkitError
 from toolkit.core.lease import Lease
-from toolkit.core.rundir import RunDir
+from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.slurmctl import requeue
 from toolkit.launch import resume
 from toolkit.launch.composition import LAUNCH, Setup, precheck
@@ -91,14 +92,17 @@ def check_run_dir(cfg: Config, run_dir: RunDir) -> bool:
     return False
 
 
-def run(cfg: Config, run_dir: RunDir, console: Console) -> dict:
+def run(cfg: Config, run_dir: RunDir, console: Console, overrides: list[str] | None = None) -> dict:
     """Run a validated config in ``run_dir`` (or continue it, with ``resume``); always tears down
-    what it started and releases the run's lease."""
+    what it started and releases the run's lease. ``overrides``: the command line's, kept with the run
+    by the launch that makes it (``RunDir.overrides``)."""
     resuming = check_run_dir(cfg, run_dir)
     run_dir.make()
     lease = Lease(run_dir, cfg.cluster.lease_s)
     epoch = lease.acquire()
     try:
+        if overrides is not None and not run_dir.overrides.exists():
+            atomic_write(run_dir.overrides, yaml.safe_dump(list(overrides)))
         first = 0
         if resuming:
             first = resume.prepare(run_dir, epoch, cfg).first_step
@@ -214,7 +218,7 @@ def main(dcfg: DictConfig) -> None:
         return
     _raise_on_sigterm()
     try:
-        run(cfg, run_dir, console)
+        run(cfg, run_dir, console, [str(o) for o in HydraConfig.get().overrides.task])
     except Interrupted as exc:
         console.print(f"[yellow]interrupted:[/yellow] {exc}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_INTERRUPTED)  # a sweep stops too: its job is ending (a signal before the time limit)

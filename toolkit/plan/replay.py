@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from toolkit.config import Config, SimEngineConfig, compose_config, samples_per_prompt
 from toolkit.core.errors import ToolkitError
@@ -52,11 +51,10 @@ class Recorded:
 
     def __init__(self, run_dir: str | Path) -> None:
         self.run = RunDir(Path(run_dir))
-        path = self.run.root / ".hydra" / "overrides.yaml"
-        if not path.exists():
-            raise ReplayError(f"replay={run_dir}: no .hydra/overrides.yaml there (a launch's run directory "
-                              "has one)")
-        self.overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(path)) or []]
+        overrides = self.run.read_overrides()
+        if overrides is None:
+            raise ReplayError(f"replay={run_dir}: no overrides.yaml there (a launch's run directory has one)")
+        self.overrides = overrides
         self.sessions: dict[tuple[int, int], tuple[list[int], list[Turn], float]] = {}
         reports: list[dict[str, Any]] = []
         for step in itertools.count():  # the steps written whole, from the first (either output layout)

@@ -36,10 +36,7 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def _overrides(run: Path) -> list[str]:
-    path = run / ".hydra" / "overrides.yaml"
-    if not path.exists():
-        return []
-    return [str(o) for o in OmegaConf.to_container(OmegaConf.load(path)) or []]  # type: ignore[union-attr]
+    return RunDir(run).read_overrides() or []
 
 
 def run_row(run: Path) -> dict[str, Any]:
