@@ -139,3 +139,30 @@ def test_a_replica_stopped_while_it_waits_for_its_router_exits_cleanly(tmp_path:
         assert code == 0 and "Current thread" not in out, out[-3000:]
     finally:
         stack.stop()
+
+
+def test_a_stacks_router_and_replicas_end_with_the_process_that_started_them(tmp_path: Path) -> None:
+    """A benchmark killed (a timeout, the OOM killer) runs no ``finally``: its LocalStack's processes watch it."""
+    import signal
+
+    from tests.helpers.procs import wait_for
+    from toolkit.core.lifecycle import read_pidfiles
+
+    root = tmp_path / "stack"
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom pathlib import Path\nfrom toolkit.config import compose_config\n"
+        "from toolkit.launch.stack import LocalStack\n"
+        f"s = LocalStack(compose_config(['groups=single', 'engine.time_scale=0.1']), Path({str(root)!r})).start(60)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
+        started = read_pidfiles(root / "pids")
+        assert {r.name for r in started} == {"router", "replica-throughput-0"}
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(30)
+        wait_for(lambda: not any(r.alive() for r in started), 60, "the stack's processes to end with their owner")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for r in read_pidfiles(root / "pids"):
+            r.signal(signal.SIGKILL)

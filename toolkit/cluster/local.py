@@ -158,7 +158,7 @@ class LocalCluster(Cluster):
     def start_ranks(self, n: int, first_step: int = 0) -> Component:
         cmd = [find_mpiexec(self.cfg.cluster.mpiexec), "-n", str(n), sys.executable, "-u", "-m",
                "toolkit.rollout.worker", str(self.run_dir.root), "--first-step", str(first_step),
-               "--owner", f"{self.owner.pid}:{self.owner.start}"]
+               "--owner", self.owner.arg]
         proc = popen_logged(cmd, self.run_dir.ranks_out, start_new_session=True, env=local_mpi_env(os.environ))
         return self.track(ProcessGroupComponent("ranks", proc))
 

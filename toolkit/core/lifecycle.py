@@ -95,6 +95,17 @@ class ProcessRef:
     def encode(self) -> str:
         return json.dumps({"pid": self.pid, "start": self.start, "name": self.name, "host": self.host})
 
+    @property
+    def arg(self) -> str:
+        """``pid:start``: how a component's command line names the process it lives and dies with."""
+        return f"{self.pid}:{self.start if self.start is not None else ''}"
+
+    @classmethod
+    def from_arg(cls, text: str, name: str = "owner") -> ProcessRef:
+        """The process :attr:`arg` names (on this machine)."""
+        pid, _, start = text.partition(":")
+        return cls(int(pid), int(start) if start else None, name)
+
     @classmethod
     def decode(cls, text: str) -> ProcessRef:
         d = json.loads(text)

@@ -372,7 +372,7 @@ def serve(run_dir: str, group: str, index: int, owner: ProcessRef | None = None)
         sys.exit(75)  # EX_TEMPFAIL: the cluster backend starts a replacement
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # RUN_DIR GROUP INDEX [OWNER: pid:start of the process it ends with]
     import sys
 
-    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    serve(sys.argv[1], sys.argv[2], int(sys.argv[3]), ProcessRef.from_arg(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -27,6 +27,8 @@ class LocalStack:
         self.run_dir.make()
         save_run_config(cfg, self.run_dir.config)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.owner = ProcessRef.self("stack")
+        """This process: its router and replicas end with it (a benchmark killed, a test runner's timeout)."""
         self.replicas: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
         self.frontend = ""
 
@@ -42,12 +44,12 @@ class LocalStack:
         return p
 
     def start_router(self, timeout_s: float = 30.0) -> subprocess.Popen[bytes]:
-        p = self.spawn("-m", "toolkit.router", str(self.run_dir.root), log="router.out")
+        p = self.spawn("-m", "toolkit.router", str(self.run_dir.root), self.owner.arg, log="router.out")
         self.frontend = self.run_dir.wait_router_address(timeout_s)["frontend"]
         return p
 
     def start_replica(self, group: str, index: int) -> subprocess.Popen[bytes]:
-        p = self.spawn("-m", "toolkit.engine.replica", str(self.run_dir.root), group, str(index),
+        p = self.spawn("-m", "toolkit.engine.replica", str(self.run_dir.root), group, str(index), self.owner.arg,
                        log=f"{process_name(group, index)}.out")
         self.replicas[(group, index)] = p
         return p

@@ -305,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    owner = None
-    if args.owner:
-        pid, _, start = args.owner.partition(":")
-        owner = ProcessRef(int(pid), int(start) if start else None, "owner")
+    owner = ProcessRef.from_arg(args.owner) if args.owner else None
     rd, cfg = enter_component(args.run_dir, f"rank-{comm.Get_rank()}", owner)
     if comm.Get_size() != cfg.ranks:
         # A launcher that did not wire MPI (e.g. srun --mpi=none) gives R worlds of size 1.
