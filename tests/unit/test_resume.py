@@ -116,12 +116,19 @@ def test_prepare_clears_what_would_mislead_the_resumed_step(tmp_path: Path) -> N
     atomic_write(rd.scale_request, json.dumps({"seq": 1, "groups": {"throughput": 5}}))
     point = prepare(rd, 2, compose_config(["groups.throughput.replicas=3"]))
     assert point.first_step == 1 and point.removed == ["steps/step_00001.parquet"]
-    for gone in (rd.sentinel("rollout"), rd.stop_request, rd.router_address, rd.scale_request):
+    for gone in (rd.sentinel("rollout"), rd.stop_request, rd.router_address):
         assert not gone.exists(), gone
+    assert json.loads(rd.scale_request.read_text())["groups"] == {}  # the count given wins over the scaled one
     # Without a changed count on the command line, the last scale request stands.
     atomic_write(rd.scale_request, json.dumps({"seq": 1, "groups": {"throughput": 5}}))
     prepare(rd, 3, compose_config([]))
-    assert rd.scale_request.exists()
+    assert json.loads(rd.scale_request.read_text())["groups"] == {"throughput": 5}
+    # Group by group, by what the command line names: the tail's scaled count stands beside a throughput
+    # count given; a count given equal to the stored one (undoing a scale-up) wins too.
+    for line, left in (("groups.throughput.replicas=6", {"tail": 3}), ("groups.throughput.replicas=2", {"tail": 3})):
+        atomic_write(rd.scale_request, json.dumps({"seq": 2, "groups": {"throughput": 4, "tail": 3}}))
+        prepare(rd, 4, compose_config([line]), [f"hydra.run.dir={tmp_path}", line, "resume=true"])
+        assert json.loads(rd.scale_request.read_text())["groups"] == left, line
 
 
 def test_a_launch_whose_lease_was_taken_over_notices_and_leaves_it_alone(tmp_path: Path) -> None:

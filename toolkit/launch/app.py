@@ -105,7 +105,7 @@ def run(cfg: Config, run_dir: RunDir, console: Console, overrides: list[str] | N
             atomic_write(run_dir.overrides, yaml.safe_dump(list(overrides)))
         first = 0
         if resuming:
-            first = resume.prepare(run_dir, epoch, cfg).first_step
+            first = resume.prepare(run_dir, epoch, cfg, overrides).first_step
             run_dir.append_event("resume", step=first, epoch=epoch, slurm_job=os.environ.get("SLURM_JOB_ID"),
                                  slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
             console.print(f"resuming {run_dir.root} at step {first + 1} of {cfg.steps}")

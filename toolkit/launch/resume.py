@@ -10,7 +10,9 @@ runs, never what it generates.
 from __future__ import annotations
 
 import fnmatch
+import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ from omegaconf import OmegaConf
 from toolkit.config import Config, load_run_config
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import read_pidfiles, stop_processes
-from toolkit.core.rundir import RunDir
+from toolkit.core.rundir import RunDir, atomic_write, read_json
 from toolkit.core.slurmctl import scancel, wait_gone
 
 logger = logging.getLogger(__name__)
@@ -81,10 +83,12 @@ class ResumePoint:
     """What the interrupted run had left of that step and later ones (removed)."""
 
 
-def prepare(rd: RunDir, epoch: int, cfg: Config) -> ResumePoint:
+def prepare(rd: RunDir, epoch: int, cfg: Config, overrides: list[str] | None = None) -> ResumePoint:
     """After taking the lease (epoch ``epoch``), before ``cfg`` replaces the stored config: stop what
     the previous launch left running, remove its partial step files, stop request, router address and
-    tail sentinels (the step in flight runs again from its beginning, unflipped), and say where to begin."""
+    tail sentinels (the step in flight runs again from its beginning, unflipped), and say where to begin.
+    ``overrides``: the resume's command line; a group whose replicas it sets leaves the scaled counts
+    (``scale.json``), the others keep theirs (without it: the groups whose counts differ from the stored)."""
     cancel_leftovers(rd, epoch)
     first = rd.first_unfinished_step()
     removed = [str(p.relative_to(rd.root)) for p in rd.clear_steps_from(first)]
@@ -92,10 +96,16 @@ def prepare(rd: RunDir, epoch: int, cfg: Config) -> ResumePoint:
     rd.router_address.unlink(missing_ok=True)  # components must not follow the old router
     for sentinel in rd.all_sentinels():
         sentinel.unlink()
-    stored = load_run_config(rd.root)
-    if any(stored.groups[g].replicas != cfg.groups[g].replicas for g in cfg.groups if g in stored.groups):
-        # Replica counts given on the resume's command line win over the last scale request.
-        rd.scale_request.unlink(missing_ok=True)
+    if overrides is not None:
+        named = {m.group(1) for o in overrides if (m := re.match(r"^\+*groups\.([^.=]+)\.replicas=", o))}
+    else:
+        stored = load_run_config(rd.root)
+        named = {g for g in cfg.groups if g in stored.groups and stored.groups[g].replicas != cfg.groups[g].replicas}
+    scaled = read_json(rd.scale_request)
+    if named and isinstance(scaled, dict) and isinstance(scaled.get("groups"), dict):
+        # Replica counts given on the resume's command line win over the last scale request, group by group.
+        kept = {g: n for g, n in scaled["groups"].items() if g not in named}
+        atomic_write(rd.scale_request, json.dumps({**scaled, "groups": kept}))
     if removed:
         logger.info("removed what the interrupted run left of step %d on: %s", first, removed)
     return ResumePoint(first, removed)
