@@ -399,3 +399,13 @@ def test_a_sweep_over_a_field_of_a_group_chosen_beside_it_is_checked_with_that_g
     with pytest.raises(ConfigError) as info:
         check_overrides(["cluster=slurm", "cluster.partition=debug,multi", "steps=1,x"], multirun=True)
     assert "steps = 'x'" in str(info.value) and "partition" not in str(info.value)
+
+
+def test_hydras_other_sweep_forms_are_checked_as_hydra_runs_them(tmp_path: Path) -> None:
+    """``glob(...)`` over a config group's options (the check crashed: its expansion needs Hydra's loader),
+    and ``hydra.mode=MULTIRUN`` as ``-m``."""
+    precheck(["-m", "workload=glob(single*)", "steps=1"])
+    precheck(["hydra.mode=MULTIRUN", "tail.threshold=0.8,0.9"])
+    text = cli_errors(["-m", "workload=glob(*)", "steps=0"])
+    assert "steps (sweep point workload=agent and 3 more) = 0" in text
+    assert "a glob must match an option" in cli_errors(["-m", "workload=glob(nothing*)"])

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob, Override
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
@@ -98,13 +99,26 @@ def _lines(overrides: Sequence[str], multirun: bool) -> tuple[list[str], list[li
             bad.append(FieldError(line, "", f"not a Hydra override: {str(exc).splitlines()[0]}"))
             continue
         if multirun and o.is_sweep_override():
-            values = [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            values = [f"{o.get_key_element()}={v}" for v in _sweep_values(o)]
+            if not values:
+                bad.append(FieldError(line, "", "a sweep with at least one value (a glob must match an option of "
+                                      "the config group)"))
+                continue
             first.append(values[0])
             each.append(values)
         else:
             first.append(line)
             each.append([line])
     return first, each, bad
+
+
+def _sweep_values(o: Override) -> list[str]:
+    """A sweep override's values; a ``glob(...)`` over a config group's options as Hydra expands it (its
+    own expansion needs the config loader of a running app)."""
+    value = o.value()
+    if isinstance(value, Glob):
+        return list(value.filter(sorted(p.stem for p in (CONF_DIR / o.get_key_element().lstrip("+~")).glob("*.yaml"))))
+    return list(o.sweep_string_iterator())
 
 
 def check_overrides(overrides: Sequence[str], multirun: bool = False, setup: Setup = LAUNCH) -> None:
@@ -207,4 +221,6 @@ def precheck(argv: Sequence[str], setup: Setup = LAUNCH) -> None:
     if (args.help or args.hydra_help or args.info or args.shell_completion or args.config_name
             or args.config_path or args.config_dir or args.experimental_rerun):
         return
-    check_overrides(args.overrides, multirun=bool(args.multirun), setup=setup)
+    # (hydra.mode=MULTIRUN on the command line is -m, as Hydra takes it)
+    multirun = bool(args.multirun) or "hydra.mode=MULTIRUN" in args.overrides
+    check_overrides([o for o in args.overrides if o != "hydra.mode=MULTIRUN"], multirun=multirun, setup=setup)
