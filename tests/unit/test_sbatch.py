@@ -51,6 +51,24 @@ def test_the_cli_prints_the_same_rendering(capsys: pytest.CaptureFixture[str]) -
     assert capsys.readouterr().out == (DATA / "site.sbatch").read_text()
 
 
+def test_the_cli_lists_config_errors_as_launch_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each error of the command line (not a traceback), exit 2; another cluster than the allocation's is one."""
+    assert sbatch_main(["tail.threshold=1.5", "groups.tail.replicas=0", "steps=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid configuration") and "steps = 'abc'" in err
+    assert sbatch_main(["tail.threshold=1.5", "groups.tail.replicas=0"]) == 2
+    err = capsys.readouterr().err
+    assert "tail.threshold = 1.5" in err and "groups.tail.replicas = 0" in err
+    assert sbatch_main(["cluster=slurm"]) == 2 and "cluster = 'slurm': allocation" in capsys.readouterr().err
+
+
+def test_a_python_of_several_words_runs_as_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """``cluster.python`` as container users set it: its words, not one word the shell cannot find."""
+    assert sbatch_main(["cluster.python=apptainer exec /shared/img.sif python"]) == 0
+    out = capsys.readouterr().out
+    assert "\nexec apptainer exec /shared/img.sif python -m toolkit.launch cluster=allocation " in out
+
+
 def test_layout_packs_gpus_and_gives_wide_replicas_whole_nodes() -> None:
     plan = plan_allocation(compose(TEMPLATES["rollout-multinode"]))
     assert plan.nodes == 4

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -162,7 +163,7 @@ class AllocationCluster(Cluster):
         if self.plan.nodes > len(self.hosts):
             raise ComponentFailed(f"the plan needs {self.plan.nodes} node(s) but the allocation has {len(self.hosts)} "
                                   f"({nodelist}); render a script for this config: python -m toolkit.launch.sbatch ...")
-        self.python = self.c.python or sys.executable
+        self.python = shlex.split(self.c.python) if self.c.python else [sys.executable]  # (a container's command)
         self.env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS_PER_NODE"}
         self.env.update(cache_env(cache_dir(cfg, run_dir)))
 
@@ -173,7 +174,7 @@ class AllocationCluster(Cluster):
                "--kill-on-bad-exit=1", *(extra or [])]
         if step.gpus:
             cmd.append(f"--gpus-per-node={step.gpus}")
-        cmd += [self.python, "-u", *args]
+        cmd += [*self.python, "-u", *args]
         proc = popen_logged(cmd, self.run_dir.logs / log, env=self.env, start_new_session=True)
         return self.track(SrunStep(name, proc, self.job_id, name))
 

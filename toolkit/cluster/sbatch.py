@@ -49,8 +49,8 @@ def render_sbatch(cfg: Config, overrides: list[str], name: str = "rollout") -> s
     # Requeued (preemption, scontrol requeue, or launch itself at the USR1 that comes signal_grace_s
     # before the time limit), the job starts again and resumes its run.
     opts += ["--output=slurm-%x-%j.out", "--open-mode=append", "--requeue", f"--signal=B:USR1@{c.signal_grace_s}", *c.extra_sbatch]
-    python = c.python or "python"
-    launch = shlex.join([python, "-m", "toolkit.launch", "cluster=allocation", *overrides])
+    python = shlex.split(c.python) if c.python else ["python"]  # (a container's command: words, each quoted)
+    launch = shlex.join([*python, "-m", "toolkit.launch", "cluster=allocation", *overrides])
     # The run dir must be the same at every start of the job: by default it is named after the job
     # (a hydra.run.dir among the arguments comes later on the command line and wins).
     run_dir = '"hydra.run.dir=outputs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"'

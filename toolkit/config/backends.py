@@ -91,7 +91,8 @@ class SlurmClusterConfig(ClusterConfig):
     setup: list[str] = field(default_factory=list)
     """Shell lines run before every component, e.g. ``module load cuda``, ``source ~/venv/bin/activate``."""
     python: str | None = None
-    """Python that the jobs run; null = the interpreter running ``launch``."""
+    """Python that the jobs run, as a command's words (``apptainer exec /shared/img.sif python``); null = the
+    interpreter running ``launch``."""
     replica: ReplicaResources = field(default_factory=ReplicaResources)
     """Resources of one replica of every group."""
     group_resources: dict[str, dict[str, Any]] = overrides("cluster.replica", keyed=True)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from toolkit.cluster.sbatch import render_sbatch
 from toolkit.config import Config, compose_config
+from toolkit.core.errors import ConfigError, FieldError, ToolkitError
+from toolkit.launch.composition import check_overrides
 from toolkit.launch.validation import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             (SLURM_DIR / f"{name}.sbatch").write_text(render_template(name))
             print(f"wrote {SLURM_DIR / name}.sbatch")
         return 0
-    sys.stdout.write(render_sbatch(compose(args.overrides), args.overrides, args.name))
+    try:
+        chosen = [o for o in args.overrides if o.startswith("cluster=")]
+        if any(o != "cluster=allocation" for o in chosen):
+            raise ConfigError([FieldError("cluster", chosen[-1].partition("=")[2], "allocation (the script runs the "
+                                          "config inside one allocation; cluster=slurm submits from a login node)")])
+        check_overrides(["cluster=allocation", *args.overrides])
+        cfg = compose(args.overrides)
+    except ToolkitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render_sbatch(cfg, args.overrides, args.name))
     return 0
 
 
