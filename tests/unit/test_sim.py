@@ -328,3 +328,14 @@ def test_the_sim_refuses_what_vllm_refuses_and_answers_the_rest() -> None:
         await eng.close()
 
     run(main())
+
+
+def test_greedy_decoding_does_not_read_the_seed() -> None:
+    """As vLLM's: at temperature 0 the seed changes nothing; sampled, it does."""
+    cfg = SimEngineConfig()
+
+    def plan(seed: int, temperature: float) -> list[int]:
+        return plan_output(cfg, Generate("r", prompt_token_ids=list(range(1, 40)),
+                                         sampling=Sampling(max_tokens=64, seed=seed, temperature=temperature)))[0]
+
+    assert plan(1, 0.0) == plan(2, 0.0) and plan(1, 1.0) != plan(2, 1.0)

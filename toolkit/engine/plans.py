@@ -79,7 +79,8 @@ def plan_output(cfg: SimEngineConfig, req: Generate,
         tokens, logprobs, finish = plan_output(cfg, origin, tokenizer)
         return tokens[k:], logprobs[k:], finish
     prompt = req.prompt_token_ids
-    seed = str(req.sampling.seed).encode()
+    # Greedy decoding does not read the seed (vLLM's outputs at temperature 0 are the same for every seed).
+    seed = b"greedy" if req.sampling.temperature == 0 else str(req.sampling.seed).encode()
     share, pshare = cfg.output_len_session_share, cfg.output_len_prompt_share
     correlated = (share > 0 or pshare > 0) and req.session_id and req.sampling.structured is None
     if correlated:  # drawn first: the request's own generator below is the same one, seeded again
