@@ -77,7 +77,7 @@ def test_a_run_of_groups_closed_on_a_count_in_shards_replays_its_sessions_and_dr
 
 def test_the_plans_own_options_are_checked_before_anything_runs(tmp_path: Path) -> None:
     for args, says in ((["replay="], "replay=RUN_DIR"), (["--plot", *SMALL], "with -m"),
-                       ([f"replay={tmp_path / 'nothing'}"], "no .hydra/overrides.yaml")):
+                       ([f"replay={tmp_path / 'nothing'}"], "no overrides.yaml")):
         proc = plan(args, tmp_path)
         assert proc.returncode == 2 and says in proc.stdout, (args, proc.stdout)
     assert "replay=RUN_DIR" in plan(["--help"], tmp_path).stdout
