@@ -91,3 +91,13 @@ def test_cpu_layout_fits_one_node_and_sizes_the_allocation() -> None:
     assert plan.node_cpus() == [6]
     assert plan.node_mem_mb() == [512 + 3 * 1024 + 2 * 512 + 512]
     assert mem_mb("2G") == 2048 and mem_mb("512M") == 512 and mem_mb("100") == 100
+
+
+def test_the_steps_do_not_inherit_the_jobs_gpu_requests() -> None:
+    """sbatch exports ``SLURM_GPUS_PER_NODE`` and srun reads it as ``--gpus-per-node``: the router's step would
+    take every GPU of its node. GPU steps ask for theirs."""
+    from toolkit.cluster.allocation import step_env
+
+    job = {"SLURM_JOB_ID": "7", "SLURM_GPUS_PER_NODE": "8", "SLURM_TRES_PER_TASK": "gres/gpu:1", "SLURM_GPUS": "16",
+           "SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_PER_GPU": "4", "PATH": "/bin"}
+    assert step_env(job) == {"SLURM_JOB_ID": "7", "PATH": "/bin"}

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from toolkit.cluster.base import Cluster, Component
@@ -148,6 +149,17 @@ class SrunStep(ProcessGroupComponent):
         self.proc.wait(timeout=10)
 
 
+GPU_INPUTS = ("SLURM_GPUS", "SLURM_TRES_PER_", "SLURM_GRES", "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_GPU")
+"""The job's GPU requests, which sbatch exports and srun reads as its own (``SLURM_GPUS_PER_NODE`` is
+``--gpus-per-node``): a CPU step would take every GPU of its node, and the replicas there wait for good."""
+
+
+def step_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the allocation's srun steps: the job's, without what would size a step as the
+    job (its tasks per node, its GPUs: each step asks for its own)."""
+    return {k: v for k, v in env.items() if k != "SLURM_NTASKS_PER_NODE" and not k.startswith(GPU_INPUTS)}
+
+
 class AllocationCluster(Cluster):
     def __init__(self, cfg: Config, run_dir: RunDir, owner: ProcessRef) -> None:
         super().__init__(cfg, run_dir, owner)
@@ -164,7 +176,7 @@ class AllocationCluster(Cluster):
             raise ComponentFailed(f"the plan needs {self.plan.nodes} node(s) but the allocation has {len(self.hosts)} "
                                   f"({nodelist}); render a script for this config: python -m toolkit.launch.sbatch ...")
         self.python = shlex.split(self.c.python) if self.c.python else [sys.executable]  # (a container's command)
-        self.env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS_PER_NODE"}
+        self.env = step_env(os.environ)
         self.env.update(cache_env(cache_dir(cfg, run_dir)))
 
     def _srun(self, step: Step, name: str, args: list[str], log: str, extra: list[str] | None = None) -> Component:
