@@ -234,7 +234,7 @@ def test_cli_lists_every_override_that_does_not_compose(tmp_path: Path) -> None:
                        "+groups.mid.replicaz=1"])
     assert "invalid configuration (5 error(s))" in text
     assert "steps = 'abc'" in text and "Integer" in text
-    assert "not_a_field = '3': not a config key (a new key needs a '+': +not_a_field=...)" in text
+    assert "not_a_field = '3': 'not_a_field' is not a field of the config; its fields: cluster, engine," in text
     assert "engine = 'nope': one of ['sim', 'vllm']" in text
     assert "tail.threshold = '0.8,0.9'" in text and "-m (--multirun)" in text
     assert "groups.mid.replicaz = 1: not a group field" in text
@@ -409,3 +409,12 @@ def test_hydras_other_sweep_forms_are_checked_as_hydra_runs_them(tmp_path: Path)
     text = cli_errors(["-m", "workload=glob(*)", "steps=0"])
     assert "steps (sweep point workload=agent and 3 more) = 0" in text
     assert "a glob must match an option" in cli_errors(["-m", "workload=glob(nothing*)"])
+
+
+def test_a_misspelt_field_is_named_with_the_sections_fields_and_the_closest() -> None:
+    """A typed section takes no new key, '+' or not: the message lists its fields, the closest first."""
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["cluster=slurm", "cluster.partiton=gpu"])
+    text = str(info.value)
+    assert "'partiton' is not a field of cluster (did you mean partition?)" in text and "account," in text
+    assert "'+'" not in text

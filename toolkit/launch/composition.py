@@ -11,6 +11,7 @@ own to find every override that fails by itself. Options that change where the c
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
 import re
@@ -23,6 +24,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
+import toolkit.config as config_schemas
 from toolkit.config import CONF_DIR, Config, compose_config, typing_errors
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.launch.validation import validate
@@ -69,6 +71,12 @@ def _allowed(line: str, exc: BaseException) -> str:
         return f"one of {names}"
     if "is not in struct" in text or "Could not override" in text:
         key = line.split("=", 1)[0].lstrip("+~")
+        found = _fields_of(str(cause) if cause is not None else text)
+        if found is not None:  # a field of a typed section: a '+' cannot add one either
+            where, name, fields = found
+            near = difflib.get_close_matches(name, fields, n=1)
+            return (f"{name!r} is not a field of {where or 'the config'}"
+                    f"{f' (did you mean {near[0]}?)' if near else ''}; its fields: {', '.join(fields)}")
         return f"not a config key (a new key needs a '+': +{key}=...)"
     if "Ambiguous value" in text:
         return "a single value: a list is [a,b], a sweep needs -m (--multirun)"
@@ -78,6 +86,21 @@ def _allowed(line: str, exc: BaseException) -> str:
         first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         return re.sub(r"\s+", " ", first)
     return re.sub(r"\s+", " ", text.splitlines()[0] if text else type(exc).__name__)
+
+
+def _fields_of(message: str) -> tuple[str, str, list[str]] | None:
+    """From OmegaConf's ``Key 'x' not in 'Class'`` (``full_key: a.b.x``): where the key was looked for
+    (``a.b``), the key, and the fields of that config class of the toolkit's; None for an open mapping
+    (groups, engine.args, labels...), where a '+' adds a key."""
+    m = re.search(r"Key '([^']*)' not in '(\w+)'", message)
+    if m is None:
+        return None
+    cls = getattr(config_schemas, m.group(2), None)
+    if not dataclasses.is_dataclass(cls):
+        return None
+    full = re.search(r"full_key: (\S+)", message)
+    where = full.group(1).rpartition(".")[0] if full else ""
+    return where, m.group(1), sorted(f.name for f in dataclasses.fields(cls))
 
 
 def _error(line: str, exc: BaseException) -> FieldError:
