@@ -74,6 +74,7 @@ class ReplicaServer:
         self.group = group
         self.engine = engine
         engine.on_pids = self._record_engine_pids  # its processes as they appear, a boot included
+        self._boot_pids: set[int] = set()
         self.replica_id = replica_id(group, index, f"{socket.gethostname()}:{os.getpid()}")
         self.gcfg = cfg.groups[group]
         self.ctx = zmq.asyncio.Context()
@@ -337,10 +338,20 @@ class ReplicaServer:
         await self._register()
 
     def _record_engine_pids(self, pids: list[int] | None = None) -> None:
-        """Pid files for the engine's own processes (``pids``, else the engine's), so teardown stops them by
-        pid even if this process is killed (vLLM's engine core outlives a SIGKILLed parent)."""
-        for pid in self.engine.pids() if pids is None else pids:
-            write_pidfile(self.run_dir.pidfile(f"{self.name}-engine", pid), ProcessRef.of(pid, f"{self.name}-engine"))
+        """Pid files for the engine's own processes, so teardown stops them by pid even if this process is
+        killed (vLLM's engine core outlives a SIGKILLed parent): ``pids``, those seen while it boots (a
+        replica stopped then leaves none unknown); without, the engine's, once it is up, and the boot's
+        others (its helpers, short-lived commands) forgotten."""
+        name = f"{self.name}-engine"
+        if pids is not None:
+            self._boot_pids.update(pids)
+        else:
+            pids = self.engine.pids()
+            for pid in self._boot_pids - set(pids):
+                self.run_dir.pidfile(name, pid).unlink(missing_ok=True)
+            self._boot_pids.clear()
+        for pid in pids:
+            write_pidfile(self.run_dir.pidfile(name, pid), ProcessRef.of(pid, name))
 
 
 def engine_config(cfg: Config, group: str) -> Any:

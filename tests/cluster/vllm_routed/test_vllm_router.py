@@ -57,10 +57,10 @@ class TestThroughRouter:
 
     def test_client_errors_fail_at_once_and_are_not_retried(self, routed: LocalStack) -> None:
         async def body(c: RouterClient) -> None:
-            # The router passes a prompt of exactly max_model_len; the engine has no room for output.
+            # A prompt of exactly max_model_len leaves no room for output: the router refuses it, as vLLM does.
             full, route = await c.generate(gen("ce1", prompt=[5] * 1024))
-            assert full.status == "client_error" and "maximum model length" in full.error
-            assert route is not None and route.dispatches == 1
+            assert full.status == "client_error" and "no room for an output token in max_model_len 1024" in full.error
+            assert route is not None and route.dispatches == 0
             top_p, route = await c.generate(gen("ce2", top_p=0.0))
             assert top_p.status == "client_error" and "top_p" in top_p.error and route.dispatches == 1
             greedy_n, _ = await c.generate(gen("ce3", n=3, temperature=0.0))
