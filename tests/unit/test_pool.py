@@ -20,7 +20,7 @@ def replica(n: int, group: str, max_inflight: int = 2, max_model_len: int = 100,
 
 def request(rid: str, deaths: int = 0) -> Request:
     req = Request(Generate(rid, prompt_token_ids=[1, 2, 3]), b"", b"client", "j", 0, 0.0)
-    req.deaths = deaths
+    req.deaths = ("r0: test",) * deaths
     return req
 
 

@@ -298,3 +298,42 @@ def test_a_stall_of_the_routers_own_loop_does_not_make_its_replicas_look_dead(tm
         rt.close()
         for f in replicas:
             f.close()
+
+
+def test_a_router_away_longer_than_two_heartbeats_does_not_count_that_time_as_silence(tmp_path: Path,
+                                                                                         vclock: _Clock) -> None:
+    """Between two checks the router was not running (descheduled on a loaded node): what the replicas sent
+    meanwhile may still sit in the kernel's buffers, unread. Their silence counts again from its return;
+    a replica that stays silent after it is dropped as before."""
+    router, _ = _router(tmp_path, "router.heartbeat_s=0.2", "router.missed_heartbeats=5",
+                        "router.stall_timeout_s=2.0")
+    a, b = (ready_replica(router, f"throughput-{i}@h:{i}", "throughput", 2) for i in range(2))
+    submit(router, "x", [1, 2, 3])
+    router.dispatch()
+    router.sweep()
+    vclock.t += 3.0  # the router's absence: past the silence (1 s) and the stall (2 s) that drop a replica
+    router.sweep()
+    assert set(router.pool.all()) == {a, b} and router.events()["router_absences"] == 1
+    for _ in range(6):  # sweeps as often as the router makes them, a heartbeat from "a" alone
+        vclock.t += 0.2
+        router.membership.heartbeat(a.identity, P.Heartbeat(a.replica_id))
+        router.sweep()
+    assert [r.replica_id for r in router.pool.all()] == [a.replica_id]  # "b" silent since the return: dropped
+    assert router.events()["router_absences"] == 1
+
+
+def test_a_poison_requests_error_names_every_death_it_was_in_flight_at(tmp_path: Path) -> None:
+    router, links = _router(tmp_path, "router.max_engine_deaths=2")
+    a, b, c = (ready_replica(router, f"throughput-{i}@h:{i}", "throughput", 1) for i in range(3))
+    submit(router, "p", [1, 2, 3])
+    router.dispatch()
+    first = next(r for r in (a, b, c) if r.inflight)
+    router.membership.drop(first, "no heartbeat for 1.0s")
+    router.dispatch()
+    second = next(r for r in router.pool.all() if r.inflight)
+    router.on_backend(second.identity, *P.encode(P.Result("p", status="engine_dead", error="EngineDeadError()",
+                                                          replica_id=second.replica_id)))
+    [res] = [P.decode_as(P.Result, frames[1]) for _, frames in links.to_clients]
+    assert res.status == "engine_dead"
+    assert res.error == (f"in flight at 2 engine deaths ({first.replica_id}: no heartbeat for 1.0s; "
+                         f"{second.replica_id}: EngineDeadError())"), res.error

@@ -338,7 +338,7 @@ def test_requests_that_name_a_group_or_moved_already_stay(tmp_path: Path, files:
     a = f.tp[0]
     named, moving, dead = request("n", "n", group="throughput"), request("m", "m"), request("d", "d")
     moving.migrating = "drain"
-    dead.deaths = 1
+    dead.deaths = ("a: test",)
     for req in (named, moving, dead):
         f.run(req, a, 0.0)
     f.heartbeat(a, 1.0, 300)
@@ -522,7 +522,7 @@ def test_a_move_whose_replica_dies_gives_back_the_tail_room(tmp_path: Path) -> N
     try:
         router.membership.drop(tp, "test: its engine died")  # before the partial Result came back
         req = router.live["long"]
-        assert req.deaths == 1 and not req.migrating and not router.tail.inbound
+        assert len(req.deaths) == 1 and not req.migrating and not router.tail.inbound
     finally:
         router.close()
         ctx.term()

@@ -36,6 +36,9 @@ class Membership:
         self.events: Counter[str] = Counter()
         """engine_deaths."""
         self._probes = 0
+        self._checked_at: float | None = None
+        self._listening_since = float("-inf")
+        """Silence counts from here at the earliest: the end of the router's last absence."""
 
     def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
         r = self.pool.known(ident)
@@ -123,10 +126,12 @@ class Membership:
     def check(self, now: float) -> None:
         """The sweep's part: drop the silent and the stalled, probe again an unanswered probe."""
         silent_after = self.rcfg.heartbeat_s * self.rcfg.missed_heartbeats
+        self._note_absence(now)
+        since = self._listening_since
         for r in list(self.pool.all()):
-            if now - r.last_seen > silent_after:
+            if now - max(r.last_seen, since) > silent_after:
                 self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
-            elif (r.ready and r.inflight and now - r.progress_at > self.rcfg.stall_timeout_s
+            elif (r.ready and r.inflight and now - max(r.progress_at, since) > self.rcfg.stall_timeout_s
                   and not self.weights.is_loading(r)):
                 # Heartbeats alone prove nothing: an engine can beat while generation hangs.
                 self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
@@ -137,3 +142,14 @@ class Membership:
                     logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
                                    self.rcfg.probe_timeout_s)
                     self._probe(r)
+
+    def _note_absence(self, now: float) -> None:
+        """A router away for more than two heartbeats between checks (its loop stalled, its process
+        descheduled on a loaded node) heard nothing meanwhile, nor read what reached its socket's buffers:
+        that time is not the replicas' silence. Their silence (and stall) counts again from now."""
+        last, self._checked_at = self._checked_at, now
+        if last is not None and now - last > 2 * self.rcfg.heartbeat_s:
+            logger.warning("the router was away for %.1fs between checks: replicas' silence counts from now",
+                           now - last)
+            self.events["router_absences"] += 1
+            self._listening_since = now

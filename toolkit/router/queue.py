@@ -34,7 +34,8 @@ class Request:
         self.client = client
         self.job = job
         self.seq = seq
-        self.deaths = 0
+        self.deaths: tuple[str, ...] = ()
+        """The deaths it was in flight at, in order ("replica: why" each): the poison's error names them."""
         self.replica: str | None = None
         self.t_submit = now
         self.t_dispatch = 0.0
@@ -103,7 +104,7 @@ class JobQueue:
         """How many requests of a bucket may be tried, from its head (see :class:`FairQueue`)."""
 
     def push(self, req: Request, front: bool = False) -> None:
-        bucket = self.buckets.setdefault((req.msg.group, req.new_session, req.deaths > 0), deque())
+        bucket = self.buckets.setdefault((req.msg.group, req.new_session, bool(req.deaths)), deque())
         if front:
             bucket.appendleft(req)
         else:

@@ -470,13 +470,14 @@ class Router:
             self.tail.forget(req)
             self._fail(req, "cancelled", f"aborted; its replica {replica_id} went ({why})")
             return False
-        req.deaths += blame
+        if blame:
+            req.deaths = (*req.deaths, f"{replica_id}: {why}")
         req.replica = None
         req.migrating = ""  # requeued whole from its last leg: no partial Result to continue from
         self.tail.forget(req)  # a move it was on is off: it no longer holds the tail group's room
-        if req.deaths >= self.rcfg.max_engine_deaths:
+        if len(req.deaths) >= self.rcfg.max_engine_deaths:
             # Poison: this request was in flight at every one of these deaths; stop it killing more.
-            self._fail(req, "engine_dead", f"in flight at {req.deaths} engine deaths (last: {replica_id}: {why})")
+            self._fail(req, "engine_dead", f"in flight at {len(req.deaths)} engine deaths ({'; '.join(req.deaths)})")
             return False
         self.stats["requeued"] += 1
         return True
