@@ -113,11 +113,12 @@ def router_in_process(root: Path, overrides: list[str]) -> tuple[Router, Recordi
     return Router(cfg, rd, links=links), links
 
 
-def ready_replica(router: Router, rid: str, group: str, slots: int, block_size: int = 4, capacity: int = 1000) -> Replica:
+def ready_replica(router: Router, rid: str, group: str, slots: int, block_size: int = 4, capacity: int = 1000,
+                  max_model_len: int = 100_000) -> Replica:
     """A registered replica of ``router`` in dispatch, reporting KV events of ``block_size`` and a cache of
     ``capacity`` tokens."""
     ident = rid.encode()
-    router.membership.register(ident, P.Register(rid, group, {}, "m", slots, 100_000, 1000,
+    router.membership.register(ident, P.Register(rid, group, {}, "m", slots, max_model_len, 1000,
                                                  kv_block_size=block_size, kv_capacity_tokens=capacity))
     r = router.pool.known(ident)
     assert r is not None

@@ -39,10 +39,13 @@ class StatsFail(Engine):
         pass
 
 
-def _beats(tmp_path: Path, bad: set[int], seconds: float) -> tuple[list[P.Message], BaseException | None]:
+def _beats(tmp_path: Path, bad: set[int], calls: int) -> tuple[list[P.Message], BaseException | None]:
+    """The messages of a replica's heartbeats until its engine's counters were read ``calls`` times, or
+    until the heartbeats ended (within 30 s either way)."""
     cfg = compose_config(["router.heartbeat_s=0.01", "router.missed_heartbeats=3"])
     validate(cfg)
-    srv = ReplicaServer(cfg, RunDir(tmp_path / "run"), "throughput", 0, StatsFail(bad))
+    engine = StatsFail(bad)
+    srv = ReplicaServer(cfg, RunDir(tmp_path / "run"), "throughput", 0, engine)
     sent: list[P.Message] = []
 
     async def send(msg: P.Message) -> None:
@@ -52,7 +55,9 @@ def _beats(tmp_path: Path, bad: set[int], seconds: float) -> tuple[list[P.Messag
 
     async def main() -> None:
         task = asyncio.create_task(srv._heartbeats())
-        await asyncio.wait({task}, timeout=seconds)
+        async with asyncio.timeout(30):
+            while engine.calls < calls and not task.done():
+                await asyncio.sleep(0.01)
         task.cancel()
 
     try:
@@ -63,11 +68,11 @@ def _beats(tmp_path: Path, bad: set[int], seconds: float) -> tuple[list[P.Messag
 
 
 def test_a_failed_beat_costs_that_beat(tmp_path: Path) -> None:
-    sent, fatal = _beats(tmp_path, {2, 4, 5}, 0.3)
+    sent, fatal = _beats(tmp_path, {2, 4, 5}, 8)
     assert fatal is None and sum(isinstance(m, P.Heartbeat) for m in sent) >= 5
 
 
 def test_a_replica_that_cannot_beat_ends(tmp_path: Path) -> None:
-    sent, fatal = _beats(tmp_path, set(range(3, 1000)), 5.0)
+    sent, fatal = _beats(tmp_path, set(range(3, 1000)), 1000)
     assert isinstance(fatal, EngineGone) and "failed 3 times in a row" in str(fatal)
     assert sum(isinstance(m, P.Heartbeat) for m in sent) == 2

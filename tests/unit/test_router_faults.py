@@ -15,7 +15,6 @@ import pytest
 from tests.helpers.router import RecordingLinks, answer, ready_replica, router_in_process, submit
 from toolkit.core import clock
 from toolkit.core import protocol as P
-from toolkit.router.replica import Replica
 from toolkit.router.server import Router
 
 
@@ -160,11 +159,7 @@ def test_dispatch_goes_on_past_a_round_that_only_failed_requests(tmp_path: Path)
     router, links = _router(tmp_path)
     submit(router, "long", list(range(1, 200)))  # no replica yet: no limit known at submit
     submit(router, "short", [1, 2, 3])
-    ident = b"throughput-0@h:1"
-    router.membership.register(ident, P.Register("throughput-0@h:1", "throughput", {}, "m", 4, 100, 1000))
-    r = router.pool.known(ident)
-    assert r is not None
-    router.pool.set_ready(r)
+    r = ready_replica(router, "throughput-0@h:1", "throughput", 4, max_model_len=100)
     router.dispatch()
     assert _results(links) == [("long", "client_error")] and list(r.inflight) == ["short"]
 
@@ -190,16 +185,8 @@ def test_a_moved_request_that_fits_nowhere_it_may_go_ends_with_its_tokens(tmp_pa
     """A tail group of a shorter ``max_model_len``: the continuation ends at the limit, as an engine ends a
     sequence there; not failed as the client's error with its tokens lost."""
     router, links = router_in_process(tmp_path / "run", ["groups=default", "tail.policy=age"])
-
-    def register(rid: str, group: str, max_model_len: int) -> Replica:
-        ident = rid.encode()
-        router.membership.register(ident, P.Register(rid, group, {}, "m", 4, max_model_len, 1000))
-        r = router.pool.known(ident)
-        assert r is not None
-        router.pool.set_ready(r)
-        return r
-
-    bulk, _ = register("throughput-0@h:1", "throughput", 8192), register("tail-0@h:2", "tail", 2048)
+    bulk = ready_replica(router, "throughput-0@h:1", "throughput", 4, max_model_len=8192)
+    ready_replica(router, "tail-0@h:2", "tail", 4, max_model_len=2048)
     router.tail.step_begin("j", 0, 10)
     router.tail.records["j"].lengths.add(10)  # a turn finished: new turns go to the bulk group
     msg = P.Generate("r1", job="j", session_id="s1", prompt_token_ids=[1] * 1500,

@@ -6,14 +6,13 @@ import os
 import shutil
 from pathlib import Path
 
-from toolkit.cluster.allocation import plan_allocation
+from toolkit.cluster.allocation import allocation_problem
 from toolkit.cluster.base import Cluster, Component, exit_story, tail_lines
 from toolkit.cluster.storage import check_shared, cluster_nodes
 from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.core.rundir import RunDir
-from toolkit.core.slurmctl import hostnames
 
 __all__ = ["Cluster", "Component", "exit_story", "make_cluster", "preflight", "tail_lines"]
 
@@ -44,15 +43,8 @@ def _environment_errors(cfg: Config) -> list[FieldError]:
         return [FieldError("cluster", "slurm", "a machine with Slurm's sbatch on PATH (a login node)")]
     if cfg.cluster.type != "allocation":
         return []
-    job, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
-    if not job or not nodelist:
-        return [FieldError("cluster", "allocation", "inside an sbatch allocation (sbatch slurm/rollout.sbatch); "
-                           "from a login node: cluster=slurm")]
-    need, have = plan_allocation(cfg).nodes, len(hostnames(nodelist))
-    if need > have:
-        return [FieldError("cluster", "allocation", f"an allocation of {need} node(s) for this config, not job "
-                           f"{job}'s {have} ({nodelist}): python -m toolkit.launch.sbatch renders one")]
-    return []
+    why = allocation_problem(cfg, os.environ)
+    return [FieldError("cluster", "allocation", f"runs {why}")] if why else []
 
 
 def _storage_errors(c: SlurmClusterConfig, run_root: Path) -> list[FieldError]:

@@ -160,21 +160,29 @@ def step_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k != "SLURM_NTASKS_PER_NODE" and not k.startswith(GPU_INPUTS)}
 
 
+def allocation_problem(cfg: Config, env: Mapping[str, str]) -> str:
+    """Why ``cfg`` cannot run in the allocation ``env`` describes ("": it can), as where it must run instead."""
+    job, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
+    if not job or not nodelist:
+        return "inside an sbatch allocation (sbatch slurm/rollout.sbatch); from a login node: cluster=slurm"
+    need, have = plan_allocation(cfg).nodes, len(hostnames(nodelist))
+    if need > have:
+        return (f"in an allocation of {need} node(s) for this config, not job {job}'s {have} ({nodelist}): "
+                "python -m toolkit.launch.sbatch renders one")
+    return ""
+
+
 class AllocationCluster(Cluster):
     def __init__(self, cfg: Config, run_dir: RunDir, owner: ProcessRef) -> None:
         super().__init__(cfg, run_dir, owner)
         assert isinstance(cfg.cluster, SlurmClusterConfig)
         self.c: SlurmClusterConfig = cfg.cluster
-        self.job_id = os.environ.get("SLURM_JOB_ID", "")
-        nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
-        if not self.job_id or not nodelist:
-            raise ComponentFailed("cluster=allocation runs inside an sbatch allocation (sbatch slurm/rollout.sbatch); "
-                                  "from a login node use cluster=slurm")
-        self.hosts = hostnames(nodelist)
+        why = allocation_problem(cfg, os.environ)
+        if why:
+            raise ComponentFailed(f"cluster=allocation runs {why}")
+        self.job_id = os.environ["SLURM_JOB_ID"]
+        self.hosts = hostnames(os.environ["SLURM_JOB_NODELIST"])
         self.plan = plan_allocation(cfg)
-        if self.plan.nodes > len(self.hosts):
-            raise ComponentFailed(f"the plan needs {self.plan.nodes} node(s) but the allocation has {len(self.hosts)} "
-                                  f"({nodelist}); render a script for this config: python -m toolkit.launch.sbatch ...")
         self.python = shlex.split(self.c.python) if self.c.python else [sys.executable]  # (a container's command)
         self.env = step_env(os.environ)
         self.env.update(cache_env(cache_dir(cfg, run_dir)))

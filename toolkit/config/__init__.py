@@ -17,7 +17,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import MISSING, DictConfig, OmegaConf, ValidationError
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from toolkit.config.backends import (
     CLUSTERS,
@@ -32,7 +32,7 @@ from toolkit.config.backends import (
     SlurmClusterConfig,
     VllmEngineConfig,
 )
-from toolkit.config.constraints import Choice, bounded, field_errors, matching, nonempty
+from toolkit.config.constraints import Choice, bounded, field_errors, matching, nonempty, typed_fields
 from toolkit.config.sections import (
     Affinity,
     CloseMode,
@@ -140,18 +140,11 @@ def typed_groups(raw: Any) -> tuple[dict[str, GroupConfig], list[FieldError]]:
         if not isinstance(fields, dict):
             errors.append(FieldError(f"groups.{name}", fields, f"a mapping of group fields: {', '.join(GROUP_FIELDS)}"))
             continue
-        node = OmegaConf.structured(GroupConfig)
-        for key, value in fields.items():
-            if key not in GROUP_FIELDS:
-                errors.append(FieldError(f"groups.{name}.{key}", value,
-                                         f"not a group field; one of {', '.join(GROUP_FIELDS)}"))
-                continue
-            try:
-                node = OmegaConf.merge(node, {key: value})
-            except (ValidationError, ValueError):
-                errors.append(FieldError(f"groups.{name}.{key}", value, f"must be {GROUP_FIELDS[key]}"))
-        obj = OmegaConf.to_object(node)
+        errors += [FieldError(f"groups.{name}.{key}", value, f"not a group field; one of {', '.join(GROUP_FIELDS)}")
+                   for key, value in fields.items() if key not in GROUP_FIELDS]
+        obj, bad = typed_fields(GroupConfig(), {k: v for k, v in fields.items() if k in GROUP_FIELDS}, f"groups.{name}")
         assert isinstance(obj, GroupConfig)
+        errors += bad
         groups[str(name)] = obj
     return groups, errors
 

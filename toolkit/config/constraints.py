@@ -196,15 +196,22 @@ def _override_errors(root: Any, name: str, value: dict[str, Any], meta: Any) -> 
             continue
         known = {k: v for k, v in over.items() if k in names}
         errors += [FieldError(f"{prefix}.{k}", v, f"a field of {kind}: {names}") for k, v in over.items() if k not in known]
-        hints = _hints(type(base))
-        for k, v in list(known.items()):
-            try:  # of the field's type, as OmegaConf checks the field itself (a string for an int...)
-                OmegaConf.merge(OmegaConf.structured(base), {k: v})
-            except (ValidationError, ValueError):
-                errors.append(FieldError(f"{prefix}.{k}", v, f"must be {_type_name(hints[k])}"))
-                del known[k]
-        errors += field_errors(dataclasses.replace(base, **known), prefix, root, only=set(known))
+        typed, bad = typed_fields(base, known, prefix)
+        errors += bad + field_errors(typed, prefix, root, only=set(known) - {e.field.rpartition(".")[2] for e in bad})
     return errors
+
+
+def typed_fields(base: Any, values: dict[str, Any], prefix: str) -> tuple[Any, list[FieldError]]:
+    """``base`` (a config dataclass) with ``values`` set, each one that is of its field's type as OmegaConf
+    checks a field (a string for an int is not); and a "must be <type>" error for each other one."""
+    hints = _hints(type(base))
+    node, errors = OmegaConf.structured(base), []
+    for k, v in values.items():
+        try:
+            node = OmegaConf.merge(node, {k: v})
+        except (ValidationError, ValueError):
+            errors.append(FieldError(f"{prefix}.{k}", v, f"must be {_type_name(hints[k])}"))
+    return OmegaConf.to_object(node), errors
 
 
 def _type_name(hint: Any) -> str:

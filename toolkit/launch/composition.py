@@ -24,7 +24,6 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
-import toolkit.config as config_schemas
 from toolkit.config import CONF_DIR, Config, compose_config, typing_errors
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.launch.validation import validate
@@ -71,7 +70,7 @@ def _allowed(line: str, exc: BaseException) -> str:
         return f"one of {names}"
     if "is not in struct" in text or "Could not override" in text:
         key = line.split("=", 1)[0].lstrip("+~")
-        found = _fields_of(str(cause) if cause is not None else text)
+        found = _fields_of(cause if cause is not None else exc)
         if found is not None:  # a field of a typed section: a '+' cannot add one either
             where, name, fields = found
             near = difflib.get_close_matches(name, fields, n=1)
@@ -88,19 +87,16 @@ def _allowed(line: str, exc: BaseException) -> str:
     return re.sub(r"\s+", " ", text.splitlines()[0] if text else type(exc).__name__)
 
 
-def _fields_of(message: str) -> tuple[str, str, list[str]] | None:
-    """From OmegaConf's ``Key 'x' not in 'Class'`` (``full_key: a.b.x``): where the key was looked for
-    (``a.b``), the key, and the fields of that config class of the toolkit's; None for an open mapping
-    (groups, engine.args, labels...), where a '+' adds a key."""
-    m = re.search(r"Key '([^']*)' not in '(\w+)'", message)
-    if m is None:
+def _fields_of(exc: BaseException | None) -> tuple[str, str, list[str]] | None:
+    """From OmegaConf's error for a key not in a structured config: where the key was looked for
+    (``a.b``), the key, and the fields of that config class; None for an open mapping (groups,
+    engine.args, labels...), where a '+' adds a key."""
+    cls = getattr(exc, "object_type", None)
+    key = getattr(exc, "key", None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)) or key is None:
         return None
-    cls = getattr(config_schemas, m.group(2), None)
-    if not dataclasses.is_dataclass(cls):
-        return None
-    full = re.search(r"full_key: (\S+)", message)
-    where = full.group(1).rpartition(".")[0] if full else ""
-    return where, m.group(1), sorted(f.name for f in dataclasses.fields(cls))
+    where = str(getattr(exc, "full_key", "") or "").rpartition(".")[0]
+    return where, str(key), sorted(f.name for f in dataclasses.fields(cls))
 
 
 def _error(line: str, exc: BaseException) -> FieldError:
@@ -140,7 +136,7 @@ def _sweep_values(o: Override) -> list[str]:
     own expansion needs the config loader of a running app)."""
     value = o.value()
     if isinstance(value, Glob):
-        return list(value.filter(sorted(p.stem for p in (CONF_DIR / o.get_key_element().lstrip("+~")).glob("*.yaml"))))
+        return list(value.filter(sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))))
     return list(o.sweep_string_iterator())
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from toolkit.config import Config, load_run_config
@@ -97,7 +97,8 @@ def prepare(rd: RunDir, epoch: int, cfg: Config, overrides: list[str] | None = N
     for sentinel in rd.all_sentinels():
         sentinel.unlink()
     if overrides is not None:
-        named = {m.group(1) for o in overrides if (m := re.match(r"^\+*groups\.([^.=]+)\.replicas=", o))}
+        keys = [o.key_or_group.split(".") for o in OverridesParser.create().parse_overrides(overrides)]
+        named = {k[1] for k in keys if len(k) == 3 and k[0] == "groups" and k[2] == "replicas"}
     else:
         stored = load_run_config(rd.root)
         named = {g for g in cfg.groups if g in stored.groups and stored.groups[g].replicas != cfg.groups[g].replicas}

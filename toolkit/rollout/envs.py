@@ -94,8 +94,7 @@ class ToolCallEnv(Environment):
     @classmethod
     def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
         """Problems with its Hydra arguments, before anything starts (``validate``)."""
-        return int_problems(spec, {"max_turns": 3, "observation_tokens": 24, "vocab_size": 32000},
-                            {"max_turns": 1, "observation_tokens": 2, "vocab_size": 2})
+        return int_problems(cls, spec, {"max_turns": 1, "observation_tokens": 2, "vocab_size": 2})
 
     def reset(self, prompt: Prompt) -> list[int]:
         self.turn = 0

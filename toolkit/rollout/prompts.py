@@ -7,6 +7,7 @@ Built-in: :class:`SyntheticPrompts` (random tokens behind a shared system prompt
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -24,12 +25,16 @@ from toolkit.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_problem
 SpecProblem = tuple[str, object, str]
 
 
-def int_problems(spec: dict[str, Any], defaults: dict[str, int], at_least: dict[str, int]) -> list[SpecProblem]:
-    """Each of ``at_least``'s arguments (``defaults`` where ``spec`` leaves it) that is no integer >= its
-    least value."""
+def spec_value(cls: type, spec: dict[str, Any], key: str) -> Any:
+    """Argument ``key`` of ``cls`` as ``spec`` builds it: given there, or its default."""
+    return spec[key] if key in spec else inspect.signature(cls).parameters[key].default
+
+
+def int_problems(cls: type, spec: dict[str, Any], at_least: dict[str, int]) -> list[SpecProblem]:
+    """Each of ``at_least``'s arguments of ``cls`` (as ``spec`` builds it) that is no integer >= its least value."""
     problems: list[SpecProblem] = []
     for key, least in at_least.items():
-        v = spec.get(key, defaults[key])
+        v = spec_value(cls, spec, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             problems.append((key, v, f"an integer >= {least}"))
     return problems
@@ -88,11 +93,9 @@ class SyntheticPrompts(PromptSource):
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
-        defaults = {"min_len": 64, "max_len": 384, "system_len": 32, "vocab_size": 32000, "seed": 0,
-                    "samples_per_prompt": 1}
-        problems = int_problems(spec, defaults, {"min_len": 1, "max_len": 1, "system_len": 0, "vocab_size": 2,
-                                                 "seed": 0, "samples_per_prompt": 1})
-        lo, hi = spec.get("min_len", defaults["min_len"]), spec.get("max_len", defaults["max_len"])
+        problems = int_problems(cls, spec, {"min_len": 1, "max_len": 1, "system_len": 0, "vocab_size": 2,
+                                            "seed": 0, "samples_per_prompt": 1})
+        lo, hi = spec_value(cls, spec, "min_len"), spec_value(cls, spec, "max_len")
         if not {"min_len", "max_len"} & {key for key, _, _ in problems} and lo > hi:
             problems.append(("min_len", lo, f"at most max_len ({hi})"))
         return problems
@@ -107,7 +110,7 @@ class SyntheticTasks(PromptSource):
 
     @classmethod
     def check_spec(cls, spec: dict[str, Any]) -> list[SpecProblem]:
-        return int_problems(spec, {"seed": 0, "high": 999}, {"seed": 0, "high": 0})
+        return int_problems(cls, spec, {"seed": 0, "high": 0})
 
     def get(self, step: int, index: int) -> Prompt:
         rng = np.random.default_rng([self.seed, step, index])

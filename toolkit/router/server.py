@@ -342,12 +342,9 @@ class Router:
         logger.warning("request %s ends after %d tokens: its continuation does not fit %s (%s)",
                        req.request_id, len(req.prefix_tokens), r.replica_id, error)
         self.stats["ended_at_move"] += 1
-        n = len(req.prefix_tokens)
         res = P.Result(request_id=req.request_id, finish_reason="length", replica_id=r.replica_id, group=r.group,
                        weight_version=req.prefix_versions[-1] if req.prefix_versions else 0)
-        self.tail.finished(req, n)
-        self.kv.answered(req, n, clock.monotonic())
-        self._complete(req, self.migrations.merged(req, res))
+        self._answer(req, "ok", 0, b"", res)
 
     def _send(self, req: Request, r: Replica) -> None:
         self.links.to_replica(r.identity, _T_GENERATE, req.payload)
@@ -443,9 +440,15 @@ class Router:
             status = "ok"
             res = msgspec.structs.replace(res, status=status, finish_reason="length")
             payload = _enc.encode(res)
+        self._answer(req, status, n_out, payload, res)
+
+    def _answer(self, req: Request, status: str, n_out: int, payload: bytes, res: P.Result | None) -> None:
+        """``req`` ends with ``n_out`` tokens of its last leg (``res`` decoded: needed when it carries the
+        tokens of earlier legs, merged into its one Result)."""
+        n = len(req.prefix_tokens) + n_out
         if status == "ok":
-            self.tail.finished(req, len(req.prefix_tokens) + n_out)
-        self.kv.answered(req, len(req.prefix_tokens) + n_out, clock.monotonic())
+            self.tail.finished(req, n)
+        self.kv.answered(req, n, clock.monotonic())
         if req.prefix_tokens:
             assert res is not None
             payload = self.migrations.merged(req, res)
@@ -467,7 +470,6 @@ class Router:
         """``req``'s replica died (or left) under it: True if it goes back to the queue (the caller's
         to put it there); else it was answered (aborted by its client, or poison)."""
         if req.client_aborted:  # nobody waits for it: not run again
-            self.tail.forget(req)
             self._fail(req, "cancelled", f"aborted; its replica {replica_id} went ({why})")
             return False
         if blame:
