@@ -217,6 +217,16 @@ def test_readiness_is_bounded_and_names_the_stuck_job(slurm_run: tuple[Path, str
     assert our_jobs(job) == []
 
 
+def test_a_partition_the_cluster_does_not_have_fails_at_setup(slurm_run: tuple[Path, str]) -> None:
+    """Named with the cluster's partitions, before the run dir is taken or a job submitted."""
+    d, job = slurm_run
+    out = launch([f"hydra.run.dir={d / 'run'}", f"job={job}", *FAST, "cluster.partition=nope"], timeout_s=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text
+    assert "cluster.partition = 'nope': one of the cluster's partitions: debug, multi" in text.replace("\n", " "), text
+    assert not (d / "run" / "pids").exists() and not (d / "run" / "logs").exists() and our_jobs(job) == []
+
+
 def test_the_sbatch_template_runs_the_whole_thing_as_steps(slurm_run: tuple[Path, str]) -> None:
     d, job = slurm_run
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")

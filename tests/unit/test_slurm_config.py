@@ -461,3 +461,23 @@ def test_the_machine_is_checked_before_the_run_dir_is_claimed(monkeypatch: pytes
         preflight(compose_config(["cluster=slurm", "cluster.shared_fs_check=false"]), tmp_path / "run")
     assert "sbatch on PATH" in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_partition_the_cluster_does_not_have_is_an_error_at_setup() -> None:
+    """Every field that names one, each of a list (found at the first sbatch, it left a run dir behind); the
+    cluster's partitions as sinfo gives them (the real cluster's answer: tests/cluster/test_slurm.py)."""
+    from toolkit.cluster import partition_errors
+    from toolkit.config import SlurmClusterConfig, compose_config
+
+    def errors(*overrides: str) -> list[tuple[str, object]]:
+        c = compose_config(["cluster=slurm", *overrides]).cluster
+        assert isinstance(c, SlurmClusterConfig)
+        return [(e.field, e.value) for e in partition_errors(c, ["debug", "multi"])]
+
+    assert errors("cluster.partition=gpu", "cluster.replica.partition=multi",
+                  "+cluster.group_resources.tail.partition='multi,cpu'") == [
+        ("cluster.partition", "gpu"), ("cluster.group_resources.tail.partition", "cpu")]
+    assert errors("cluster.partition=debug", "+cluster.group_resources.tail.partition=multi") == []
+    c = compose_config(["cluster=slurm", "cluster.partition=gpu"]).cluster
+    assert isinstance(c, SlurmClusterConfig)
+    assert "one of the cluster's partitions: debug, multi" in str(partition_errors(c, ["debug", "multi"])[0])

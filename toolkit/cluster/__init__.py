@@ -8,13 +8,15 @@ from pathlib import Path
 
 from toolkit.cluster.allocation import allocation_problem
 from toolkit.cluster.base import Cluster, Component, exit_story, tail_lines
+from toolkit.cluster.slurm_checks import named_partitions
 from toolkit.cluster.storage import check_shared, cluster_nodes
 from toolkit.config import CLUSTERS, Config, SlurmClusterConfig
 from toolkit.core.errors import ConfigError, FieldError
 from toolkit.core.lifecycle import ProcessRef
 from toolkit.core.rundir import RunDir
+from toolkit.core.slurmctl import partitions
 
-__all__ = ["Cluster", "Component", "exit_story", "make_cluster", "preflight", "tail_lines"]
+__all__ = ["Cluster", "Component", "exit_story", "make_cluster", "partition_errors", "preflight", "tail_lines"]
 
 
 def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
@@ -26,8 +28,8 @@ def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
 def preflight(cfg: Config, run_root: Path) -> None:
     """Checks that need the machine, not just the config, before anything is written or started (found
     later, they left a run dir that a corrected command was then refused): ``cluster=allocation`` runs
-    inside an allocation that holds its plan, ``cluster=slurm`` has ``sbatch``; on Slurm the run dir (and
-    the compile-cache dir) must be on storage that every node sees."""
+    inside an allocation that holds its plan, ``cluster=slurm`` has ``sbatch``, every partition named is
+    the cluster's; on Slurm the run dir (and the compile-cache dir) must be on storage that every node sees."""
     c = cfg.cluster
     if not isinstance(c, SlurmClusterConfig):
         return
@@ -41,10 +43,20 @@ def preflight(cfg: Config, run_root: Path) -> None:
 def _environment_errors(cfg: Config) -> list[FieldError]:
     if cfg.cluster.type == "slurm" and shutil.which("sbatch") is None:
         return [FieldError("cluster", "slurm", "a machine with Slurm's sbatch on PATH (a login node)")]
-    if cfg.cluster.type != "allocation":
-        return []
-    why = allocation_problem(cfg, os.environ)
-    return [FieldError("cluster", "allocation", f"runs {why}")] if why else []
+    c = cfg.cluster
+    assert isinstance(c, SlurmClusterConfig)
+    known = partitions() if named_partitions(c) else None
+    errors = partition_errors(c, known) if known is not None else []
+    if cfg.cluster.type == "allocation" and (why := allocation_problem(cfg, os.environ)):
+        errors.append(FieldError("cluster", "allocation", f"runs {why}"))
+    return errors
+
+
+def partition_errors(c: SlurmClusterConfig, known: list[str]) -> list[FieldError]:
+    """Each partition ``c`` names that is not among the cluster's ``known`` ones (else found at the first
+    sbatch, after the run dir was taken)."""
+    return [FieldError(path, p, f"one of the cluster's partitions: {', '.join(known)}")
+            for path, p in named_partitions(c) if p not in known]
 
 
 def _storage_errors(c: SlurmClusterConfig, run_root: Path) -> list[FieldError]:

@@ -16,6 +16,13 @@ def _resources(c: SlurmClusterConfig) -> list[tuple[str, dict[str, Any]]]:
             *((f"cluster.group_resources.{g}", over) for g, over in c.group_resources.items())]
 
 
+def named_partitions(c: SlurmClusterConfig) -> list[tuple[str, str]]:
+    """Each partition the config names, by the field that names it (a field may list several: ``a,b``)."""
+    fields = [("cluster.partition", c.partition),
+              *((f"{prefix}.partition", values.get("partition")) for prefix, values in _resources(c))]
+    return [(path, p) for path, value in fields if value for p in str(value).split(",")]
+
+
 def check_slurm(cfg: Config) -> list[FieldError]:
     c = cfg.cluster
     assert isinstance(c, SlurmClusterConfig)

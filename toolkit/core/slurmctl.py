@@ -245,6 +245,15 @@ def step_ids(job: str, step_name: str) -> list[str]:
     return [line.split("|")[0] for line in out.stdout.splitlines() if line.endswith(f"|{step_name}")]
 
 
+def partitions() -> list[str] | None:
+    """The cluster's partitions (``sinfo``; its default's ``*`` dropped); None when sinfo is not there or
+    does not answer (then sbatch says what it refuses)."""
+    if shutil.which("sinfo") is None:
+        return None
+    out = _run(["sinfo", "-h", "-o", "%P"])
+    return sorted({p.rstrip("*") for p in out.stdout.split()}) if out.returncode == 0 else None
+
+
 def hostnames(nodelist: str) -> list[str]:
     """Expand a Slurm node list (``node[01-03],gpu7``) with ``scontrol show hostnames``."""
     out = _run([need("scontrol"), "show", "hostnames", nodelist])
