@@ -257,6 +257,22 @@ def test_the_sbatch_template_runs_the_whole_thing_as_steps(slurm_run: tuple[Path
     assert_no_process_left(r)
 
 
+def test_overrides_on_the_sbatch_line_that_outgrow_the_allocation_fail_at_setup(slurm_run: tuple[Path, str]) -> None:
+    """The template holds 6 CPUs a node: a router of 8 would leave its step waiting for good. Named, with what
+    the job holds, before the run dir is taken or a step started."""
+    d, job = slurm_run
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    out = subprocess.run(
+        ["sbatch", "--wait", "--parsable", f"--chdir={ROOT}", f"--output={d}/slurm-%j.out", f"--job-name={job}",
+         str(ROOT / "slurm" / "rollout.sbatch"), f"hydra.run.dir={d / 'run'}", f"job={job}", "cluster.router_cpus=8"],
+        capture_output=True, text=True, timeout=300, env=env)
+    log = "".join(p.read_text() for p in d.glob("slurm-*.out"))
+    assert out.returncode != 0, out.stdout + out.stderr + log
+    assert "runs in an allocation of 13 CPUs a node for this config, not job" in log.replace("\n", " "), log
+    assert not (d / "run" / "pids").exists() and not (d / "run" / "logs").exists()
+    assert our_jobs(job) == []
+
+
 def test_a_sweep_through_hydra_submitit_writes_the_summary(slurm_run: tuple[Path, str]) -> None:
     d, job = slurm_run
     sweep = d / "sweep"

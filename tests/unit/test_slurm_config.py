@@ -481,3 +481,30 @@ def test_a_partition_the_cluster_does_not_have_is_an_error_at_setup() -> None:
     c = compose_config(["cluster=slurm", "cluster.partition=gpu"]).cluster
     assert isinstance(c, SlurmClusterConfig)
     assert "one of the cluster's partitions: debug, multi" in str(partition_errors(c, ["debug", "multi"])[0])
+
+
+def test_an_allocation_smaller_than_its_configs_plan_is_an_error_at_setup() -> None:
+    """Overrides on the sbatch line that the rendered #SBATCH lines were not made for (more replicas, more
+    CPUs or memory a replica): each shortfall named, from the job's own environment, before any step waits
+    for resources the job will never have."""
+    from toolkit.cluster.allocation import allocation_problems, plan_allocation
+    from toolkit.config import compose_config
+
+    cfg = compose_config(["cluster=allocation", "groups.throughput.replicas=3"])
+    plan = plan_allocation(cfg)
+    cpus, mem = max(plan.node_cpus()), max(plan.node_mem_mb())
+    job = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": str(plan.nodes)}
+    assert allocation_problems(cfg, {**job, "SLURM_CPUS_ON_NODE": str(cpus), "SLURM_MEM_PER_NODE": str(mem)}) == []
+    assert allocation_problems(cfg, job) == []  # a job that does not say its CPUs or memory: nothing to compare
+    short = allocation_problems(cfg, {**job, "SLURM_CPUS_ON_NODE": str(cpus - 1), "SLURM_MEM_PER_NODE": str(mem - 1),
+                                      "SLURM_JOB_NUM_NODES": "0"})
+    assert short == [
+        f"in an allocation of {plan.nodes} node(s) for this config, not job 42's 0 (python -m toolkit.launch.sbatch "
+        "renders one for it)",
+        f"in an allocation of {cpus} CPUs a node for this config, not job 42's {cpus - 1} (python -m "
+        "toolkit.launch.sbatch renders one for it)",
+        f"in an allocation of {mem} MB of memory a node for this config, not job 42's {mem - 1} (python -m "
+        "toolkit.launch.sbatch renders one for it)"]
+    fewer = compose_config(["cluster=allocation", "groups.throughput.replicas=1"])
+    assert max(plan_allocation(fewer).node_cpus()) < cpus  # the same job holds a smaller config
+    assert allocation_problems(fewer, {**job, "SLURM_CPUS_ON_NODE": str(cpus - 1)}) == []

@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from toolkit.cluster.allocation import allocation_problem
+from toolkit.cluster.allocation import allocation_problems
 from toolkit.cluster.base import Cluster, Component, exit_story, tail_lines
 from toolkit.cluster.slurm_checks import named_partitions
 from toolkit.cluster.storage import check_shared, cluster_nodes
@@ -28,7 +28,7 @@ def make_cluster(cfg: Config, run_dir: RunDir, owner: ProcessRef) -> Cluster:
 def preflight(cfg: Config, run_root: Path) -> None:
     """Checks that need the machine, not just the config, before anything is written or started (found
     later, they left a run dir that a corrected command was then refused): ``cluster=allocation`` runs
-    inside an allocation that holds its plan, ``cluster=slurm`` has ``sbatch``, every partition named is
+    inside an allocation that holds its plan (nodes, and CPUs, memory and GPUs a node), ``cluster=slurm`` has ``sbatch``, every partition named is
     the cluster's; on Slurm the run dir (and the compile-cache dir) must be on storage that every node sees."""
     c = cfg.cluster
     if not isinstance(c, SlurmClusterConfig):
@@ -47,8 +47,8 @@ def _environment_errors(cfg: Config) -> list[FieldError]:
     assert isinstance(c, SlurmClusterConfig)
     known = partitions() if named_partitions(c) else None
     errors = partition_errors(c, known) if known is not None else []
-    if cfg.cluster.type == "allocation" and (why := allocation_problem(cfg, os.environ)):
-        errors.append(FieldError("cluster", "allocation", f"runs {why}"))
+    if cfg.cluster.type == "allocation":
+        errors += [FieldError("cluster", "allocation", f"runs {why}") for why in allocation_problems(cfg, os.environ)]
     return errors
 
 

@@ -160,16 +160,24 @@ def step_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k != "SLURM_NTASKS_PER_NODE" and not k.startswith(GPU_INPUTS)}
 
 
-def allocation_problem(cfg: Config, env: Mapping[str, str]) -> str:
-    """Why ``cfg`` cannot run in the allocation ``env`` describes ("": it can), as where it must run instead."""
+def allocation_problems(cfg: Config, env: Mapping[str, str]) -> list[str]:
+    """Why ``cfg`` cannot run in the allocation ``env`` describes (none: it can), each as where it must run
+    instead. The sbatch line may carry overrides the rendered ``#SBATCH`` lines were not made for: a plan
+    that needs more nodes, CPUs, memory or GPUs a node than the job holds would wait for its steps for good."""
     job, nodelist = env.get("SLURM_JOB_ID"), env.get("SLURM_JOB_NODELIST")
     if not job or not nodelist:
-        return "inside an sbatch allocation (sbatch slurm/rollout.sbatch); from a login node: cluster=slurm"
-    need, have = plan_allocation(cfg).nodes, len(hostnames(nodelist))
-    if need > have:
-        return (f"in an allocation of {need} node(s) for this config, not job {job}'s {have} ({nodelist}): "
-                "python -m toolkit.launch.sbatch renders one")
-    return ""
+        return ["inside an sbatch allocation (sbatch slurm/rollout.sbatch); from a login node: cluster=slurm"]
+    plan = plan_allocation(cfg)
+    nodes = env.get("SLURM_JOB_NUM_NODES", "")
+    held = {"node(s)": int(nodes) if nodes.isdigit() else len(hostnames(nodelist))}
+    need = {"node(s)": plan.nodes}
+    for what, var, want in (("CPUs a node", "SLURM_CPUS_ON_NODE", max(plan.node_cpus())),
+                            ("MB of memory a node", "SLURM_MEM_PER_NODE", max(plan.node_mem_mb())),
+                            ("GPUs a node", "SLURM_GPUS_ON_NODE", plan.gpus_per_node)):
+        if env.get(var, "").isdigit():  # (a job without --mem, or without GPUs, does not say)
+            held[what], need[what] = int(env[var]), want
+    return [f"in an allocation of {need[what]} {what} for this config, not job {job}'s {held[what]} "
+            f"(python -m toolkit.launch.sbatch renders one for it)" for what in need if need[what] > held[what]]
 
 
 class AllocationCluster(Cluster):
@@ -177,9 +185,9 @@ class AllocationCluster(Cluster):
         super().__init__(cfg, run_dir, owner)
         assert isinstance(cfg.cluster, SlurmClusterConfig)
         self.c: SlurmClusterConfig = cfg.cluster
-        why = allocation_problem(cfg, os.environ)
+        why = allocation_problems(cfg, os.environ)
         if why:
-            raise ComponentFailed(f"cluster=allocation runs {why}")
+            raise ComponentFailed(f"cluster=allocation runs {'; '.join(why)}")
         self.job_id = os.environ["SLURM_JOB_ID"]
         self.hosts = hostnames(os.environ["SLURM_JOB_NODELIST"])
         self.plan = plan_allocation(cfg)
