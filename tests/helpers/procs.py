@@ -26,8 +26,9 @@ def wait_for(pred: Callable[[], Any], timeout_s: float = 20.0, what: str = "cond
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def launch(args: list[str], timeout_s: float = 180, **kw: Any) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+def launch(args: list[str], timeout_s: float = 180, env_extra: dict[str, str] | None = None,
+           **kw: Any) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "toolkit.launch", *args], capture_output=True, text=True,
                           timeout=timeout_s, env=env, **kw)
 

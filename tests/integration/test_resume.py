@@ -169,6 +169,21 @@ def test_resume_of_a_finished_run_runs_only_the_added_steps(tmp_path: Path) -> N
     check_outputs(run, steps=2, sessions=4)
 
 
+def test_a_requeued_slurm_job_resumes_the_run_it_made_without_being_told(tmp_path: Path) -> None:
+    """A hydra-submitit sweep point that submitit requeued runs again with the command line it started with
+    (no resume=true): the run its job made goes on; another job's launch into that directory is refused.
+    (cluster=local, with Slurm's variables as a requeued job has them.)"""
+    run = tmp_path / "run"
+    args = [f"hydra.run.dir={run}", "engine.time_scale=0.05", "sessions_per_step=4"]
+    first = launch([*args, "steps=1"], env_extra={"SLURM_JOB_ID": "4242"})
+    assert first.returncode == 0, first.stdout + first.stderr
+    other = launch([*args, "steps=2"], env_extra={"SLURM_JOB_ID": "4243", "SLURM_RESTART_COUNT": "1"})
+    assert other.returncode == 2 and "already holds a run" in other.stdout, other.stdout + other.stderr
+    out = launch([*args, "steps=2"], env_extra={"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"})
+    assert out.returncode == 0 and "was requeued" in out.stdout and "at step 2 of 2" in out.stdout, out.stdout + out.stderr
+    check_outputs(run, steps=2, sessions=4)
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.timeout(400)

@@ -72,14 +72,20 @@ class LeaseRecord:
             return None
 
 
+def previous_incarnation(rec: LeaseRecord) -> bool:
+    """``rec``'s holder was this Slurm job before Slurm requeued it (a preemption, a node failure, submitit
+    requeueing a hydra-submitit sweep point)."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return bool(job) and rec.slurm_job == job and rec.restart < int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
 def holder_gone(rec: LeaseRecord, lease_s: float, now: float | None = None) -> str:
     """Why the lease ``rec`` no longer binds a new launch ("" while its holder may be alive)."""
     now = time.time() if now is None else now
     if rec.released:
         return "released"
-    job = os.environ.get("SLURM_JOB_ID", "")
-    if job and rec.slurm_job == job and rec.restart < int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0):
-        return f"a previous incarnation of Slurm job {job}"
+    if previous_incarnation(rec):
+        return f"a previous incarnation of Slurm job {rec.slurm_job}"
     if rec.host == socket.gethostname() and not ProcessRef(rec.pid, rec.start).alive():
         return f"its launch (pid {rec.pid}) is gone"
     if now - rec.renewed_at > lease_s:

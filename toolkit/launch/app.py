@@ -7,6 +7,7 @@ directory; it receives the resolved ``config.yaml``, ``steps/``, ``report.json``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from rich.table import Table
 from toolkit.cluster import preflight
 from toolkit.config import CONF_DIR, Config, from_dictconfig, register_configs, save_run_config
 from toolkit.core.errors import Interrupted, ToolkitError
-from toolkit.core.lease import Lease
+from toolkit.core.lease import Lease, LeaseRecord, previous_incarnation
 from toolkit.core.rundir import RunDir, atomic_write
 from toolkit.core.slurmctl import requeue
 from toolkit.launch import resume
@@ -209,6 +210,11 @@ def main(dcfg: DictConfig) -> None:
     run_dir = RunDir(Path(HydraConfig.get().runtime.output_dir))
     try:
         cfg = from_dictconfig(dcfg)
+        if not cfg.resume and (rec := LeaseRecord.read(run_dir)) is not None and previous_incarnation(rec):
+            # Requeued with the command line it started with (a hydra-submitit sweep point: submitit requeues
+            # it as it was): the run it made goes on, as the sbatch template's resume=true would have it.
+            console.print(f"Slurm job {rec.slurm_job} was requeued: its run in {run_dir.root} resumes")
+            cfg = dataclasses.replace(cfg, resume=True)
         validate(cfg)
         preflight(cfg, run_dir.root)
         check_run_dir(cfg, run_dir)
