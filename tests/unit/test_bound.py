@@ -18,13 +18,15 @@ def alone(c, prompt: int, cached: int, out: int) -> float:  # type: ignore[no-un
     return sum(step_seconds(c, prompt + k, prompt - cached if k == 0 else 0) for k in range(out))
 
 
-def log_of(calls: list[tuple[int, float, list[tuple[int, int, int]]]]) -> dict[str, np.ndarray]:
-    """Requests as (session, sent_at, [(prompt, cached, output), ...] sent together)."""
+def log_of(calls: list[tuple[int | tuple[int, int], float, list[tuple[int, int, int]]]]) -> dict[str, np.ndarray]:
+    """Requests as (session, sent_at, [(prompt, cached, output), ...] sent together); a session is its index
+    in step 0, or (the step it began in, its index there)."""
     log = RequestLog()
     for session, sent, reqs in calls:
+        started, index = session if isinstance(session, tuple) else (0, session)
         for prompt, cached, out in reqs:
             log.add(Result("r", output_token_ids=[7] * out, cached_tokens=cached), None, prompt, sent, sent + 1.0,
-                    session)
+                    index, started)
     return log.columns(["tail", "throughput"])
 
 
@@ -47,6 +49,17 @@ def test_the_critical_path_is_the_longest_session_alone_on_the_fastest_group() -
     # Slower engines in time_scale: everything scales with it.
     half = step_bound(compose_config(["engine.time_scale=0.5"]), req, wall_s=10.0)
     assert half is not None and half["bound_s"] == pytest.approx(b["bound_s"] / 2)
+
+
+def test_a_session_carried_from_an_earlier_step_is_not_the_steps_own_of_the_same_index() -> None:
+    """A step closed on a count runs sessions carried from earlier steps beside its own: index 0 of step 3
+    and index 0 of step 4 are two sessions, side by side, not two turns of one."""
+    cfg = compose_config(["engine.time_scale=1.0"])
+    tail = group_engine(cfg, "tail")
+    b = step_bound(cfg, log_of([((3, 0), 0.0, [(100, 0, 300)]), ((4, 0), 0.5, [(100, 0, 200)])]), wall_s=10.0)
+    assert b is not None
+    assert b["bound"]["critical_path_s"] == pytest.approx(alone(tail, 100, 100, 300), rel=1e-9)
+    assert b["bound"]["critical_session"] == 0
 
 
 def test_many_short_sessions_on_one_replica_are_bound_by_throughput() -> None:

@@ -85,11 +85,11 @@ def test_the_step_reports_tokens_are_the_engines_not_the_rows(tmp_path: Path) ->
     groups = list(cfg.groups)
     log = RequestLog()
     first = Result("s/1", output_token_ids=[5] * 100, logprobs=[-0.1] * 100, group="throughput")
-    log.add(first, None, 10, 0.0, 1.0, 0)
+    log.add(first, None, 10, 0.0, 1.0, 0, 0)
     builder = ColumnBuilder(groups)
     for k in range(2):
         choice = Result(f"s/2/{k}", output_token_ids=[6 + k] * 10, logprobs=[-0.1] * 10, group="throughput")
-        log.add(choice, None, 110, 1.0, 2.0, 0)
+        log.add(choice, None, 110, 1.0, 2.0, 0, 0)
         s = Sample.start(0, "s", [1] * 10)
         s.add_turn(list(s.tokens), first)
         s.add_turn(list(s.tokens), choice)

@@ -284,8 +284,8 @@ def test_a_flipped_step_goes_on_on_the_bulk_while_the_tail_group_has_no_replica(
 def test_no_replica_reaches_the_step_report_by_name() -> None:
     # Step reports gather a request's status as its index in STATUSES and name it back from there.
     log = RequestLog()
-    log.add(P.Result("r", status="no_replica", error="no ready replica in group tail for 300s"), None, 3, 0.0, 1.0, 0)
-    log.add(P.Result("s"), None, 3, 0.0, 1.0, 0)
+    log.add(P.Result("r", status="no_replica", error="no ready replica in group tail for 300s"), None, 3, 0.0, 1.0, 0, 0)
+    log.add(P.Result("s"), None, 3, 0.0, 1.0, 0, 0)
     codes = log.columns(["throughput", "tail"])["status"].tolist()
     assert [P.STATUSES[c] for c in codes] == ["no_replica", "ok"]
 

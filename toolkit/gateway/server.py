@@ -93,6 +93,8 @@ class Entry:
     closed: bool = False
     calls: int = 0
     """Its calls running or waiting for the session (they run one at a time)."""
+    started_step: int = 0
+    """The step the session began in (its calls' rows in the request log name it)."""
     prompt_key: str = ""
     """Its prompt's key (``Generate.prompt_key``): GRPO siblings share it, which ``tail.policy=predict``
     and the step's per-prompt records use."""
@@ -155,11 +157,14 @@ class Gateway:
             self._runner = None
 
     def open_session(self, open_step: OpenStep, index: int, session_id: str, record_messages: bool = False,
-                     attempt: int = 0) -> tuple[str, GatewaySession]:
-        """A session (``attempt`` > 0: a restart of one, whose calls need request ids of their own)."""
-        key = f"{open_step.step}-{index}-{secrets.token_hex(4)}"
+                     attempt: int = 0, step: int | None = None) -> tuple[str, GatewaySession]:
+        """Session ``index`` of step ``step`` (None: the open step; ``attempt`` > 0: a restart of one, whose
+        calls need request ids of their own)."""
+        step = open_step.step if step is None else step
+        key = f"{step}-{index}-{secrets.token_hex(4)}"
         sess = GatewaySession(index, session_id, self.chat, record_messages)
-        self.sessions[key] = Entry(sess, open_step, f"{session_id}~{attempt}" if attempt else session_id)
+        self.sessions[key] = Entry(sess, open_step, f"{session_id}~{attempt}" if attempt else session_id,
+                                   started_step=step)
         return key, sess
 
     def set_prompt_key(self, key: str, prompt_key: str) -> None:
@@ -364,7 +369,7 @@ class Gateway:
                 entry.inflight.difference_update(g.request_id for g in gens)
             done = time.time()
             for res, route in outs:
-                entry.open.log.add(res, route, len(plan.prompt), sent, done, entry.session.index)
+                entry.open.log.add(res, route, len(plan.prompt), sent, done, entry.session.index, entry.started_step)
                 entry.open.answered(sess.session_id, res)
             if entry.closed:
                 raise GatewayError(404, "the session ended while this call ran")

@@ -67,13 +67,22 @@ class SimCosts:
                 + self.prefill * new)
 
 
-def _calls(req: Columns) -> tuple[np.ndarray, np.ndarray]:
+def _sessions(req: Columns) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's session as a dense id, and each id's index in the step it began in. A session is
+    ``(started_step, session)``: a step closed on a count runs sessions carried from earlier steps too,
+    whose indexes repeat its own."""
+    keys = np.stack([req["started_step"], req["session"]]) if "started_step" in req else req["session"][None]
+    unique, ids = np.unique(keys, axis=1, return_inverse=True)
+    return ids.reshape(-1), unique[-1]
+
+
+def _calls(req: Columns, session: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Index of each request's call (the requests of one session sent at the same moment: a gateway
-    call with ``n > 1``), and each call's session."""
+    call with ``n > 1``), and each call's session (``session``: each request's, by :func:`_sessions`)."""
     sent = req["done_at"] - req["latency_s"]
-    keys = np.stack([req["session"], np.round(sent, 6)])
+    keys = np.stack([session, np.round(sent, 6)])
     _, first, call = np.unique(keys, axis=1, return_index=True, return_inverse=True)
-    return call.reshape(-1), req["session"][first]
+    return call.reshape(-1), session[first]
 
 
 def has_time_model(cfg: Config) -> bool:
@@ -131,20 +140,21 @@ def _measured(req: Columns, out: np.ndarray, groups: dict[str, GroupStatus], wal
     fleet = sum(g.peak_tokens_per_s for g in groups.values())
     if alone <= 0 or fleet <= 0:
         return None  # nothing measured yet (no heartbeat interval with work)
-    call, call_session = _calls(req)
+    session, index = _sessions(req)
+    call, call_session = _calls(req, session)
     per_call = np.zeros(int(call.max()) + 1)
     np.maximum.at(per_call, call, out / alone)
     per_session = np.bincount(call_session, weights=per_call)
     if agent:
         per_session += _between_calls(req, call, call_session, per_session.size)
-    return _result(float(per_session.max()), float(out.sum() / fleet), int(np.argmax(per_session)), wall_s,
+    return _result(float(per_session.max()), float(out.sum() / fleet), int(index[np.argmax(per_session)]), wall_s,
                    "measured")
 
 
-def _new_tokens(req: Columns, call: np.ndarray) -> np.ndarray:
+def _new_tokens(req: Columns, call: np.ndarray, session: np.ndarray) -> np.ndarray:
     """Per request, the tokens its prompt adds to its session's previous call (the longest context
     that call ended with); 0 for a session's first call. No prefix cache can hold them."""
-    prompt, out, session = req["prompt_tokens"], req["output_tokens"], req["session"]
+    prompt, out = req["prompt_tokens"], req["output_tokens"]
     new = np.zeros(prompt.size, dtype=np.float64)
     ended: dict[int, int] = {}  # session -> context its latest call ended with
     order = np.lexsort((req["done_at"] - req["latency_s"], session))
@@ -170,8 +180,9 @@ def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wal
         return None
     out = req["output_tokens"].astype(np.float64)
     prompt = req["prompt_tokens"].astype(np.float64)
-    call, call_session = _calls(req)
-    new = _new_tokens(req, call)
+    session, index = _sessions(req)
+    call, call_session = _calls(req, session)
+    new = _new_tokens(req, call, session)
     n_sessions = int(call_session.max()) + 1
     best_session = np.full(n_sessions, np.inf)
     cheapest = np.full(out.size, np.inf)
@@ -186,8 +197,8 @@ def _modelled(engines: dict[str, Any], counts: dict[str, int], req: Columns, wal
         at_inflight[g] = costs.batched(prompt, new, out, costs.inflight)
     if agent:
         best_session += _between_calls(req, call, call_session, n_sessions)
-    result = _result(float(best_session.max()), float(cheapest.sum() / replicas), int(np.argmax(best_session)),
-                     wall_s, "model")
+    result = _result(float(best_session.max()), float(cheapest.sum() / replicas),
+                     int(index[np.argmax(best_session)]), wall_s, "model")
     # The same with each replica's batch at its group's max_inflight, the most the router puts in it.
     result["bound"]["throughput_at_max_inflight_s"] = _fluid(at_inflight, {g: counts[g] for g in groups})
     # And its replica-seconds with every request on the group it ran on (request group codes follow the

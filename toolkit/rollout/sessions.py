@@ -117,7 +117,7 @@ class EnvSessions:
                 raise
             finally:
                 waits.end()
-            open_step.log.add(res, route, len(context), sent, clock.wall(), sample.index)
+            open_step.log.add(res, route, len(context), sent, clock.wall(), sample.index, step)
             open_step.answered(sid, res)
             if res.status != "ok":
                 sample.mark("aborted" if res.status == "cancelled" else "failed", f"{res.status}: {res.error}")

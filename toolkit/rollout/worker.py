@@ -270,7 +270,8 @@ class RankRunner:
         gateway; whatever it does, the session ends with its samples (then a SessionDone)."""
         cfg = self.cfg
         sid = session_id(cfg.job, step, index)
-        key, sess = self.gateway.open_session(self.closer.open, index, sid, cfg.workload.record_messages, attempt)
+        key, sess = self.gateway.open_session(self.closer.open, index, sid, cfg.workload.record_messages,
+                                                attempt, step)
         try:
             got, error = await guarded("agent", sid, self._agent(key, step, index), self.cfg.workload.env_timeout_s)
         finally:

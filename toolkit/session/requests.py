@@ -13,23 +13,25 @@ from toolkit.session.columns import Columns
 
 ROW = (("latency_s", np.float64), ("done_at", np.float64), ("queue_s", np.float64), ("dispatched_at", np.float64),
        ("group", np.int16), ("status", np.int8), ("prompt_tokens", np.int64), ("cached_tokens", np.int64),
-       ("output_tokens", np.int64), ("session", np.int64), ("moves", np.int64))
+       ("output_tokens", np.int64), ("session", np.int64), ("moves", np.int64), ("started_step", np.int64))
 """A request's row, in order: each field's column name and type (``group``: a name in the row, its
-index among the groups in the column)."""
+index among the groups in the column). A session is ``(started_step, session)``: a step closed on a
+count also runs sessions carried from earlier steps, whose indexes repeat the step's own."""
 
 
 class RequestLog:
     """One row per generation request of this rank's sessions (gathered as flat arrays)."""
 
     def __init__(self, observe: Callable[[Result, float], None] | None = None) -> None:
-        self.rows: list[tuple[float, float, float, float, str, int, int, int, int, int, int]] = []
+        self.rows: list[tuple[float, float, float, float, str, int, int, int, int, int, int, int]] = []
         self.sessions_done_at: list[float] = []
         self.observe = observe
         """Called with each Result and its latency (the rank's metrics)."""
 
     def add(self, res: Result, route: Route | None, prompt_len: int, sent_at: float, done_at: float,
-            session: int) -> None:
-        """One request of session ``session`` (its index in the step) sent at ``sent_at``."""
+            session: int, started_step: int) -> None:
+        """One request of session ``session`` (its index in step ``started_step``, where it began) sent at
+        ``sent_at``."""
         if self.observe is not None:
             self.observe(res, done_at - sent_at)
         self.rows.append((
@@ -44,6 +46,7 @@ class RequestLog:
             len(res.output_token_ids),
             session,
             route.moves if route else 0,
+            started_step,
         ))
 
     def columns(self, group_names: list[str]) -> Columns:
