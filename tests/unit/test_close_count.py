@@ -193,6 +193,36 @@ def test_staleness_counts_weight_versions_when_the_trainer_publishes_them() -> N
     run(go())
 
 
+def test_a_group_that_ends_between_steps_is_judged_against_the_weights_the_next_step_runs_with() -> None:
+    """Rank 0 waits for the weights step 1 needs (version 2) while a carried group ends: it lands once step
+    1 begins, two versions behind the weights it runs with, not none behind the newest its rank had seen."""
+    async def go() -> None:
+        s = Sessions()
+        c = closer(s, n=2, over_sample=0.5, max_staleness=1, weights_dir="/w")
+        step0 = asyncio.create_task(c.collect(0, 0))
+        await settle()
+        s.end(0, 0, versions=(0,))
+        s.end(0, 1, versions=(0,))
+        await step0
+        await settle()
+        started = len(s.started)
+        s.end(0, 2, versions=(0,))  # between the steps
+        await settle()
+        assert len(s.started) == started and not s.told[2:]  # not landed yet: no step is open
+        step1 = asyncio.create_task(c.collect(1, 2))
+        await settle()
+        s.end(0, 3, versions=(2,))  # carried too, on the new weights only
+        s.end(0, 4, versions=(2,))
+        landed = await step1
+        out = {(r["started_step"], r["index"]): r for r in rows(landed)}
+        assert out[(0, 2)]["status"] == "stale" and out[(0, 2)]["staleness"] == 2, out
+        assert landed.counts["dropped_stale"] == 1
+        assert [out[(0, i)]["status"] for i in (3, 4)] == ["completed", "completed"]
+        await c.aclose()
+
+    run(go())
+
+
 def test_zero_variance_groups_are_filtered_and_replaced_then_the_step_closes_short() -> None:
     async def go() -> None:
         s = Sessions()

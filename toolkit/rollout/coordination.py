@@ -45,8 +45,8 @@ async def async_barrier(comm: Any) -> None:
     await awaited(comm.Ibarrier())
 
 
-async def async_bcast_flag(comm: Any, flag: bool) -> bool:
-    """Rank 0's ``flag`` on every rank (the other ranks' value is ignored)."""
-    buf = np.array([1 if flag else 0], dtype=np.int8)
+async def async_bcast_ints(comm: Any, values: list[int]) -> list[int]:
+    """Rank 0's ``values`` on every rank (the other ranks' are ignored; as many on each)."""
+    buf = np.array(values, dtype=np.int64)
     await awaited(comm.Ibcast(buf, root=0))
-    return bool(buf[0])
+    return [int(v) for v in buf]

@@ -34,7 +34,7 @@ from toolkit.gateway.chat import ChatTokenizer
 from toolkit.gateway.server import Gateway, gateway_settings
 from toolkit.model.tokenizer import chat_tokenizer_dir, load_tokenizer
 from toolkit.rollout.close import CLOSERS, STEP_COUNTERS, Landed
-from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_flag
+from toolkit.rollout.coordination import TailWatch, async_barrier, async_bcast_ints
 from toolkit.rollout.guard import (
     check_failure_budget,
     finite_reward,
@@ -107,10 +107,11 @@ class RankRunner:
             quiet_gc()
             async with LoopWatch() as self.watch:
                 for step in range(self.first_step, self.cfg.steps):
-                    if not await self.begin_step(step):
+                    go, version = await self.begin_step(step)
+                    if not go:
                         logger.info("launch asked to stop before step %d", step)
                         break
-                    await self.run_step(step)
+                    await self.run_step(step, version)
         finally:
             await self.closer.aclose()  # sessions carried past the run's last step
             if self.gateway is not None:
@@ -136,16 +137,19 @@ class RankRunner:
         atomic_write(self.run_dir.gateway_address(self.rank),
                      json.dumps({"url": url, "rank": self.rank, "pid": os.getpid()}))
 
-    async def begin_step(self, step: int) -> bool:
+    async def begin_step(self, step: int) -> tuple[bool, int]:
         """Rank 0 decides for every rank: stop (launch asked, before a time limit) or begin ``step``:
-        weights first, then StepBegin; the other ranks start once it has been sent."""
+        weights first, then StepBegin; the other ranks start once it has been sent, with the weights
+        version the step runs with (what a group that lands in it is judged against)."""
         cfg = self.cfg
-        go = True
+        go, version = True, 0
         if self.rank == 0:
             go = not self.run_dir.stop_request.exists() and await self.weights.before(step)
             if go:
+                version = int(self.weights.steps[step]["version"])
                 await self.client.step_begin(cfg.job, step, cfg.sessions_per_step)
-        return await async_bcast_flag(self.comm, go)
+        go_flag, version = await async_bcast_ints(self.comm, [int(go), version])
+        return bool(go_flag), version
 
     def _carried_into(self, step: int) -> list[tuple[int, int, int]]:
         """This rank's share of the groups a resumed run restarts: what the step before ``step`` carried
@@ -156,7 +160,7 @@ class RankRunner:
         groups = json.loads(path.read_text()).get("carried_groups", []) if path.exists() else []
         return [tuple(g) for i, g in enumerate(groups) if i % self.size == self.rank]
 
-    async def run_step(self, step: int) -> None:
+    async def run_step(self, step: int, version: int = 0) -> None:
         cfg = self.cfg
         t0 = time.time()
         if self.metrics is not None:
@@ -164,7 +168,7 @@ class RankRunner:
         done = asyncio.Event()
         follow = (asyncio.create_task(self.weights.follow(step, done), name="weights")
                   if self.rank == 0 and cfg.rollout.handshake else None)
-        collect = asyncio.create_task(self.closer.collect(step), name=f"step {step}")
+        collect = asyncio.create_task(self.closer.collect(step, version), name=f"step {step}")
         try:
             if follow is not None:
                 # A load that fails mid-step ends the run: at once, not once every session has ended.

@@ -9,7 +9,7 @@ from toolkit.rollout.close.base import Landed, StepClose
 
 
 class CloseAll(StepClose):
-    async def collect(self, step: int) -> Landed:
+    async def collect(self, step: int, version: int = 0) -> Landed:
         self.open.step = step
 
         async def packed(index: int) -> None:

@@ -72,8 +72,9 @@ class StepClose(ABC):
         """This rank's sessions a step needs before it closes."""
 
     @abstractmethod
-    async def collect(self, step: int) -> Landed:
-        """Run ``step`` until it closes; what landed in it. The next step is open when it returns."""
+    async def collect(self, step: int, version: int = 0) -> Landed:
+        """Run ``step`` until it closes; what landed in it. The next step is open when it returns.
+        ``version``: the weights the step runs with (rank 0's, sent with the step's start)."""
 
     def resume(self, groups: list[tuple[int, int, int]]) -> None:  # noqa: B027 - only count carries
         """Groups a resumed run restarts (``close=count``: what the step before it carried on)."""

@@ -50,7 +50,10 @@ class CloseOnCount(StepClose):
         self.next_group = 0
         """The open step's next group number (of this rank's: ``rank + size * j``)."""
         self.full: list[tuple[Group, list[Sample], list[Sample]]] = []
-        """Groups that ended while the open step was full (it closes at once): they land in the next."""
+        """Groups that ended while the open step was full (it closes at once), or between two steps (rank 0
+        waits for the weights the next one runs with, which their staleness is judged against): they land
+        in the next step once it begins."""
+        self.collecting = False
         self.changed = asyncio.Event()
         self.error: BaseException | None = None
 
@@ -62,8 +65,14 @@ class CloseOnCount(StepClose):
             # From their first turn, with ids of their own (the requests of the run before may be cached).
             self._start((started, g, attempt + 1))
 
-    async def collect(self, step: int) -> Landed:
+    async def collect(self, step: int, version: int = 0) -> Landed:
         self.open.step = step
+        self.newest = max(self.newest, version)
+        self.collecting = True
+        full, self.full = self.full, []
+        for args in full:
+            self._land(*args)
+        await self._tell()
         await self._drop_doomed(step)
         self._top_up(self.target)
         while self.counted < self.quota and self.error is None:
@@ -81,10 +90,7 @@ class CloseOnCount(StepClose):
         landed = self._hand_over(step)
         landed.in_flight = in_flight
         self.counted, self.next_group = 0, 0
-        full, self.full = self.full, []
-        for args in full:
-            self._land(*args)
-        await self._tell()
+        self.collecting = False
         return landed
 
     async def _tell(self) -> None:
@@ -172,7 +178,7 @@ class CloseOnCount(StepClose):
         await self._tell()
 
     def _land(self, group: Group, samples: list[Sample], finals: list[Sample]) -> None:
-        if self.counted >= self.quota:
+        if self.counted >= self.quota or not self.collecting:
             self.full.append((group, samples, finals))
             return
         r = self.cfg.rollout
