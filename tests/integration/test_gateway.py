@@ -290,6 +290,40 @@ def test_a_caller_that_goes_away_aborts_its_call_and_leaves_the_session_as_it_wa
     asyncio.run(serve(cfg, rd, body, token="sekrit"))
 
 
+def test_an_answer_that_never_reached_its_caller_leaves_the_session_as_it_was(make_run) -> None:  # type: ignore[no-untyped-def]
+    """The caller went away after the engines answered, before the answer was written (its write failed,
+    or the disconnect cancelled the call there): the session records nothing of the turn, so the
+    caller's retry continues the session, one line and no branch."""
+    cfg, rd, stack = make_run(AGENT)
+    stack.start()
+
+    async def body(gw: Gateway, client: RecordingClient) -> None:
+        key, sess = gw.open_session(OpenStep(0, RequestLog()), 0, "rollout/0/0")
+        entry = gw.sessions[key]
+        hi = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=8)
+
+        async def gone(result: object) -> bool:
+            return False
+
+        async def cancelled(result: object) -> bool:
+            raise asyncio.CancelledError
+
+        await gw.turn(entry, hi, deliver=gone)
+        with pytest.raises(asyncio.CancelledError):
+            await gw.turn(entry, hi, deliver=cancelled)
+        answered = await gw.turn(entry, hi)  # the retry that got its answer
+        more = ChatRequest([{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": answered.choices[0].content},
+                            {"role": "user", "content": "more"}], max_tokens=8)
+        await gw.turn(entry, more)
+        samples = sess.samples("completed", "", 1.0)
+        assert len(samples) == 1 and samples[0].branch == 0 and samples[0].num_turns == 2, samples
+        assert generated(samples[0]) == [*client.results["rollout/0/0/3"].output_token_ids,
+                                         *client.results["rollout/0/0/4"].output_token_ids]
+
+    asyncio.run(serve(cfg, rd, body))
+
+
 def test_a_long_streaming_turn_keeps_its_connection_alive_and_fails_as_an_error_event(make_run) -> None:  # type: ignore[no-untyped-def]
     """A turn longer than ``gateway.keepalive_s`` starts its stream at once with SSE comments (a
     client's idle timeout never fires); both SDKs skip them and read the answer, and an error after the

@@ -23,7 +23,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -279,8 +279,20 @@ class Gateway:
                     raise GatewayError(400, "the request's JSON is nested too deeply") from None
                 if req.stream:
                     stream.start()
+                written: list[web.StreamResponse] = []
+
+                async def deliver(result: ChatResult) -> bool:
+                    # What the turn spent in the router and engines: the rest of a call's time is the
+                    # gateway's (not sent on a stream that began before the turn ended: its headers were gone).
+                    await stream.stop()
+                    resp, whole = await answer(request, proto, req, result,
+                                               {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"},
+                                               stream.resp)
+                    written.append(resp)
+                    return whole
+
                 # The body as read (a chunked upload has no Content-Length); aiohttp keeps it.
-                result = await self.turn(entry, req, offload=len(await request.read()) > OFFLOAD_BYTES)
+                await self.turn(entry, req, offload=len(await request.read()) > OFFLOAD_BYTES, deliver=deliver)
             except Exception as exc:
                 if stream.resp is None:
                     raise  # the middleware answers it with its status
@@ -295,10 +307,7 @@ class Gateway:
                 if not entry.calls:
                     self.inflight -= 1
                 await stream.stop()
-            # What the turn spent in the router and engines: the rest of a call's time is the gateway's
-            # (not sent on a stream that began before the turn ended: its headers were gone).
-            return await answer(request, proto, req, result,
-                                {"x-toolkit-generate-ms": f"{result.generate_s * 1000:.3f}"}, stream.resp)
+            return written[0]
         return handle
 
     # ---- one turn ----------------------------------------------------------------------------
@@ -315,9 +324,13 @@ class Gateway:
             return Structured(json_schema='{"type": "object"}'), False
         return None, False
 
-    async def turn(self, entry: Entry, req: ChatRequest, offload: bool = False) -> ChatResult:
+    async def turn(self, entry: Entry, req: ChatRequest, offload: bool = False,
+                   deliver: Callable[[ChatResult], Awaitable[bool]] | None = None) -> ChatResult:
         """Generate one answer for a session (its calls are taken one at a time, in order). ``offload``:
-        render and tokenize in a thread (a big body would hold every session of the rank meanwhile)."""
+        render and tokenize in a thread (a big body would hold every session of the rank meanwhile).
+        ``deliver``: writes the answer to the caller, True if it went out whole. The session records the
+        turn only then: a caller gone before its answer retries the call on the session as it was (a
+        retry of a turn it never saw would otherwise start a branch)."""
         s = self.s
         async with entry.lock:
             if entry.closed:  # ended while this call waited for the session
@@ -378,10 +391,16 @@ class Gateway:
                     raise GatewayError(_ENGINE_STATUS.get(res.status, 503), f"engine: {res.status}: {res.error}")
             results = [r for r, _ in outs]
             choices = [self._choice(k, r, req, bare_call) for k, r in enumerate(results)]
-            sess.commit(plan, req.messages, results, choices)
-        return ChatResult(id=secrets.token_hex(12), model=req.model or s.model, created=int(sent), choices=choices,
-                          prompt_tokens=len(plan.prompt), completion_tokens=sum(len(c.token_ids) for c in choices),
-                          cached_tokens=results[0].cached_tokens, generate_s=done - sent)
+            result = ChatResult(id=secrets.token_hex(12), model=req.model or s.model, created=int(sent),
+                                choices=choices, prompt_tokens=len(plan.prompt),
+                                completion_tokens=sum(len(c.token_ids) for c in choices),
+                                cached_tokens=results[0].cached_tokens, generate_s=done - sent)
+            if deliver is None or await deliver(result):
+                sess.commit(plan, req.messages, results, choices)
+            else:
+                logger.info("session %s: its call's answer did not reach the caller; the turn is not recorded",
+                            sess.session_id)
+        return result
 
     def _choice(self, k: int, res: Result, req: ChatRequest, bare_call: bool) -> Choice:
         ids = res.output_token_ids

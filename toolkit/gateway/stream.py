@@ -70,22 +70,26 @@ class Stream:
 
 async def answer(request: web.Request, proto: Protocol, req: ChatRequest, result: ChatResult,
                  headers: dict[str, str] | None = None, started: web.StreamResponse | None = None
-                 ) -> web.StreamResponse:
-    """The protocol's answer: one JSON body, or its server-sent events when the call streams (on
-    ``started``, the stream :class:`Stream` began, whose headers are sent already)."""
+                 ) -> tuple[web.StreamResponse, bool]:
+    """The protocol's answer, written now: one JSON body, or its server-sent events when the call streams
+    (on ``started``, the stream :class:`Stream` began, whose headers are sent already); and whether it
+    went out whole (False: the client was gone)."""
     if not req.stream:
-        return web.json_response(proto.respond(req, result), dumps=_dumps, headers=headers)
-    resp = started
-    if resp is None:
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, **(headers or {})})
-        await resp.prepare(request)
+        resp: web.StreamResponse = web.json_response(proto.respond(req, result), dumps=_dumps, headers=headers)
+        frames: list[bytes] = []
+    else:
+        resp = started or web.StreamResponse(headers={**_SSE_HEADERS, **(headers or {})})
+        frames = list(proto.stream(req, result))
     try:
-        for frame in proto.stream(req, result):
+        if not resp.prepared:
+            await resp.prepare(request)
+        for frame in frames:
             await resp.write(frame)
         await resp.write_eof()
     except ConnectionResetError:
-        logger.info("a client went away during its stream (%s)", request.path)
-    return resp
+        logger.info("a client went away before its answer was written (%s)", request.path)
+        return resp, False
+    return resp, True
 
 
 def _dumps(obj: Any) -> str:
