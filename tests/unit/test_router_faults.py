@@ -290,8 +290,8 @@ def test_a_stall_of_the_routers_own_loop_does_not_make_its_replicas_look_dead(tm
 def test_a_router_away_longer_than_two_heartbeats_does_not_count_that_time_as_silence(tmp_path: Path,
                                                                                          vclock: _Clock) -> None:
     """Between two checks the router was not running (descheduled on a loaded node): what the replicas sent
-    meanwhile may still sit in the kernel's buffers, unread. Their silence counts again from its return;
-    a replica that stays silent after it is dropped as before."""
+    meanwhile may still sit in the kernel's buffers, unread. That time, beyond a heartbeat, is not their
+    silence nor their stall; a replica that stays silent after is dropped as before."""
     router, _ = _router(tmp_path, "router.heartbeat_s=0.2", "router.missed_heartbeats=5",
                         "router.stall_timeout_s=2.0")
     a, b = (ready_replica(router, f"throughput-{i}@h:{i}", "throughput", 2) for i in range(2))
@@ -307,6 +307,16 @@ def test_a_router_away_longer_than_two_heartbeats_does_not_count_that_time_as_si
         router.sweep()
     assert [r.replica_id for r in router.pool.all()] == [a.replica_id]  # "b" silent since the return: dropped
     assert router.events()["router_absences"] == 1
+    # A router away at every check (0.5 s apart, its heartbeat 0.2 s) still finds a dead replica: only the
+    # time beyond a heartbeat is credited, so "a", silent from now, is dropped after five checks, not never.
+    if "x" in a.inflight:
+        answer(router, a, "x", [5])  # (its silence alone is judged here)
+    for k in range(1, 9):
+        vclock.t += 0.5
+        router.sweep()
+        if not router.pool.all():
+            break
+    assert not router.pool.all() and k == 6 and router.events()["router_absences"] == 1 + k
 
 
 def test_a_poison_requests_error_names_every_death_it_was_in_flight_at(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ replica held goes back to the router (``orphaned``), which requeues or fails it.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from toolkit.config import RouterConfig
@@ -21,6 +21,9 @@ from toolkit.router.weights import WeightSync
 logger = logging.getLogger(__name__)
 
 PROBE_PREFIX = "__probe__:"
+ABSENCES_KEPT = 256
+"""The router's recent absences kept to credit its replicas' silence (older ones only lengthen a
+silence already past any limit)."""
 
 
 class Membership:
@@ -37,8 +40,9 @@ class Membership:
         """engine_deaths."""
         self._probes = 0
         self._checked_at: float | None = None
-        self._listening_since = float("-inf")
-        """Silence counts from here at the earliest: the end of the router's last absence."""
+        self._absences: deque[tuple[float, float]] = deque(maxlen=ABSENCES_KEPT)
+        """The router's recent absences: (when it came back, the seconds it was away beyond a heartbeat)."""
+        self._warned_at = float("-inf")
 
     def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
         r = self.pool.known(ident)
@@ -127,11 +131,11 @@ class Membership:
         """The sweep's part: drop the silent and the stalled, probe again an unanswered probe."""
         silent_after = self.rcfg.heartbeat_s * self.rcfg.missed_heartbeats
         self._note_absence(now)
-        since = self._listening_since
+        away = self._away_since if self._absences else _never
         for r in list(self.pool.all()):
-            if now - max(r.last_seen, since) > silent_after:
+            if now - r.last_seen - away(r.last_seen) > silent_after:
                 self.drop(r, f"no heartbeat for {now - r.last_seen:.1f}s")
-            elif (r.ready and r.inflight and now - max(r.progress_at, since) > self.rcfg.stall_timeout_s
+            elif (r.ready and r.inflight and now - r.progress_at - away(r.progress_at) > self.rcfg.stall_timeout_s
                   and not self.weights.is_loading(r)):
                 # Heartbeats alone prove nothing: an engine can beat while generation hangs.
                 self.drop(r, f"no token generated for {now - r.progress_at:.1f}s with {r.load} in flight")
@@ -142,14 +146,30 @@ class Membership:
                     logger.warning("probe of %s unanswered after %.0fs; probing again", r.replica_id,
                                    self.rcfg.probe_timeout_s)
                     self._probe(r)
+        if self._absences:  # those before every replica's last heartbeat and progress count for none
+            oldest = min((min(r.last_seen, r.progress_at if r.inflight else now) for r in self.pool.all()), default=now)
+            while self._absences and self._absences[0][0] <= oldest:
+                self._absences.popleft()
 
     def _note_absence(self, now: float) -> None:
         """A router away for more than two heartbeats between checks (its loop stalled, its process
         descheduled on a loaded node) heard nothing meanwhile, nor read what reached its socket's buffers:
-        that time is not the replicas' silence. Their silence (and stall) counts again from now."""
+        that time, beyond a heartbeat, is not the replicas' silence (nor their stall). Only that time: a
+        router that is away again and again still finds a dead replica, a heartbeat's time a check."""
         last, self._checked_at = self._checked_at, now
-        if last is not None and now - last > 2 * self.rcfg.heartbeat_s:
-            logger.warning("the router was away for %.1fs between checks: replicas' silence counts from now",
-                           now - last)
-            self.events["router_absences"] += 1
-            self._listening_since = now
+        if last is None or now - last <= 2 * self.rcfg.heartbeat_s:
+            return
+        self._absences.append((now, now - last - self.rcfg.heartbeat_s))
+        self.events["router_absences"] += 1
+        if now - self._warned_at > 60:
+            self._warned_at = now
+            logger.warning("the router was away for %.1fs between checks: that time is not its replicas' silence "
+                           "(%d such absence(s) so far)", now - last, self.events["router_absences"])
+
+    def _away_since(self, t: float) -> float:
+        """Seconds the router was away (beyond a heartbeat each time) after ``t``."""
+        return sum(excess for back, excess in self._absences if back > t)
+
+
+def _never(t: float) -> float:
+    return 0.0
